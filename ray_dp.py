@@ -66,7 +66,7 @@ class Config:
     workers: int = option(2, "number of training workers (processes); each gets one GPU on a GPU cluster")
     cpus_per_worker: float = option(1.0, "CPU cores reserved per worker; fractions allowed (0.25 fits 8 workers on 2 cores)")
     gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)")
-    epochs: int = option(5, "number of passes over the training set")
+    epochs: int = option(10, "number of passes over the training set")
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step summed over all workers "
                              "(per-worker micro-batch = batch-size / (workers x accum-steps))")
     lr: float = option(0.05, "SGD learning rate")
@@ -346,6 +346,11 @@ def grad_sync(model: nn.Module, sync: bool):
     return model.no_sync() if isinstance(model, DDP) and not sync else contextlib.nullcontext()
 
 
+def train_sampler(data: TensorDataset, rank: int, world: int, seed: int) -> DistributedSampler:
+    """This rank's shuffled shard. drop_last: every rank gets the same count, so the same number of steps."""
+    return DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+
+
 def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
     """Every index exactly once across ranks (no padded duplicates, unlike DistributedSampler)."""
     return torch.arange(rank, n, world)
@@ -474,7 +479,7 @@ def train_loop_per_worker(config: dict) -> dict:
         print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train", flush=True)
     elif is_main and start_epoch:
         print(f"resumed from the checkpoint of epoch {start_epoch}; continuing at epoch {start_epoch + 1}", flush=True)
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    sampler = train_sampler(train_set, rank, world, cfg.seed)
 
     for epoch in range(start_epoch, cfg.epochs):
         metrics = {"epoch": epoch, **train_epoch(model, optimizer, train_set, sampler, cfg, device, epoch),

@@ -1,0 +1,157 @@
+"""The distributed maths, checked exactly against single-process references (gloo, no Ray)."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ray_dp
+from distributed import run_distributed
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.timeout(240)
+
+
+def random_images(n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return ray_dp.TensorDataset(torch.rand(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+
+
+def new_model_and_optimizer(cfg):
+    torch.manual_seed(cfg.seed)
+    model = ray_dp.build_model(cfg.model, (1, 28, 28))
+    return model, torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+
+
+def ddp_one_epoch(cfg_fields, data):
+    """Worker side: ray_dp's own train_epoch under DDP on this process group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = ray_dp.Config(**cfg_fields, workers=world)
+    model, optimizer = new_model_and_optimizer(cfg)
+    model = ray_dp.wrap_ddp(model, CPU)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    stats = ray_dp.train_epoch(model, optimizer, data, ray_dp.train_sampler(data, rank, world, cfg.seed), cfg, CPU, 0)
+    return {"params": [p.detach().clone() for p in ray_dp.unwrap(model).parameters()], "stats": stats}
+
+
+def single_process_reference(cfg, data, world):
+    """Plain SGD, one process: step s uses the union of every rank's s-th slice of batch/world samples."""
+    model, optimizer = new_model_and_optimizer(cfg)
+    shards = [list(ray_dp.train_sampler(data, r, world, cfg.seed)) for r in range(world)]
+    per_rank = cfg.batch_size // world
+    images, labels = data.tensors
+    for step in range(len(shards[0]) // per_rank):
+        index = torch.tensor([i for shard in shards for i in shard[step * per_rank:(step + 1) * per_rank]])
+        optimizer.zero_grad()
+        F.cross_entropy(model(images[index]), labels[index]).backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world, accum", [(2, 1), (1, 2), (2, 2)])
+def test_ddp_steps_equal_single_process_steps_on_the_global_batch(world, accum):
+    # 48 samples, global batch 16: 3 optimizer steps; with accum 2 each step is 2 no_sync'd micro-batches.
+    fields = dict(model="lenet", batch_size=16, accum_steps=accum, lr=0.1, momentum=0.9, seed=3)
+    data = random_images(48)
+    results = run_distributed(ddp_one_epoch, world, fields, data)
+    expected = single_process_reference(ray_dp.Config(**fields, workers=world), data, world)
+    for result in results:  # every rank holds the same parameters, equal to the reference
+        assert result["stats"]["train_samples"] == 48
+        for got, want in zip(result["params"], expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_training_loss_is_averaged_over_all_workers():
+    fields = dict(model="mlp", batch_size=16, lr=0.01, momentum=0.0, seed=0)
+    data = random_images(16)
+    results = run_distributed(ddp_one_epoch, 2, fields, data)
+    # One step; its loss is the mean over all 16 samples, computed before the update.
+    model, _ = new_model_and_optimizer(ray_dp.Config(**fields))
+    images, labels = data.tensors
+    expected = F.cross_entropy(model(images), labels).item()
+    assert results[0]["stats"]["train_loss"] == results[1]["stats"]["train_loss"]
+    assert results[0]["stats"]["train_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def evaluate_on_rank(data):
+    model, _ = new_model_and_optimizer(ray_dp.Config(model="lenet"))
+    return ray_dp.evaluate(model, data, CPU, batch_size=7)
+
+
+def test_exact_evaluation_counts_every_test_sample_once_on_3_workers():
+    data = random_images(100, seed=5)  # 100 is not a multiple of 3: a padding sampler would count 102
+    results = run_distributed(evaluate_on_rank, 3, data)
+    expected = evaluate_on_rank(data)  # no process group: one process scores everything
+    assert expected["test_count"] == 100
+    for result in results:
+        assert result["test_count"] == 100
+        assert result["test_acc"] == expected["test_acc"]
+        assert result["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-6)  # float32 batch sums, added in another order
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_eval_shards_are_disjoint_and_cover_the_test_set(world):
+    shards = [ray_dp.shard_indices(100, r, world) for r in range(world)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(100))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_train_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(world):
+    data = random_images(50)
+    samplers = [ray_dp.train_sampler(data, r, world, seed=0) for r in range(world)]
+    epoch0 = [list(s) for s in samplers]
+    flat = [i for shard in epoch0 for i in shard]
+    assert len(set(flat)) == len(flat) == 50 - 50 % world  # disjoint; drop_last trims the remainder only
+    assert len({len(shard) for shard in epoch0}) == 1  # equal counts: equal step counts on every rank
+    for s in samplers:
+        s.set_epoch(1)
+    assert [list(s) for s in samplers] != epoch0
+
+
+def sync_bn_on_rank(x_full, grad_full):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bn = ray_dp.SyncBatchNormCPU(3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([0.5, 1.5, -1.0]))
+        bn.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    x = x_full.chunk(world)[rank].clone().requires_grad_()
+    out = bn(x)
+    out.backward(grad_full.chunk(world)[rank])
+    return {"out": out.detach(), "x_grad": x.grad, "w_grad": bn.weight.grad, "b_grad": bn.bias.grad,
+            "running_mean": bn.running_mean, "running_var": bn.running_var}
+
+
+def test_cpu_sync_batchnorm_on_2_workers_equals_batchnorm_over_the_full_batch():
+    gen = torch.Generator().manual_seed(0)
+    x_full = torch.randn(8, 3, 5, 5, generator=gen) * 2 + 1
+    grad_full = torch.randn(8, 3, 5, 5, generator=gen)
+    ranks = run_distributed(sync_bn_on_rank, 2, x_full, grad_full)
+
+    bn = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([0.5, 1.5, -1.0]))
+        bn.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    x = x_full.clone().requires_grad_()
+    out = bn(x)
+    out.backward(grad_full)
+
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([r["out"] for r in ranks]), out.detach(), **close)
+    torch.testing.assert_close(torch.cat([r["x_grad"] for r in ranks]), x.grad, **close)
+    # Parameter gradients are per-rank partial sums; DDP's all-reduce adds them up.
+    torch.testing.assert_close(ranks[0]["w_grad"] + ranks[1]["w_grad"], bn.weight.grad, **close)
+    torch.testing.assert_close(ranks[0]["b_grad"] + ranks[1]["b_grad"], bn.bias.grad, **close)
+    for r in ranks:
+        torch.testing.assert_close(r["running_mean"], bn.running_mean, **close)
+        torch.testing.assert_close(r["running_var"], bn.running_var, **close)
+
+
+def test_convert_sync_bn_replaces_every_batchnorm_and_keeps_its_state():
+    model = ray_dp.resnet18(1)
+    bn_count = sum(type(m) is nn.BatchNorm2d for m in model.modules())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ray_dp.convert_sync_bn(model, CPU)
+    assert sum(isinstance(m, ray_dp.SyncBatchNormCPU) for m in model.modules()) == bn_count == 17
+    assert not any(type(m) is nn.BatchNorm2d for m in model.modules())
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
