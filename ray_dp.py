@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -69,7 +70,9 @@ class Config:
     epochs: int = option(10, "number of passes over the training set")
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step summed over all workers "
                              "(per-worker micro-batch = batch-size / (workers x accum-steps))")
-    lr: float = option(0.05, "SGD learning rate")
+    lr: float = option(0.05, "SGD learning rate (peak, at epoch 1)")
+    lr_schedule: str = option("cosine", "learning rate over epochs: cosine decay to 0, or constant",
+                              choices=("cosine", "constant"))
     momentum: float = option(0.9, "SGD momentum (0 = the lessons' plain SGD)")
     accum_steps: int = option(1, "micro-batches accumulated per optimizer step (gradients synced only on the last)")
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across workers (models with BatchNorm only)")
@@ -360,10 +363,20 @@ def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
 # Train and evaluate (run on every worker)
 # ============================================================================
 
+def learning_rate(cfg: Config, epoch: int) -> float:
+    """The epoch's learning rate, a pure function of the epoch (torch's CosineAnnealingLR, per epoch, to 0):
+    nothing to save or restore, so a resumed run continues on exactly the same schedule."""
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * epoch / cfg.epochs))
+
+
 def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampler, cfg: Config,
                 device: torch.device, epoch: int) -> dict:
     """One pass over this worker's shard; returns the train loss averaged over ALL workers' samples."""
     model.train()
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(cfg, epoch)
     sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
     images, labels = data.tensors
     micro_batches = list(BatchSampler(sampler, cfg.micro_batch, drop_last=True))
@@ -388,7 +401,8 @@ def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampl
     local_samples = torch.tensor(steps * cfg.accum_steps * cfg.micro_batch, dtype=torch.float64, device=device)
     totals = all_reduce_sum(torch.stack([loss_sum, local_samples]))
     samples = int(totals[1].item())
-    return {"train_loss": (totals[0] / totals[1]).item(), "train_samples": samples, "epoch_seconds": seconds,
+    return {"train_loss": (totals[0] / totals[1]).item(), "lr": optimizer.param_groups[0]["lr"],
+            "train_samples": samples, "epoch_seconds": seconds,
             "samples_per_second": samples / seconds, "data_seconds": data_seconds}
 
 

@@ -1,0 +1,92 @@
+"""Bad input: one clear sentence, exit status 2, no traceback, and no Ray cluster started."""
+import os
+import subprocess
+import sys
+import urllib.error
+
+import pytest
+import ray
+import torch
+import torchvision
+
+import ray_dp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """As on a fresh 2-core machine without GPUs or network; starting Ray fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Ray cluster was started for bad input")
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+
+    def no_network(self):
+        raise urllib.error.URLError("no network")
+    monkeypatch.setattr(torchvision.datasets.FashionMNIST, "download", no_network)
+
+
+def a_file(tmp_path):
+    path = tmp_path / "not_a_dir"
+    path.write_text("x")
+    return str(path)
+
+
+BAD_INPUTS = [
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--workers", "abc"], "invalid int value: 'abc'"),
+    (["--cpus-per-worker", "0"], "--cpus-per-worker must be positive"),
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--accum-steps", "0"], "--accum-steps must be at least 1"),
+    (["--batch-size", "10", "--workers", "3"], "--batch-size 10 must divide by workers x accum-steps = 3"),
+    (["--batch-size", "64", "--workers", "2", "--accum-steps", "3"], "must divide by workers x accum-steps = 6"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--lr", "-0.1"], "--lr must be positive"),
+    (["--momentum", "1"], "--momentum must be in [0, 1)"),
+    (["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
+    (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
+    (["--sync-bn", "--model", "lenet"], "--sync-bn needs a model with BatchNorm"),
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--dataset", "digits", "--gpu"], "--gpu was given but this machine has no GPU"),
+    (["--dataset", "digits", "--workers", "8"], "8 workers need 8 CPUs and 0 GPUs but the cluster has 2 CPUs"),
+    (["--dataset", "digits", "--batch-size", "4096"], "larger than the 1437 training samples"),
+    (["--dataset", "fashion-mnist", "--data-dir", "{tmp}"], "could not be downloaded"),
+    (["--dataset", "cifar10", "--data-dir", "{tmp}", "--no-download"], "could not be loaded (--no-download)"),
+    (["--data-dir", "{file}"], "is not a directory"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_sentence_before_any_cluster(argv, message, no_cluster, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path, file=a_file(tmp_path)) for a in argv]
+    assert ray_dp.main(argv + ["--storage-path", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ray_dp.py: error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_missing_fashion_mnist_says_how_to_fix(no_cluster, tmp_path, capsys):
+    assert ray_dp.main(["--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--data-dir DIR" in err and "--dataset digits" in err
+
+
+def test_real_command_line_bad_input_has_no_traceback():
+    proc = subprocess.run([sys.executable, "ray_dp.py", "--workers", "0"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == "ray_dp.py: error: --workers must be at least 1, got 0\n"
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_help_documents_every_flag_with_its_default():
+    text = ray_dp.build_parser().format_help()
+    for flag in ["--workers", "--cpus-per-worker", "--gpu", "--cpu", "--epochs", "--batch-size", "--lr",
+                 "--accum-steps", "--sync-bn", "--model", "--dataset", "--data-dir", "--seed",
+                 "--storage-path", "--name", "--address", "--mode"]:
+        assert flag in text
+    assert "GLOBAL batch" in text and "(default: 64)" in text
