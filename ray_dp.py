@@ -14,6 +14,10 @@ Run it:
     python ray_dp.py --dataset cifar10 --model resnet18 --sync-bn --accum-steps 2
     python ray_dp.py --name myrun ...                    # run it again with the same name to resume
     python ray_dp.py --address auto ...                  # attach to a running cluster (ray up cluster.yaml)
+    python ray_dp.py --mode scratch --dataset digits --batch-size 32 --lr 0.2 --epochs 20 --allreduce ring
+                                                         # the d2l lesson: hand-written all-reduce LeNet
+    python ray_dp.py --mode dp --workers 4 --model resnet18  # nn.DataParallel over 4 GPUs of one worker
+    python ray_dp.py compare --workers 2 --dataset digits   # ddp vs scratch, 1 vs N workers: the lesson's table
     python ray_dp.py --help                              # every flag, with units and defaults
 
 Outputs go to <storage-path>/<name>/: one checkpoint_epoch_NNN/ per epoch and result.json.
@@ -29,7 +33,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -51,7 +55,8 @@ from ray.train.torch import TorchConfig, TorchTrainer
 # Config: every field is a command-line flag (--field-name), with its help.
 # ============================================================================
 
-MODES = ("ddp",)
+MODES = ("ddp", "scratch", "dp")
+ALLREDUCE_ALGORITHMS = ("naive", "ring", "library")
 MODELS = ("lenet", "resnet18", "mlp")
 DATASETS = ("fashion-mnist", "cifar10", "digits", "synthetic")
 NUM_CLASSES = 10
@@ -63,7 +68,9 @@ def option(default, help, **argparse_kwargs):
 
 @dataclass
 class Config:
-    mode: str = option("ddp", "training mode: ddp = DistributedDataParallel on every worker", choices=MODES)
+    mode: str = option("ddp", "ddp: DistributedDataParallel, one process per worker; scratch: the d2l lesson's "
+                       "functional LeNet with hand-written all-reduce and SGD; dp: nn.DataParallel over "
+                       "--workers GPUs driven by one process (CUDA only)", choices=MODES)
     workers: int = option(2, "number of training workers (processes); each gets one GPU on a GPU cluster")
     cpus_per_worker: float = option(1.0, "CPU cores reserved per worker; fractions allowed (0.25 fits 8 workers on 2 cores)")
     gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)")
@@ -73,8 +80,11 @@ class Config:
     lr: float = option(0.05, "SGD learning rate (peak, at epoch 1)")
     lr_schedule: str = option("cosine", "learning rate over epochs: cosine decay to 0, or constant",
                               choices=("cosine", "constant"))
-    momentum: float = option(0.9, "SGD momentum (0 = the lessons' plain SGD)")
+    momentum: float = option(0.9, "SGD momentum (0 = the lessons' plain SGD; --mode scratch always uses plain SGD)")
     accum_steps: int = option(1, "micro-batches accumulated per optimizer step (gradients synced only on the last)")
+    allreduce: str = option("naive", "--mode scratch: how gradients are summed: naive (the lesson: all into "
+                            "rank 0, then back), ring (reduce-scatter + all-gather), library (dist.all_reduce)",
+                            choices=ALLREDUCE_ALGORITHMS)
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across workers (models with BatchNorm only)")
     model: str = option("lenet", "network", choices=MODELS)
     dataset: str = option("fashion-mnist", "data set; digits (1,797 real digits from scikit-learn) needs no download",
@@ -87,9 +97,14 @@ class Config:
     address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a fresh local one)")
 
     @property
+    def processes(self) -> int:
+        """Ray workers: one per --workers, except --mode dp, where one process drives --workers GPUs."""
+        return 1 if self.mode == "dp" else self.workers
+
+    @property
     def micro_batch(self) -> int:
-        """Samples per worker per forward/backward pass."""
-        return self.batch_size // (self.workers * self.accum_steps)
+        """Samples per process per forward/backward pass (nn.DataParallel splits it further over GPUs)."""
+        return self.batch_size // (self.processes * self.accum_steps)
 
     @property
     def run_dir(self) -> str:
@@ -105,9 +120,17 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ray_dp.py", description=__doc__.split("\n\n")[0],
+def build_parser(command: str = "train") -> argparse.ArgumentParser:
+    description = (__doc__.split("\n\n")[0] if command == "train" else
+                   "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with each all-reduce), "
+                   "same global batch and seed, and print the lesson's table; writes compare.csv, compare.md and "
+                   "compare.png to <storage-path>/<name>/")
+    parser = _Parser(prog="ray_dp.py" if command == "train" else "ray_dp.py compare", description=description,
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    if command == "compare":
+        parser.add_argument("--scale-lr", action="store_true",
+                            help="N-worker rows keep the per-worker batch (global batch x N, as the lesson did) "
+                                 "and scale the learning rate by N with it")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = dict(f.metadata)
@@ -126,14 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv) -> Config:
-    cfg = Config(**vars(build_parser().parse_args(argv)))
+def parse_command(argv) -> tuple[str, Config, dict]:
+    """(command, config, command options): `ray_dp.py [flags]` trains; `ray_dp.py compare [flags]` compares."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "compare" if argv[:1] == ["compare"] else "train"
+    args = vars(build_parser(command).parse_args(argv[1:] if command == "compare" else argv))
+    options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
+    cfg = Config(**args)
     validate(cfg)
     cfg.data_dir = os.path.abspath(cfg.data_dir)  # workers run in another cwd
     if "://" not in cfg.storage_path:
         cfg.storage_path = os.path.abspath(cfg.storage_path)
-    cfg.name = cfg.name or f"{cfg.mode}-{cfg.model}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return cfg
+    default_name = "compare" if command == "compare" else f"{cfg.mode}-{cfg.model}-{cfg.dataset}"
+    cfg.name = cfg.name or f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return command, cfg, options
 
 
 def validate(cfg: Config) -> None:
@@ -145,6 +174,13 @@ def validate(cfg: Config) -> None:
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
         (cfg.lr > 0, f"--lr must be positive, got {cfg.lr}"),
         (0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
+        (not (cfg.mode == "scratch" and cfg.model != "lenet"),
+         f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
+        (not (cfg.mode == "scratch" and cfg.accum_steps > 1), "--accum-steps needs --mode ddp (scratch mode has none)"),
+        (not (cfg.mode == "scratch" and cfg.sync_bn), "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
+        (not (cfg.mode == "dp" and cfg.sync_bn),
+         "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
+        (not (cfg.mode == "dp" and cfg.gpu is False), "--mode dp needs GPUs; drop --cpu or use --mode ddp"),
         (not (cfg.sync_bn and cfg.model != "resnet18"),
          f"--sync-bn needs a model with BatchNorm (resnet18); {cfg.model} has none"),
         (not os.path.exists(cfg.data_dir) or os.path.isdir(cfg.data_dir),
@@ -333,15 +369,18 @@ def convert_sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    """DDP on more than one worker; the bare model on one (nothing to synchronise)."""
+def wrap_model(model: nn.Module, device: torch.device, mode: str = "ddp") -> nn.Module:
+    """DDP on more than one worker; the bare model on one (nothing to synchronise).
+    --mode dp: nn.DataParallel over every GPU Ray gave this single worker (the lesson's concise version)."""
+    if mode == "dp":
+        return nn.DataParallel(model)
     if rank_and_world()[1] == 1:
         return model
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DDP) else model
+    return model.module if isinstance(model, (DDP, nn.DataParallel)) else model
 
 
 def grad_sync(model: nn.Module, sync: bool):
@@ -407,9 +446,11 @@ def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampl
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: TensorDataset, device: torch.device, batch_size: int = 1000) -> dict:
-    """Exact test metrics: each worker scores its own disjoint shard, then ONE all-reduce of [loss, correct, count]."""
-    net = unwrap(model).eval()  # the bare module: DDP's forward would sync buffers (a collective) per batch
+def evaluate(net, data: TensorDataset, device: torch.device, batch_size: int = 1000) -> dict:
+    """Exact test metrics: each worker scores its own disjoint shard, then ONE all-reduce of [loss, correct, count].
+
+    net maps images to logits: a bare module in eval mode (see `inference`) or the teaching mode's lenet.
+    """
     rank, world = rank_and_world()
     images, labels = data.tensors
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -419,9 +460,18 @@ def evaluate(model: nn.Module, data: TensorDataset, device: torch.device, batch_
         totals += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
                                (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=device)]).double()
     all_reduce_sum(totals)
-    net.train()
     loss_sum, correct, count = totals.tolist()
     return {"test_loss": loss_sum / count, "test_acc": correct / count, "test_count": int(count)}
+
+
+@contextlib.contextmanager
+def inference(model: nn.Module):
+    """The bare module in eval mode: DDP's own forward would sync buffers (a collective) on every batch."""
+    net = unwrap(model).eval()
+    try:
+        yield net
+    finally:
+        net.train()
 
 
 # ============================================================================
@@ -431,14 +481,23 @@ def evaluate(model: nn.Module, data: TensorDataset, device: torch.device, batch_
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
-def checkpoint_state(model, optimizer, epoch: int, cfg: Config, history: list) -> dict:
-    return {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-            "config": asdict(cfg), "history": history}
+def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config, history: list) -> dict:
+    return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch, "config": asdict(cfg),
+            "history": history}
 
 
 def load_checkpoint(path: str) -> dict:
     # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def latest_checkpoint() -> Optional[dict]:
+    """This run's newest checkpoint (Ray finds it in storage when a run with this name ran before), or None."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        return load_checkpoint(os.path.join(directory, CHECKPOINT_FILE))
 
 
 def report_epoch(metrics: dict, state: Optional[dict], epoch: int) -> None:
@@ -452,58 +511,252 @@ def report_epoch(metrics: dict, state: Optional[dict], epoch: int) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=dir_name)
 
 
-def restore(model, optimizer) -> tuple[int, list]:
-    """(first epoch to run, metrics history) from Ray's latest checkpoint, if this run has one."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return 0, []
-    with checkpoint.as_directory() as directory:
-        state = load_checkpoint(os.path.join(directory, CHECKPOINT_FILE))
-    unwrap(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return state["epoch"] + 1, state["history"]
-
-
 # ============================================================================
-# The worker loop (Ray runs one copy per worker)
+# The worker loops (Ray runs one copy per worker)
 # ============================================================================
+
+@dataclass
+class Worker:
+    """Who and where this process is."""
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0  # the one rank that prints and writes
+
+    @classmethod
+    def from_ray(cls, cfg: Config) -> "Worker":
+        torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))  # Ray sets OMP_NUM_THREADS=1 in workers
+        ctx = ray.train.get_context()
+        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
+
 
 def format_epoch(m: dict, epochs: int) -> str:
     return (f"epoch {m['epoch'] + 1}/{epochs}: train loss {m['train_loss']:.4f}, test loss {m['test_loss']:.4f}, "
             f"test acc {m['test_acc']:.4f}, {m['epoch_seconds']:.1f} s, {m['samples_per_second']:.0f} samples/s")
 
 
-def train_loop_per_worker(config: dict) -> dict:
-    cfg = Config(**config)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    is_main = rank == 0
-    device = ray.train.torch.get_device()
-    torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))  # Ray sets OMP_NUM_THREADS=1 in workers
+def run_epochs(cfg: Config, worker: Worker, start_epoch: int, history: list, train_fn, eval_fn, state_fn) -> dict:
+    """The epoch loop both modes share: train, evaluate, print (rank 0), report + checkpoint (rank 0's)."""
+    if worker.is_main and start_epoch >= cfg.epochs:
+        print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train", flush=True)
+    elif worker.is_main and start_epoch:
+        print(f"resumed from the checkpoint of epoch {start_epoch}; continuing at epoch {start_epoch + 1}", flush=True)
+    for epoch in range(start_epoch, cfg.epochs):
+        metrics = {"epoch": epoch, **train_fn(epoch), **eval_fn()}
+        history.append(metrics)
+        if worker.is_main:
+            print(format_epoch(metrics, cfg.epochs), flush=True)
+        report_epoch(metrics, state_fn(epoch, history) if worker.is_main else None, epoch)
+    return {"history": history, "world_size": worker.world, "device": worker.device.type}
 
+
+def train_loop_per_worker(config: dict) -> dict:
+    """--mode ddp (and dp): the DDP tutorial's loop."""
+    cfg = Config(**config)
+    worker = Worker.from_ray(cfg)
     train_set, test_set = load_dataset(cfg)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(cfg.model, train_set.tensors[0].shape[1:])
     if cfg.sync_bn:
-        model = convert_sync_bn(model, device)  # before DDP, which must see the final modules
-    model = wrap_ddp(model.to(device), device)
+        model = convert_sync_bn(model, worker.device)  # before DDP, which must see the final modules
+    model = wrap_model(model.to(worker.device), worker.device, cfg.mode)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # created once
-    start_epoch, history = restore(model, optimizer)
-    if is_main and start_epoch >= cfg.epochs:
-        print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train", flush=True)
-    elif is_main and start_epoch:
-        print(f"resumed from the checkpoint of epoch {start_epoch}; continuing at epoch {start_epoch + 1}", flush=True)
-    sampler = train_sampler(train_set, rank, world, cfg.seed)
+    start_epoch, history = 0, []
+    if (state := latest_checkpoint()) is not None:
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch, history = state["epoch"] + 1, state["history"]
+    sampler = train_sampler(train_set, worker.rank, worker.world, cfg.seed)
 
-    for epoch in range(start_epoch, cfg.epochs):
-        metrics = {"epoch": epoch, **train_epoch(model, optimizer, train_set, sampler, cfg, device, epoch),
-                   **evaluate(model, test_set, device)}
-        history.append(metrics)
-        if is_main:
-            print(format_epoch(metrics, cfg.epochs), flush=True)
-        state = checkpoint_state(model, optimizer, epoch, cfg, history) if is_main else None
-        report_epoch(metrics, state, epoch)
-    return {"history": history, "world_size": world, "device": device.type}
+    def evaluate_model():
+        with inference(model) as net:
+            return evaluate(net, test_set, worker.device)
+
+    return run_epochs(
+        cfg, worker, start_epoch, history,
+        train_fn=lambda epoch: train_epoch(model, optimizer, train_set, sampler, cfg, worker.device, epoch),
+        eval_fn=evaluate_model,
+        state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(),
+                                                      epoch, cfg, hist))
+
+
+# ============================================================================
+# Teaching mode (--mode scratch): d2l's "multi-GPU from scratch", one Ray worker per GPU of the lesson.
+# Everything DDP does for us is written out by hand here, on purpose.
+# ============================================================================
+
+def init_lenet_params(seed: int, in_channels: int = 1, image_size: int = 28) -> list[torch.Tensor]:
+    """The lesson's parameters: W ~ randn * 0.01, zero biases; the seed makes every worker's copy identical."""
+    gen = torch.Generator().manual_seed(seed)
+    side = ((image_size - 2) // 2 - 4) // 2  # 4 on 28x28: 50 x 4 x 4 = 800 features
+    shapes = [(20, in_channels, 3, 3), (20,), (50, 20, 5, 5), (50,), (50 * side * side, 128), (128,), (128, 10), (10,)]
+    return [torch.randn(s, generator=gen) * 0.01 if len(s) > 1 else torch.zeros(s) for s in shapes]
+
+
+def lenet(X: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """The lesson's functional LeNet: conv 3x3, relu, avg-pool; conv 5x5, relu, avg-pool; 2 dense layers."""
+    h1 = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), kernel_size=2, stride=2)
+    h2 = F.avg_pool2d(F.relu(F.conv2d(h1, params[2], params[3])), kernel_size=2, stride=2)
+    h3 = F.relu(h2.reshape(h2.shape[0], -1) @ params[4] + params[5])
+    return h3 @ params[6] + params[7]
+
+
+def get_params(params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copy the parameters to this worker's device and track their gradients."""
+    return [p.clone().to(device).requires_grad_() for p in params]
+
+
+def split_batch(X: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This worker's slice of the global mini-batch (the lesson hands slice i to GPU i)."""
+    return X.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def allreduce_naive(buffer: torch.Tensor) -> None:
+    """The lesson's algorithm: sum everything into rank 0 ("GPU 0"), then rank 0 sends the sum back to all."""
+    rank, world = rank_and_world()
+    if rank == 0:
+        incoming = torch.empty_like(buffer)
+        for source in range(1, world):
+            dist.recv(incoming, src=source)
+            buffer += incoming
+        for target in range(1, world):
+            dist.send(buffer, dst=target)
+    else:
+        dist.send(buffer, dst=0)
+        dist.recv(buffer, src=0)
+
+
+def _exchange(send: torch.Tensor, receive: torch.Tensor, right: int, left: int) -> None:
+    """Send to the right neighbour while receiving from the left one (blocking both ways would deadlock)."""
+    for request in (dist.isend(send, dst=right), dist.irecv(receive, src=left)):
+        request.wait()
+
+
+def allreduce_ring(buffer: torch.Tensor) -> None:
+    """Ring all-reduce: reduce-scatter, then all-gather. Each rank sends 2(N-1)/N of the buffer in all,
+    whatever N is, instead of rank 0 receiving and sending (N-1) whole buffers."""
+    rank, world = rank_and_world()
+    chunks = buffer.tensor_split(world)  # views into buffer; sizes differ by at most one element
+    right, left = (rank + 1) % world, (rank - 1) % world
+    incoming = torch.empty_like(chunks[0])  # tensor_split puts the larger chunks first
+    for step in range(world - 1):  # after step s, chunk (rank - s - 1) holds s + 2 ranks' contributions
+        target = chunks[(rank - step - 1) % world]
+        _exchange(chunks[(rank - step) % world], incoming[:target.numel()], right, left)
+        target += incoming[:target.numel()]
+    # Now rank r holds the complete sum of chunk (r + 1) % N: pass the complete chunks round the ring.
+    for step in range(world - 1):
+        _exchange(chunks[(rank + 1 - step) % world], chunks[(rank - step) % world], right, left)
+
+
+def allreduce_library(buffer: torch.Tensor) -> None:
+    dist.all_reduce(buffer)  # what DDP calls (in buckets, overlapped with the backward pass)
+
+
+ALLREDUCE = {"naive": allreduce_naive, "ring": allreduce_ring, "library": allreduce_library}
+
+
+def allreduce(grads: list[torch.Tensor], algorithm: str) -> int:
+    """Sum every worker's gradients, in place on every worker; returns the bytes reduced.
+
+    The gradients are flattened into one buffer first: one message per step instead of eight small
+    ones (a ring over tiny tensors is all latency)."""
+    if rank_and_world()[1] == 1:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    ALLREDUCE[algorithm](flat)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))
+    return flat.numel() * flat.element_size()
+
+
+def sgd(params: list[torch.Tensor], lr: float, batch_size: int) -> None:
+    """The lesson's SGD. The gradients are SUMS over the global batch (sum loss, summed across workers):
+    sum of gradients / global batch = mean gradient, the same step DDP takes with a mean loss."""
+    with torch.no_grad():
+        for p in params:
+            p -= lr * p.grad / batch_size
+            p.grad.zero_()
+
+
+def train_batch(X, y, params, lr: float, algorithm: str, worker: Worker) -> tuple[float, float, int]:
+    """One global mini-batch: forward/backward on this worker's slice, all-reduce, SGD.
+    Returns (sum loss of the slice, all-reduce seconds, bytes reduced)."""
+    X_slice, y_slice = split_batch(X, y, worker.rank, worker.world)
+    loss = F.cross_entropy(lenet(X_slice.to(worker.device), params), y_slice.to(worker.device), reduction="sum")
+    loss.backward()
+    synchronize(worker.device)
+    tic = time.perf_counter()
+    with torch.no_grad():
+        nbytes = allreduce([p.grad for p in params], algorithm)
+    synchronize(worker.device)
+    seconds = time.perf_counter() - tic
+    sgd(params, lr, batch_size=len(y))
+    return loss.item(), seconds, nbytes
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that a clock read means what it says."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker, epoch: int) -> dict:
+    images, labels = data.tensors
+    # Every worker draws the same global batches (same seed, same order) and keeps its own slice.
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+    steps = len(labels) // cfg.batch_size
+    loss_sum, comm_seconds, nbytes, start = 0.0, 0.0, 0, time.perf_counter()
+    for step in range(steps):
+        index = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        loss, seconds, nbytes = train_batch(images[index], labels[index], params, learning_rate(cfg, epoch),
+                                            cfg.allreduce, worker)
+        loss_sum, comm_seconds = loss_sum + loss, comm_seconds + seconds
+    seconds = time.perf_counter() - start
+    total_loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64, device=worker.device)).item()
+    samples = steps * cfg.batch_size
+    per_step = comm_seconds / max(steps, 1)
+    return {"train_loss": total_loss / samples, "lr": learning_rate(cfg, epoch), "train_samples": samples,
+            "epoch_seconds": seconds, "samples_per_second": samples / seconds, "data_seconds": 0.0,
+            "allreduce_seconds_per_step": per_step, "allreduce_bytes": nbytes,
+            # NCCL-tests' "bus bandwidth": what each link carried, comparable across worker counts.
+            "allreduce_busbw_gbps": 2 * (worker.world - 1) / worker.world * nbytes / per_step / 1e9 if nbytes else 0.0}
+
+
+# The same numbers as LeNet's state_dict, so checkpoints of both modes load into ray_dp.LeNet.
+LENET_KEYS = ["features.0.weight", "features.0.bias", "features.3.weight", "features.3.bias",
+              "classifier.0.weight", "classifier.0.bias", "classifier.2.weight", "classifier.2.bias"]
+
+
+def params_to_state_dict(params: list[torch.Tensor]) -> dict:
+    # The lesson multiplies X @ W for dense layers; nn.Linear stores W transposed.
+    return {key: (p.detach().T if key.startswith("classifier") and p.ndim == 2 else p.detach()).cpu().clone()
+            for key, p in zip(LENET_KEYS, params)}
+
+
+def state_dict_to_params(state: dict) -> list[torch.Tensor]:
+    return [state[key].T if key.startswith("classifier") and state[key].ndim == 2 else state[key] for key in LENET_KEYS]
+
+
+def scratch_loop_per_worker(config: dict) -> dict:
+    """--mode scratch: the functional LeNet, hand-written all-reduce and SGD, exact distributed evaluation."""
+    cfg = Config(**config)
+    worker = Worker.from_ray(cfg)
+    train_set, test_set = load_dataset(cfg)
+    channels, size = train_set.tensors[0].shape[1], train_set.tensors[0].shape[-1]
+    initial = init_lenet_params(cfg.seed, channels, size)
+    start_epoch, history = 0, []
+    if (state := latest_checkpoint()) is not None:
+        initial = state_dict_to_params(state["model"])
+        start_epoch, history = state["epoch"] + 1, state["history"]
+    params = get_params(initial, worker.device)
+    return run_epochs(
+        cfg, worker, start_epoch, history,
+        train_fn=lambda epoch: scratch_train_epoch(params, train_set, cfg, worker, epoch),
+        eval_fn=lambda: evaluate(lambda X: lenet(X, params), test_set, worker.device),
+        state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch, cfg, hist))
 
 
 # ============================================================================
@@ -525,59 +778,67 @@ RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRA
                "worker_process_setup_hook": quiet_ray_logs}
 
 
-def check_resources(cfg: Config, cpus: float, gpus: float) -> None:
-    if cfg.gpu and gpus < 1:
+def resources_per_worker(cfg: Config) -> dict:
+    gpus = cfg.workers if cfg.mode == "dp" else 1  # dp: one process holds all of the run's GPUs
+    return {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if cfg.gpu else {})}
+
+
+def settle_device(cfg: Config, cpus: float, gpus: float, can_grow: bool = False) -> None:
+    """Decide GPU or CPU workers from what the cluster has, then check that the workers fit: a local
+    cluster never grows, and Ray would wait forever for resources it does not have."""
+    if cfg.gpu is None:
+        cfg.gpu = gpus > 0 or cfg.mode == "dp"
+    need = {kind: amount * cfg.processes for kind, amount in resources_per_worker(cfg).items()}
+    if need["CPU"] <= cpus and need.get("GPU", 0) <= gpus:
+        return
+    if can_grow:
+        print(f"note: waiting for the cluster to grow to {need} (it has {cpus:g} CPUs, {gpus:g} GPUs now)", flush=True)
+    elif cfg.mode == "dp" and gpus < 1:
+        raise ConfigError("--mode dp needs CUDA GPUs (it is nn.DataParallel) and this machine has none; use --mode ddp")
+    elif cfg.gpu and gpus < 1:
         raise ConfigError("--gpu was given but this machine has no GPU (use --cpu)")
-    need_cpus, need_gpus = cfg.workers * cfg.cpus_per_worker, cfg.workers if cfg.gpu else 0
-    if need_cpus > cpus or need_gpus > gpus:
-        raise ConfigError(f"{cfg.workers} workers need {need_cpus:g} CPUs and {need_gpus} GPUs but the cluster has "
-                          f"{cpus:g} CPUs and {gpus:g} GPUs (lower --workers or --cpus-per-worker)")
+    else:
+        raise ConfigError(f"{cfg.workers} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} GPUs but the "
+                          f"cluster has {cpus:g} CPUs and {gpus:g} GPUs (lower --workers or --cpus-per-worker)")
 
 
 def connect(cfg: Config) -> None:
-    """Start (or attach to) Ray; settle --gpu/--cpu and check resources first, so nothing starts in vain."""
-    if ray.is_initialized():  # e.g. a test session sharing one local cluster
-        resources = ray.cluster_resources()
-        cfg.gpu = resources.get("GPU", 0) > 0 if cfg.gpu is None else cfg.gpu
-        check_resources(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
+    """Start (or attach to) Ray, after checking that the run fits, so that nothing starts in vain."""
+    if not ray.is_initialized() and not cfg.address:
+        settle_device(cfg, os.cpu_count() or 1, torch.cuda.device_count())
+        ray.init(address="local", runtime_env=RUNTIME_ENV, logging_level=logging.WARNING, include_dashboard=False)
         return
-    if cfg.address:
+    if not ray.is_initialized():
         ray.init(address=cfg.address, runtime_env=RUNTIME_ENV, logging_level=logging.WARNING)
-        resources = ray.cluster_resources()
-        cfg.gpu = resources.get("GPU", 0) > 0 if cfg.gpu is None else cfg.gpu
-        # An autoscaling cluster may still add nodes, so a shortfall is only a warning here.
-        if cfg.workers * (1 if cfg.gpu else 0) > resources.get("GPU", 0):
-            print(f"note: the cluster has {resources.get('GPU', 0):g} GPUs now; waiting for more to join", flush=True)
-        return
-    gpus = torch.cuda.device_count()
-    cfg.gpu = gpus > 0 if cfg.gpu is None else cfg.gpu
-    check_resources(cfg, os.cpu_count() or 1, gpus)
-    ray.init(address="local", runtime_env=RUNTIME_ENV, logging_level=logging.WARNING, include_dashboard=False)
+    resources = ray.cluster_resources()
+    # A cluster started by `ray up` may add nodes on demand; one this process shares (tests) will not.
+    settle_device(cfg, resources.get("CPU", 0), resources.get("GPU", 0), can_grow=bool(cfg.address))
 
 
 def check_data(cfg: Config) -> tuple[int, int]:
     """Load (downloading if needed) on the driver, so a missing data set fails before any worker starts."""
     train_set, test_set = load_dataset(cfg)
-    steps = len(train_set) // cfg.workers // (cfg.micro_batch * cfg.accum_steps)
-    if steps < 1:
+    if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} training samples "
                           f"of {cfg.dataset} allow for one step")
     return len(train_set), len(test_set)
 
 
 def describe(cfg: Config, sizes: tuple[int, int]) -> str:
-    return (f"ray-dp: {cfg.mode} {cfg.model} on {cfg.dataset} ({sizes[0]} train / {sizes[1]} test), "
-            f"{cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers, global batch {cfg.batch_size} = "
-            f"{cfg.micro_batch} per worker x {cfg.workers} workers x {cfg.accum_steps} accum, "
-            f"lr {cfg.lr}, {cfg.epochs} epochs, run dir {cfg.run_dir}")
+    workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp"
+               else f"{cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers")
+    extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
+    return (f"ray-dp: {cfg.mode} {cfg.model} on {cfg.dataset} ({sizes[0]} train / {sizes[1]} test), {workers}{extra}, "
+            f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x {cfg.processes} workers x "
+            f"{cfg.accum_steps} accum, lr {cfg.lr} ({cfg.lr_schedule}), {cfg.epochs} epochs, run dir {cfg.run_dir}")
 
 
 def fit(cfg: Config) -> ray.train.Result:
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker,
         train_loop_config=asdict(cfg),
-        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.gpu,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.gpu else {})}),
+        scaling_config=ScalingConfig(num_workers=cfg.processes, use_gpu=cfg.gpu,
+                                     resources_per_worker=resources_per_worker(cfg)),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=None),
                              logging_config=ray.train.LoggingConfig(log_level="WARNING")),  # no per-report INFO lines
@@ -589,11 +850,11 @@ def fit(cfg: Config) -> ray.train.Result:
 def summarize(cfg: Config, result: ray.train.Result) -> dict:
     out = result.return_value
     history = out["history"]
-    final = history[-1]
     timed = history[1:] or history  # epoch 1 includes warm-up; leave it out of sec/epoch when we can
     summary = {
-        "config": asdict(cfg), "epochs": history, "final": final,
+        "config": asdict(cfg), "epochs": history, "final": history[-1],
         "sec_per_epoch": sum(m["epoch_seconds"] for m in timed) / len(timed),
+        "samples_per_second": sum(m["samples_per_second"] for m in timed) / len(timed),
         "world_size": out["world_size"], "device": out["device"],
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
     }
@@ -617,7 +878,88 @@ def run(cfg: Config) -> dict:
     summary = summarize(cfg, fit(cfg))
     print(f"test acc: {summary['final']['test_acc']:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch "
           f"on {summary['world_size']} workers ({summary['device']})", flush=True)
+    if cfg.mode == "dp":
+        print(f"note: nn.DataParallel normalised each GPU's 1/{cfg.workers} of the batch with its own BatchNorm "
+              f"statistics (per replica); only DDP can synchronise them (--mode ddp --sync-bn)", flush=True)
     return summary
+
+
+# ============================================================================
+# compare: the lesson's table, measured side by side
+# ============================================================================
+
+def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
+    """ddp and scratch LeNet at 1 worker and at --workers N (scratch with each all-reduce at N)."""
+    n = base.workers
+    rows = [("ddp", "library", 1), ("ddp", "library", n), ("scratch", "naive", 1)]
+    rows += [("scratch", algorithm, n) for algorithm in ALLREDUCE_ALGORITHMS]
+    configs = []
+    for mode, algorithm, workers in dict.fromkeys(rows if n > 1 else rows[::2]):
+        # --scale-lr: the lesson's way of adding GPUs (same per-GPU batch, so a bigger global batch),
+        # with the learning rate scaled linearly along; without it, every row trains the same global batch.
+        factor = workers if scale_lr else 1
+        label = f"{mode}-{algorithm}-{workers}w" if mode == "scratch" else f"{mode}-{workers}w"
+        configs.append(replace(base, mode=mode, allreduce=algorithm, workers=workers, name=label,
+                               storage_path=base.run_dir, batch_size=base.batch_size * factor, lr=base.lr * factor))
+    return configs
+
+
+def compare_rows(configs: list[Config], summaries: list[dict]) -> list[dict]:
+    baseline = {cfg.mode: s["sec_per_epoch"] for cfg, s in zip(configs, summaries) if cfg.workers == 1}
+    rows = []
+    for cfg, s in zip(configs, summaries):
+        speedup = baseline[cfg.mode] / s["sec_per_epoch"]
+        comm = s["final"].get("allreduce_seconds_per_step")
+        rows.append({"run": cfg.name, "mode": cfg.mode, "allreduce": cfg.allreduce if cfg.mode == "scratch" else "ddp",
+                     "workers": cfg.workers, "global_batch": cfg.batch_size, "lr": cfg.lr,
+                     "test_acc": round(s["final"]["test_acc"], 4), "sec_per_epoch": round(s["sec_per_epoch"], 3),
+                     "samples_per_s": round(s["samples_per_second"]), "speedup": round(speedup, 2),
+                     "efficiency": round(speedup / cfg.workers, 2),
+                     "allreduce_ms_per_step": round(comm * 1e3, 3) if comm else "",
+                     "busbw_GBps": round(s["final"]["allreduce_busbw_gbps"], 3) if comm else ""})
+    return rows
+
+
+def write_compare(out_dir: str, rows: list[dict], histories: list[list[dict]]) -> str:
+    import csv
+
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "compare.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    table = "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])] +
+                      ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows])
+    with open(os.path.join(out_dir, "compare.md"), "w") as f:
+        f.write(table + "\n")
+    fig, (acc_axes, time_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for row, history in zip(rows, histories):
+        acc_axes.plot([m["epoch"] + 1 for m in history], [m["test_acc"] for m in history], marker="o", label=row["run"])
+    acc_axes.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy per epoch")
+    acc_axes.legend()
+    time_axes.bar([row["run"] for row in rows], [row["sec_per_epoch"] for row in rows])
+    time_axes.set(ylabel="seconds per epoch", title="seconds per epoch (after epoch 1)")
+    time_axes.tick_params(axis="x", labelrotation=30)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "compare.png"), dpi=100)
+    plt.close(fig)
+    return table
+
+
+def compare(base: Config, scale_lr: bool) -> list[dict]:
+    configs = compare_configs(base, scale_lr)
+    for cfg in configs:  # every row's input is checked before any cluster starts
+        validate(cfg)
+        check_data(cfg)
+    connect(max(configs, key=lambda c: c.workers))
+    summaries = [run(cfg) for cfg in configs]
+    rows = compare_rows(configs, summaries)
+    print(write_compare(base.run_dir, rows, [s["epochs"] for s in summaries]))
+    print(f"wrote compare.csv, compare.md and compare.png to {base.run_dir}", flush=True)
+    return rows
 
 
 # ============================================================================
@@ -626,7 +968,8 @@ def run(cfg: Config) -> dict:
 
 def main(argv=None) -> int:
     try:
-        run(parse_config(argv))
+        command, cfg, options = parse_command(argv)
+        compare(cfg, **options) if command == "compare" else run(cfg)
     except (ConfigError, DataError) as exc:
         print(f"ray_dp.py: error: {exc}", file=sys.stderr)
         return 2

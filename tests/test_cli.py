@@ -56,6 +56,15 @@ BAD_INPUTS = [
     (["--dataset", "fashion-mnist", "--data-dir", "{tmp}"], "could not be downloaded"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}", "--no-download"], "could not be loaded (--no-download)"),
     (["--data-dir", "{file}"], "is not a directory"),
+    (["--mode", "dp", "--dataset", "digits"], "--mode dp needs CUDA GPUs"),
+    (["--mode", "dp", "--cpu"], "--mode dp needs GPUs; drop --cpu"),
+    (["--mode", "dp", "--model", "resnet18", "--sync-bn"], "nn.DataParallel keeps BatchNorm statistics per GPU"),
+    (["--mode", "scratch", "--sync-bn"], "--sync-bn needs --mode ddp"),
+    (["--mode", "scratch", "--model", "resnet18"], "--mode scratch trains the lesson's functional LeNet"),
+    (["--mode", "scratch", "--accum-steps", "2"], "--accum-steps needs --mode ddp"),
+    (["--mode", "scratch", "--allreduce", "tree"], "argument --allreduce: invalid choice: 'tree'"),
+    (["compare", "--workers", "3", "--batch-size", "64"], "--batch-size 64 must divide by workers x accum-steps = 3"),
+    (["compare", "--workers", "4", "--dataset", "digits"], "4 workers need 4 CPUs"),
 ]
 
 

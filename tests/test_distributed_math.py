@@ -28,7 +28,7 @@ def ddp_one_epoch(cfg_fields, data):
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ray_dp.Config(**cfg_fields, workers=world)
     model, optimizer = new_model_and_optimizer(cfg)
-    model = ray_dp.wrap_ddp(model, CPU)
+    model = ray_dp.wrap_model(model, CPU)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     stats = ray_dp.train_epoch(model, optimizer, data, ray_dp.train_sampler(data, rank, world, cfg.seed), cfg, CPU, 0)
     return {"params": [p.detach().clone() for p in ray_dp.unwrap(model).parameters()], "stats": stats}
