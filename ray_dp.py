@@ -18,6 +18,7 @@ Run it:
                                                          # the d2l lesson: hand-written all-reduce LeNet
     python ray_dp.py --mode dp --workers 4 --model resnet18  # nn.DataParallel over 4 GPUs of one worker
     python ray_dp.py compare --workers 2 --dataset digits   # ddp vs scratch, 1 vs N workers: the lesson's table
+    python ray_dp.py --eval-only runs/myrun --workers 3 --predict-out preds.csv  # multi-worker inference
     python ray_dp.py --help                              # every flag, with units and defaults
 
 Outputs go to <storage-path>/<name>/: one checkpoint_epoch_NNN/ per epoch and result.json.
@@ -95,6 +96,10 @@ class Config:
     storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for checkpoints and result.json")
     name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume (default: mode-model-dataset-time)")
     address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a fresh local one)")
+    eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of training: a run directory "
+                            "(its last checkpoint), a checkpoint_epoch_NNN directory, or a checkpoint.pt file", metavar="PATH")
+    predict_out: str = option("", "with --eval-only: write each test sample's index, label, predicted class and "
+                              "probability to this CSV file", metavar="FILE.csv")
 
     @property
     def processes(self) -> int:
@@ -115,6 +120,11 @@ class ConfigError(ValueError):
     """Bad input: reported as one line, before any cluster starts."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # "(default: )" says nothing: leave empty defaults out
+        return action.help if action.default in ("", None) else super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one sentence instead of usage + error
         raise ConfigError(f"{message} (see --help)")
@@ -126,7 +136,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
                    "same global batch and seed, and print the lesson's table; writes compare.csv, compare.md and "
                    "compare.png to <storage-path>/<name>/")
     parser = _Parser(prog="ray_dp.py" if command == "train" else "ray_dp.py compare", description=description,
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+                     formatter_class=_HelpFormatter, allow_abbrev=False)
     if command == "compare":
         parser.add_argument("--scale-lr", action="store_true",
                             help="N-worker rows keep the per-worker batch (global batch x N, as the lesson did) "
@@ -144,7 +154,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         elif isinstance(f.default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kwargs)
         else:
-            metavar = None if "choices" in kwargs else f.name.split("_")[-1].upper()
+            metavar = kwargs.pop("metavar", None if "choices" in kwargs else f.name.split("_")[-1].upper())
             parser.add_argument(flag, type=type(f.default), default=f.default, metavar=metavar, **kwargs)
     return parser
 
@@ -153,16 +163,45 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     """(command, config, command options): `ray_dp.py [flags]` trains; `ray_dp.py compare [flags]` compares."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = "compare" if argv[:1] == ["compare"] else "train"
-    args = vars(build_parser(command).parse_args(argv[1:] if command == "compare" else argv))
+    parser, flags = build_parser(command), argv[1:] if command == "compare" else argv
+    args = vars(parser.parse_args(flags))
+    # argparse fills in defaults only for attributes the namespace lacks: what keeps NOT_TYPED was not typed.
+    typed = {k for k, v in vars(parser.parse_args(flags, argparse.Namespace(**dict.fromkeys(args, NOT_TYPED)))).items()
+             if v is not NOT_TYPED}
     options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
     cfg = Config(**args)
     validate(cfg)
     cfg.data_dir = os.path.abspath(cfg.data_dir)  # workers run in another cwd
     if "://" not in cfg.storage_path:
         cfg.storage_path = os.path.abspath(cfg.storage_path)
-    default_name = "compare" if command == "compare" else f"{cfg.mode}-{cfg.model}-{cfg.dataset}"
+    if cfg.eval_only:
+        command, cfg = "eval", eval_config(cfg, typed)
+    default_name = {"compare": "compare", "eval": f"eval-{cfg.model}-{cfg.dataset}"}.get(
+        command, f"{cfg.mode}-{cfg.model}-{cfg.dataset}")
     cfg.name = cfg.name or f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return command, cfg, options
+
+
+NOT_TYPED = object()
+# What a checkpoint fixes (its config says) and what only training uses: with --eval-only, typing a
+# contradicting value of the first or any of the second is an error rather than silently ignored.
+MODEL_FIELDS = ("model", "dataset")
+TRAINING_FIELDS = ("mode", "epochs", "batch_size", "lr", "lr_schedule", "momentum", "accum_steps", "allreduce",
+                   "sync_bn", "seed")
+
+
+def eval_config(cfg: Config, typed: set) -> Config:
+    """The config for evaluating --eval-only's checkpoint: model and data set from the checkpoint."""
+    path = find_checkpoint(cfg.eval_only)
+    trained = read_checkpoint(path)["config"]
+    for name in sorted(typed & set(TRAINING_FIELDS)):
+        raise ConfigError(f"--{name.replace('_', '-')} is a training flag and has no effect with --eval-only")
+    for name in MODEL_FIELDS:
+        if name in typed and getattr(cfg, name) != trained[name]:
+            raise ConfigError(f"the checkpoint holds a {trained['model']} trained on {trained['dataset']}; "
+                              f"--{name} {getattr(cfg, name)} contradicts it")
+    # A scratch-mode checkpoint is a LeNet state_dict too, so every checkpoint is evaluated the ddp way.
+    return replace(cfg, model=trained["model"], dataset=trained["dataset"], mode="ddp", eval_only=path)
 
 
 def validate(cfg: Config) -> None:
@@ -183,6 +222,7 @@ def validate(cfg: Config) -> None:
         (not (cfg.mode == "dp" and cfg.gpu is False), "--mode dp needs GPUs; drop --cpu or use --mode ddp"),
         (not (cfg.sync_bn and cfg.model != "resnet18"),
          f"--sync-bn needs a model with BatchNorm (resnet18); {cfg.model} has none"),
+        (not cfg.predict_out or cfg.eval_only, "--predict-out needs --eval-only PATH (predictions of a saved model)"),
         (not os.path.exists(cfg.data_dir) or os.path.isdir(cfg.data_dir),
          f"--data-dir {cfg.data_dir} exists but is not a directory"),
     ]
@@ -190,7 +230,7 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
     per_step = cfg.workers * cfg.accum_steps
-    if cfg.batch_size % per_step:
+    if cfg.batch_size % per_step and not cfg.eval_only:  # evaluation has no global batch to split
         raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = {per_step} "
                           f"(the global batch is split evenly into per-worker micro-batches)")
 
@@ -446,22 +486,34 @@ def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampl
 
 
 @torch.no_grad()
-def evaluate(net, data: TensorDataset, device: torch.device, batch_size: int = 1000) -> dict:
-    """Exact test metrics: each worker scores its own disjoint shard, then ONE all-reduce of [loss, correct, count].
+def evaluate(net, data: TensorDataset, device: torch.device, batch_size: int = 1000, details: bool = False) -> dict:
+    """Exact test metrics: each worker scores its own disjoint shard, then ONE all-reduce adds up
+    [loss sum, confusion matrix] (and, with details, every sample's prediction at its own index).
 
     net maps images to logits: a bare module in eval mode (see `inference`) or the teaching mode's lenet.
     """
     rank, world = rank_and_world()
     images, labels = data.tensors
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.float64, device=device)  # [true, predicted]
+    predictions = torch.zeros(len(labels) if details else 0, 2, dtype=torch.float64, device=device)  # class, prob
     for index in shard_indices(len(labels), rank, world).split(batch_size):
         x, y = images[index].to(device), labels[index].to(device)
         logits = net(x)
-        totals += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
-                               (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=device)]).double()
-    all_reduce_sum(totals)
-    loss_sum, correct, count = totals.tolist()
-    return {"test_loss": loss_sum / count, "test_acc": correct / count, "test_count": int(count)}
+        loss_sum += F.cross_entropy(logits, y, reduction="sum")
+        probability, predicted = logits.softmax(1).max(1)
+        confusion.index_put_((y, predicted), torch.ones_like(y, dtype=torch.float64), accumulate=True)
+        if details:  # other ranks leave these rows at 0, so the sum is each rank's own rows
+            predictions[index.to(device)] = torch.stack([predicted.double(), probability.double()], 1)
+    totals = all_reduce_sum(torch.cat([loss_sum, confusion.flatten(), predictions.flatten()]))
+    confusion = totals[1:1 + NUM_CLASSES ** 2].view(NUM_CLASSES, NUM_CLASSES)
+    count = confusion.sum().item()
+    metrics = {"test_loss": totals[0].item() / count, "test_acc": confusion.trace().item() / count,
+               "test_count": int(count)}
+    if details:
+        metrics["confusion"] = confusion.long().tolist()
+        metrics["predictions"] = totals[1 + NUM_CLASSES ** 2:].view(-1, 2).tolist()
+    return metrics
 
 
 @contextlib.contextmanager
@@ -489,6 +541,33 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
 def load_checkpoint(path: str) -> dict:
     # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def find_checkpoint(path: str) -> str:
+    """The checkpoint file that PATH means: the file itself, DIR/checkpoint.pt, or a run's last epoch."""
+    if not os.path.exists(path):
+        raise ConfigError(f"--eval-only {path} does not exist")
+    if os.path.isfile(path):
+        return os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):
+        return os.path.abspath(os.path.join(path, CHECKPOINT_FILE))
+    epochs = sorted(Path(path).glob(f"checkpoint_epoch_*/{CHECKPOINT_FILE}"))
+    if not epochs:
+        raise ConfigError(f"--eval-only {path} holds no checkpoint ({CHECKPOINT_FILE} or "
+                          f"checkpoint_epoch_*/{CHECKPOINT_FILE})")
+    return str(epochs[-1].resolve())
+
+
+def read_checkpoint(path: str) -> dict:
+    """load_checkpoint, with one clear sentence for a file that is not a readable ray-dp checkpoint."""
+    try:
+        state = load_checkpoint(path)
+    except Exception as exc:  # torch raises many kinds for truncated, corrupt or foreign files
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path} is not a readable checkpoint ({reason[:200]})") from None
+    if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
+        raise ConfigError(f"{path} is not a ray-dp checkpoint (it has no model and config)")
+    return state
 
 
 def latest_checkpoint() -> Optional[dict]:
@@ -759,6 +838,19 @@ def scratch_loop_per_worker(config: dict) -> dict:
         state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch, cfg, hist))
 
 
+def eval_loop_per_worker(config: dict) -> dict:
+    """--eval-only: the checkpoint's model scored on this worker's shard of the test set (exactly once each)."""
+    weights = ray.get(config.pop("weights"))  # put in Ray's object store by the driver: no shared disk needed
+    cfg = Config(**config)
+    worker = Worker.from_ray(cfg)
+    _, test_set = load_dataset(cfg)
+    model = build_model(cfg.model, test_set.tensors[0].shape[1:])
+    model.load_state_dict(weights)
+    model.to(worker.device).eval()
+    metrics = evaluate(model, test_set, worker.device, details=True)
+    return {"metrics": metrics, "world_size": worker.world, "device": worker.device.type}
+
+
 # ============================================================================
 # Ray driver
 # ============================================================================
@@ -833,10 +925,10 @@ def describe(cfg: Config, sizes: tuple[int, int]) -> str:
             f"{cfg.accum_steps} accum, lr {cfg.lr} ({cfg.lr_schedule}), {cfg.epochs} epochs, run dir {cfg.run_dir}")
 
 
-def fit(cfg: Config) -> ray.train.Result:
+def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
     trainer = TorchTrainer(
-        scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker,
-        train_loop_config=asdict(cfg),
+        loop or (scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker),
+        train_loop_config={**asdict(cfg), **loop_extras},
         scaling_config=ScalingConfig(num_workers=cfg.processes, use_gpu=cfg.gpu,
                                      resources_per_worker=resources_per_worker(cfg)),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
@@ -882,6 +974,48 @@ def run(cfg: Config) -> dict:
         print(f"note: nn.DataParallel normalised each GPU's 1/{cfg.workers} of the batch with its own BatchNorm "
               f"statistics (per replica); only DDP can synchronise them (--mode ddp --sync-bn)", flush=True)
     return summary
+
+
+def run_eval(cfg: Config) -> dict:
+    """--eval-only: the same test metrics as training, plus per-class accuracy and the confusion matrix."""
+    _, test_set = load_dataset(cfg)
+    connect(cfg)
+    print(f"ray-dp: evaluating {cfg.eval_only} ({cfg.model} on {cfg.dataset}, {len(test_set)} test samples) "
+          f"on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers", flush=True)
+    weights = ray.put(read_checkpoint(cfg.eval_only)["model"])
+    out = fit(cfg, eval_loop_per_worker, weights=weights).return_value
+    metrics = out["metrics"]
+    predictions, confusion = metrics.pop("predictions"), metrics["confusion"]
+    per_class = [{"class": c, "count": sum(confusion[c]), "correct": confusion[c][c],
+                  "acc": confusion[c][c] / max(sum(confusion[c]), 1)} for c in range(NUM_CLASSES)]
+    write_json(os.path.join(cfg.run_dir, "result.json"),
+               {"config": asdict(cfg), "checkpoint": cfg.eval_only, "final": metrics, "per_class": per_class,
+                "world_size": out["world_size"], "device": out["device"]})
+    if cfg.predict_out:
+        write_predictions(cfg.predict_out, test_set.tensors[1].tolist(), predictions)
+    print(format_eval(metrics, per_class, out), flush=True)
+    return metrics
+
+
+def write_predictions(path: str, labels: list, predictions: list) -> None:
+    import csv
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["index", "label", "predicted", "probability"])
+        writer.writerows([i, label, int(predicted), f"{probability:.6f}"]
+                         for i, (label, (predicted, probability)) in enumerate(zip(labels, predictions)))
+
+
+def format_eval(metrics: dict, per_class: list, out: dict) -> str:
+    lines = [f"test loss {metrics['test_loss']:.4f}, test acc {metrics['test_acc']:.4f} "
+             f"({sum(c['correct'] for c in per_class)}/{metrics['test_count']}) on {out['world_size']} workers "
+             f"({out['device']})", "", "class  count  correct  acc"]
+    lines += [f"{c['class']:>5}  {c['count']:>5}  {c['correct']:>7}  {c['acc']:.4f}" for c in per_class]
+    lines += ["", "confusion matrix (rows: true class, columns: predicted class)",
+              "      " + "".join(f"{c:>6}" for c in range(NUM_CLASSES))]
+    lines += [f"{c:>6}" + "".join(f"{n:>6}" for n in row) for c, row in enumerate(metrics["confusion"])]
+    return "\n".join(lines)
 
 
 # ============================================================================
@@ -969,7 +1103,7 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
 def main(argv=None) -> int:
     try:
         command, cfg, options = parse_command(argv)
-        compare(cfg, **options) if command == "compare" else run(cfg)
+        {"compare": compare, "eval": run_eval, "train": run}[command](cfg, **options)
     except (ConfigError, DataError) as exc:
         print(f"ray_dp.py: error: {exc}", file=sys.stderr)
         return 2
