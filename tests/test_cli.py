@@ -78,6 +78,56 @@ def test_bad_input_exits_2_with_one_sentence_before_any_cluster(argv, message, n
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory with one real (tiny, untrained) checkpoint, as training leaves it."""
+    cfg = ray_dp.Config(dataset="digits")
+    model = ray_dp.build_model("lenet", (1, 28, 28))
+    state = ray_dp.checkpoint_state(model.state_dict(), {}, 0, cfg, [])
+    (tmp_path / "run" / "checkpoint_epoch_000").mkdir(parents=True)
+    torch.save(state, tmp_path / "run" / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE)
+    return tmp_path / "run"
+
+
+def corrupt_copy(run_dir):
+    data = (run_dir / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).read_bytes()
+    path = run_dir.parent / "corrupt.pt"
+    path.write_bytes(data[: len(data) // 2])  # a copy cut short, as a crash mid-write would leave it
+    return path
+
+
+def foreign_file(run_dir):
+    path = run_dir.parent / "foreign.pt"
+    torch.save({"weights": torch.zeros(3)}, path)
+    return path
+
+
+EVAL_BAD_INPUTS = [
+    (lambda d: ["--eval-only", str(d.parent / "nowhere")], "does not exist"),
+    (lambda d: ["--eval-only", str(d.parent)], "holds no checkpoint"),
+    (lambda d: ["--eval-only", str(corrupt_copy(d))], "is not a readable checkpoint"),
+    (lambda d: ["--eval-only", str(foreign_file(d))], "is not a ray-dp checkpoint"),
+    (lambda d: ["--eval-only", str(d), "--model", "resnet18"], "--model resnet18 contradicts it"),
+    (lambda d: ["--eval-only", str(d), "--dataset", "synthetic"], "--dataset synthetic contradicts it"),
+    (lambda d: ["--eval-only", str(d), "--epochs", "3"], "--epochs is a training flag"),
+    (lambda d: ["--predict-out", str(d / "p.csv")], "--predict-out needs --eval-only"),
+]
+
+
+@pytest.mark.parametrize("make_argv, message", EVAL_BAD_INPUTS, ids=[m for _, m in EVAL_BAD_INPUTS])
+def test_eval_only_bad_input_is_one_sentence(make_argv, message, run_dir, no_cluster, capsys):
+    assert ray_dp.main(make_argv(run_dir) + ["--storage-path", str(run_dir.parent / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ray_dp.py: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_eval_only_takes_model_and_data_from_the_checkpoint(run_dir):
+    for path in [run_dir, run_dir / "checkpoint_epoch_000", run_dir / "checkpoint_epoch_000" / "checkpoint.pt"]:
+        command, cfg, _ = ray_dp.parse_command(["--eval-only", str(path), "--workers", "3", "--dataset", "digits"])
+        assert command == "eval" and (cfg.model, cfg.dataset, cfg.workers) == ("lenet", "digits", 3)
+        assert cfg.eval_only == str(run_dir / "checkpoint_epoch_000" / "checkpoint.pt")
+
+
 def test_missing_fashion_mnist_says_how_to_fix(no_cluster, tmp_path, capsys):
     assert ray_dp.main(["--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err

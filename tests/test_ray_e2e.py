@@ -109,3 +109,29 @@ def test_compare_writes_the_lessons_table_csv_markdown_and_plot(tmp_path, capsys
     png = out_dir / "compare.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert matplotlib.image.imread(png).shape[:2] == (450, 1200)
+
+
+def test_eval_only_on_3_workers_matches_training_and_one_process_and_predicts_every_sample(tmp_path):
+    import csv
+    trained = train(tmp_path, "to-eval", "--workers", "2", "--dataset", "digits", "--epochs", "2")
+    predictions = tmp_path / "predictions.csv"
+    assert ray_dp.main(["--eval-only", str(tmp_path / "to-eval"), "--workers", "3", "--storage-path", str(tmp_path),
+                        "--name", "evaluated", "--predict-out", str(predictions)]) == 0
+    evaluated = json.loads((tmp_path / "evaluated" / "result.json").read_text())
+    assert evaluated["world_size"] == 3 and evaluated["checkpoint"].endswith("checkpoint_epoch_001/checkpoint.pt")
+    assert evaluated["final"]["test_acc"] == trained["final"]["test_acc"]  # exactly: same counts
+    assert evaluated["final"]["test_count"] == 360
+    assert sum(map(sum, evaluated["final"]["confusion"])) == 360
+    assert sum(c["correct"] for c in evaluated["per_class"]) == round(360 * trained["final"]["test_acc"])
+
+    model = ray_dp.build_model("lenet", (1, 28, 28))
+    model.load_state_dict(ray_dp.load_checkpoint(evaluated["checkpoint"])["model"])
+    _, test = ray_dp.load_digits()
+    assert ray_dp.evaluate(model, test, torch.device("cpu"))["test_acc"] == evaluated["final"]["test_acc"]
+
+    with open(predictions) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["index"]) for r in rows] == list(range(360))  # every sample once, in index order
+    assert [int(r["label"]) for r in rows] == test.tensors[1].tolist()
+    assert sum(r["label"] == r["predicted"] for r in rows) / 360 == evaluated["final"]["test_acc"]
+    assert all(0.1 <= float(r["probability"]) <= 1 for r in rows)  # a max over 10 classes is at least 1/10
