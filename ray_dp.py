@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -95,6 +96,10 @@ class Config:
     seed: int = option(0, "random seed for model init and data order (the same on every worker)")
     storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for checkpoints and result.json")
     name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume (default: mode-model-dataset-time)")
+    logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/, one sub-run per run: "
+                         "watch with tensorboard --logdir LOGDIR", metavar="LOGDIR")
+    log_every: int = option(10, "log the train loss (averaged over workers) to TensorBoard every this many steps")
+    quiet: bool = option(False, "no progress bar (there is none anyway when the output is not a terminal)")
     address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a fresh local one)")
     eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of training: a run directory "
                             "(its last checkpoint), a checkpoint_epoch_NNN directory, or a checkpoint.pt file", metavar="PATH")
@@ -171,7 +176,7 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
     cfg = Config(**args)
     validate(cfg)
-    cfg.data_dir = os.path.abspath(cfg.data_dir)  # workers run in another cwd
+    cfg.data_dir, cfg.logdir = os.path.abspath(cfg.data_dir), os.path.abspath(cfg.logdir)  # workers run elsewhere
     if "://" not in cfg.storage_path:
         cfg.storage_path = os.path.abspath(cfg.storage_path)
     if cfg.eval_only:
@@ -212,6 +217,7 @@ def validate(cfg: Config) -> None:
         (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
         (cfg.lr > 0, f"--lr must be positive, got {cfg.lr}"),
+        (cfg.log_every >= 1, f"--log-every must be at least 1, got {cfg.log_every}"),
         (0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
         (not (cfg.mode == "scratch" and cfg.model != "lenet"),
          f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
@@ -450,8 +456,38 @@ def learning_rate(cfg: Config, epoch: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * epoch / cfg.epochs))
 
 
+class StepLog:
+    """Per-step train loss for TensorBoard, averaged over workers every cfg.log_every steps, and rank 0's
+    progress bar (Ray's tqdm: drawn by the driver, since a worker's output is not a terminal)."""
+
+    def __init__(self, cfg: Config, epoch: int, steps: int, device: torch.device, progress: bool):
+        from ray.experimental.tqdm_ray import tqdm
+        self.cfg, self.epoch, self.steps = cfg, epoch, steps
+        self.pending = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, samples] since last log
+        self.entries = []  # [global step, train loss averaged over all workers' samples]
+        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{cfg.epochs}") if progress else None
+        self.start = time.perf_counter()
+
+    def step(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
+        self.pending += torch.stack([loss_sum.double(), torch.tensor(samples, dtype=torch.float64)])
+        if (step + 1) % self.cfg.log_every == 0:  # the same steps on every rank, so the all-reduces pair up
+            total = all_reduce_sum(self.pending.clone())
+            self.entries.append([self.epoch * self.steps + step + 1, (total[0] / total[1]).item()])
+            self.pending.zero_()
+        if self.bar:
+            rate = (step + 1) * self.cfg.batch_size / (time.perf_counter() - self.start)
+            loss = f", loss {self.entries[-1][1]:.4f}" if self.entries else ""
+            self.bar.set_description(f"epoch {self.epoch + 1}/{self.cfg.epochs}{loss}, {rate:.0f} samples/s")
+            self.bar.update(1)
+
+    def close(self) -> list:
+        if self.bar:
+            self.bar.close()
+        return self.entries
+
+
 def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampler, cfg: Config,
-                device: torch.device, epoch: int) -> dict:
+                device: torch.device, epoch: int, progress: bool = False) -> dict:
     """One pass over this worker's shard; returns the train loss averaged over ALL workers' samples."""
     model.train()
     for group in optimizer.param_groups:
@@ -461,8 +497,10 @@ def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampl
     micro_batches = list(BatchSampler(sampler, cfg.micro_batch, drop_last=True))
     steps = len(micro_batches) // cfg.accum_steps  # every rank gets the same count: no rank waits on a missing all-reduce
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    log = StepLog(cfg, epoch, steps, device, progress)
     data_seconds, start = 0.0, time.perf_counter()
     for step in range(steps):
+        step_loss = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(cfg.accum_steps):
             tic = time.perf_counter()
             index = torch.tensor(micro_batches[step * cfg.accum_steps + micro])
@@ -473,16 +511,18 @@ def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampl
                 loss = F.cross_entropy(model(x), y)
                 # Dividing by K makes K accumulated micro-batches one mean over the whole step's samples.
                 (loss / cfg.accum_steps).backward()
-            loss_sum += loss.detach() * len(index)
+            step_loss += loss.detach() * len(index)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        loss_sum += step_loss
+        log.step(step, step_loss, cfg.micro_batch * cfg.accum_steps)
     seconds = time.perf_counter() - start
     local_samples = torch.tensor(steps * cfg.accum_steps * cfg.micro_batch, dtype=torch.float64, device=device)
     totals = all_reduce_sum(torch.stack([loss_sum, local_samples]))
     samples = int(totals[1].item())
     return {"train_loss": (totals[0] / totals[1]).item(), "lr": optimizer.param_groups[0]["lr"],
             "train_samples": samples, "epoch_seconds": seconds,
-            "samples_per_second": samples / seconds, "data_seconds": data_seconds}
+            "samples_per_second": samples / seconds, "data_seconds": data_seconds, "step_log": log.close()}
 
 
 @torch.no_grad()
@@ -634,6 +674,7 @@ def run_epochs(cfg: Config, worker: Worker, start_epoch: int, history: list, tra
 
 def train_loop_per_worker(config: dict) -> dict:
     """--mode ddp (and dp): the DDP tutorial's loop."""
+    progress = config.pop("progress", False)
     cfg = Config(**config)
     worker = Worker.from_ray(cfg)
     train_set, test_set = load_dataset(cfg)
@@ -656,7 +697,8 @@ def train_loop_per_worker(config: dict) -> dict:
 
     return run_epochs(
         cfg, worker, start_epoch, history,
-        train_fn=lambda epoch: train_epoch(model, optimizer, train_set, sampler, cfg, worker.device, epoch),
+        train_fn=lambda epoch: train_epoch(model, optimizer, train_set, sampler, cfg, worker.device, epoch,
+                                           progress and worker.is_main),
         eval_fn=evaluate_model,
         state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(),
                                                       epoch, cfg, hist))
@@ -782,24 +824,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker, epoch: int) -> dict:
+def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker, epoch: int,
+                        progress: bool = False) -> dict:
     images, labels = data.tensors
     # Every worker draws the same global batches (same seed, same order) and keeps its own slice.
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
     steps = len(labels) // cfg.batch_size
     loss_sum, comm_seconds, nbytes, start = 0.0, 0.0, 0, time.perf_counter()
+    log = StepLog(cfg, epoch, steps, worker.device, progress)
     for step in range(steps):
         index = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         loss, seconds, nbytes = train_batch(images[index], labels[index], params, learning_rate(cfg, epoch),
                                             cfg.allreduce, worker)
         loss_sum, comm_seconds = loss_sum + loss, comm_seconds + seconds
+        log.step(step, torch.tensor(loss, device=worker.device), cfg.batch_size // worker.world)
     seconds = time.perf_counter() - start
     total_loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64, device=worker.device)).item()
     samples = steps * cfg.batch_size
     per_step = comm_seconds / max(steps, 1)
     return {"train_loss": total_loss / samples, "lr": learning_rate(cfg, epoch), "train_samples": samples,
             "epoch_seconds": seconds, "samples_per_second": samples / seconds, "data_seconds": 0.0,
-            "allreduce_seconds_per_step": per_step, "allreduce_bytes": nbytes,
+            "allreduce_seconds_per_step": per_step, "allreduce_bytes": nbytes, "step_log": log.close(),
             # NCCL-tests' "bus bandwidth": what each link carried, comparable across worker counts.
             "allreduce_busbw_gbps": 2 * (worker.world - 1) / worker.world * nbytes / per_step / 1e9 if nbytes else 0.0}
 
@@ -821,6 +866,7 @@ def state_dict_to_params(state: dict) -> list[torch.Tensor]:
 
 def scratch_loop_per_worker(config: dict) -> dict:
     """--mode scratch: the functional LeNet, hand-written all-reduce and SGD, exact distributed evaluation."""
+    progress = config.pop("progress", False)
     cfg = Config(**config)
     worker = Worker.from_ray(cfg)
     train_set, test_set = load_dataset(cfg)
@@ -833,7 +879,7 @@ def scratch_loop_per_worker(config: dict) -> dict:
     params = get_params(initial, worker.device)
     return run_epochs(
         cfg, worker, start_epoch, history,
-        train_fn=lambda epoch: scratch_train_epoch(params, train_set, cfg, worker, epoch),
+        train_fn=lambda epoch: scratch_train_epoch(params, train_set, cfg, worker, epoch, progress and worker.is_main),
         eval_fn=lambda: evaluate(lambda X: lenet(X, params), test_set, worker.device),
         state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch, cfg, hist))
 
@@ -868,6 +914,43 @@ def quiet_ray_logs():
 # PRINT_PATCH=0: rank 0's epoch lines reach the console once, not once as print and again as a log record.
 RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
                "worker_process_setup_hook": quiet_ray_logs}
+
+
+EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "test_loss", "test/acc": "test_acc",
+                 "time/epoch_seconds": "epoch_seconds", "time/samples_per_second": "samples_per_second",
+                 "time/data_seconds": "data_seconds", "comm/allreduce_seconds_per_step": "allreduce_seconds_per_step",
+                 "comm/allreduce_busbw_gbps": "allreduce_busbw_gbps"}
+
+
+class TensorBoardLogger(ray.train.UserCallback):
+    """Writes rank 0's reports as TensorBoard events in LOGDIR/<name>/.
+
+    Why here: Ray Train runs this callback in its controller, which Ray places on the driver's node, so
+    the events land where the user started the run (and runs TensorBoard) even when rank 0 is on another
+    node, with no shared file system needed. Per-step losses ride along in the per-epoch report.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.writer = None
+
+    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+        m = metrics[0]  # rank 0's: the values are all-reduced, the same on every rank
+        if self.writer is None:
+            self.writer = SummaryWriter(os.path.join(self.cfg.logdir, self.cfg.name))
+            self.writer.add_text("config", "    " + json.dumps(asdict(self.cfg), indent=2).replace("\n", "\n    "))
+        for step, loss in m["step_log"]:
+            self.writer.add_scalar("train/loss_step", loss, step)
+        for tag, key in EPOCH_SCALARS.items():
+            if key in m:
+                self.writer.add_scalar(tag, m[key], m["epoch"] + 1)
+        if m["epoch"] == self.cfg.epochs - 1:
+            hparams = {k: v for k, v in asdict(self.cfg).items() if isinstance(v, (int, float, str, bool))}
+            final = {"hparam/test_acc": m["test_acc"], "hparam/test_loss": m["test_loss"],
+                     "hparam/train_loss": m["train_loss"]}
+            self.writer.add_hparams(hparams, final, run_name=".")  # "." keeps them in this run's directory
+        self.writer.flush()
 
 
 def resources_per_worker(cfg: Config) -> dict:
@@ -926,6 +1009,9 @@ def describe(cfg: Config, sizes: tuple[int, int]) -> str:
 
 
 def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
+    training = loop is None
+    if training:  # a bar only where someone watches: Ray's tqdm draws rank 0's bar on this terminal
+        loop_extras["progress"] = sys.stdout.isatty() and not cfg.quiet
     trainer = TorchTrainer(
         loop or (scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker),
         train_loop_config={**asdict(cfg), **loop_extras},
@@ -933,7 +1019,8 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
                                      resources_per_worker=resources_per_worker(cfg)),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=None),
-                             logging_config=ray.train.LoggingConfig(log_level="WARNING")),  # no per-report INFO lines
+                             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # no per-report INFO lines
+                             callbacks=[TensorBoardLogger(cfg)] if training else []),
         torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo"),
     )
     return trainer.fit()
@@ -942,11 +1029,12 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
 def summarize(cfg: Config, result: ray.train.Result) -> dict:
     out = result.return_value
     history = out["history"]
-    timed = history[1:] or history  # epoch 1 includes warm-up; leave it out of sec/epoch when we can
+    # Medians, leaving out epoch 1 (warm-up) when there are more: a shared machine's stalls skew means.
+    timed = history[1:] or history
     summary = {
         "config": asdict(cfg), "epochs": history, "final": history[-1],
-        "sec_per_epoch": sum(m["epoch_seconds"] for m in timed) / len(timed),
-        "samples_per_second": sum(m["samples_per_second"] for m in timed) / len(timed),
+        "sec_per_epoch": statistics.median(m["epoch_seconds"] for m in timed),
+        "samples_per_second": statistics.median(m["samples_per_second"] for m in timed),
         "world_size": out["world_size"], "device": out["device"],
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
     }
@@ -1034,7 +1122,7 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
         factor = workers if scale_lr else 1
         label = f"{mode}-{algorithm}-{workers}w" if mode == "scratch" else f"{mode}-{workers}w"
         configs.append(replace(base, mode=mode, allreduce=algorithm, workers=workers, name=label,
-                               storage_path=base.run_dir, batch_size=base.batch_size * factor, lr=base.lr * factor))
+                               storage_path=base.run_dir, logdir=os.path.join(base.logdir, base.name), batch_size=base.batch_size * factor, lr=base.lr * factor))
     return configs
 
 
@@ -1043,7 +1131,7 @@ def compare_rows(configs: list[Config], summaries: list[dict]) -> list[dict]:
     rows = []
     for cfg, s in zip(configs, summaries):
         speedup = baseline[cfg.mode] / s["sec_per_epoch"]
-        comm = s["final"].get("allreduce_seconds_per_step")
+        comm = s["final"].get("allreduce_seconds_per_step") if s["final"].get("allreduce_bytes") else None
         rows.append({"run": cfg.name, "mode": cfg.mode, "allreduce": cfg.allreduce if cfg.mode == "scratch" else "ddp",
                      "workers": cfg.workers, "global_batch": cfg.batch_size, "lr": cfg.lr,
                      "test_acc": round(s["final"]["test_acc"], 4), "sec_per_epoch": round(s["sec_per_epoch"], 3),
