@@ -100,6 +100,11 @@ class Config:
                          "watch with tensorboard --logdir LOGDIR", metavar="LOGDIR")
     log_every: int = option(10, "log the train loss (averaged over workers) to TensorBoard every this many steps")
     quiet: bool = option(False, "no progress bar (there is none anyway when the output is not a terminal)")
+    max_failures: int = option(0, "restart the worker group this many times after a worker dies, from the last "
+                               "checkpoint (-1: without limit)")
+    timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before the run fails "
+                            "(torch.distributed's process-group timeout)", metavar="SECONDS")
+    fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of resuming it")
     address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a fresh local one)")
     eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of training: a run directory "
                             "(its last checkpoint), a checkpoint_epoch_NNN directory, or a checkpoint.pt file", metavar="PATH")
@@ -218,6 +223,8 @@ def validate(cfg: Config) -> None:
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
         (cfg.lr > 0, f"--lr must be positive, got {cfg.lr}"),
         (cfg.log_every >= 1, f"--log-every must be at least 1, got {cfg.log_every}"),
+        (cfg.max_failures >= -1, f"--max-failures must be -1 (no limit) or more, got {cfg.max_failures}"),
+        (cfg.timeout > 0, f"--timeout must be positive, got {cfg.timeout}"),
         (0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
         (not (cfg.mode == "scratch" and cfg.model != "lenet"),
          f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
@@ -487,7 +494,7 @@ class StepLog:
 
 
 def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampler, cfg: Config,
-                device: torch.device, epoch: int, progress: bool = False) -> dict:
+                device: torch.device, epoch: int, progress: bool = False, after_step=None) -> dict:
     """One pass over this worker's shard; returns the train loss averaged over ALL workers' samples."""
     model.train()
     for group in optimizer.param_groups:
@@ -516,6 +523,8 @@ def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampl
         optimizer.zero_grad(set_to_none=True)
         loss_sum += step_loss
         log.step(step, step_loss, cfg.micro_batch * cfg.accum_steps)
+        if after_step:
+            after_step(epoch, step)
     seconds = time.perf_counter() - start
     local_samples = torch.tensor(steps * cfg.accum_steps * cfg.micro_batch, dtype=torch.float64, device=device)
     totals = all_reduce_sum(torch.stack([loss_sum, local_samples]))
@@ -669,12 +678,26 @@ def run_epochs(cfg: Config, worker: Worker, start_epoch: int, history: list, tra
         if worker.is_main:
             print(format_epoch(metrics, cfg.epochs), flush=True)
         report_epoch(metrics, state_fn(epoch, history) if worker.is_main else None, epoch)
-    return {"history": history, "world_size": worker.world, "device": worker.device.type}
+    return {"history": history, "world_size": worker.world, "device": worker.device.type, "started_at_epoch": start_epoch}
+
+
+def crash_once_hook(spec: Optional[str], worker: Worker):
+    """Tests only (RAY_DP_TEST_CRASH_ONCE="MARKER:EPOCH:STEP" on the driver): rank 1 dies at that step,
+    once; the marker file, at an absolute path, makes the restarted attempt run through."""
+    if not spec or worker.rank != 1:
+        return lambda epoch, step: None
+    marker, at_epoch, at_step = spec.rsplit(":", 2)
+
+    def maybe_crash(epoch: int, step: int) -> None:
+        if (epoch, step) == (int(at_epoch), int(at_step)) and not os.path.exists(marker):
+            Path(marker).touch()
+            os._exit(1)  # as a killed process: no exception, no cleanup
+    return maybe_crash
 
 
 def train_loop_per_worker(config: dict) -> dict:
     """--mode ddp (and dp): the DDP tutorial's loop."""
-    progress = config.pop("progress", False)
+    progress, crash_spec = config.pop("progress", False), config.pop("crash_once", None)
     cfg = Config(**config)
     worker = Worker.from_ray(cfg)
     train_set, test_set = load_dataset(cfg)
@@ -698,7 +721,7 @@ def train_loop_per_worker(config: dict) -> dict:
     return run_epochs(
         cfg, worker, start_epoch, history,
         train_fn=lambda epoch: train_epoch(model, optimizer, train_set, sampler, cfg, worker.device, epoch,
-                                           progress and worker.is_main),
+                                           progress and worker.is_main, crash_once_hook(crash_spec, worker)),
         eval_fn=evaluate_model,
         state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(),
                                                       epoch, cfg, hist))
@@ -1012,6 +1035,10 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
     training = loop is None
     if training:  # a bar only where someone watches: Ray's tqdm draws rank 0's bar on this terminal
         loop_extras["progress"] = sys.stdout.isatty() and not cfg.quiet
+        loop_extras["crash_once"] = os.environ.get("RAY_DP_TEST_CRASH_ONCE")
+    # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by default:
+    # with short epochs every report would wait for it, and a crash right after one would lose it.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     trainer = TorchTrainer(
         loop or (scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker),
         train_loop_config={**asdict(cfg), **loop_extras},
@@ -1020,8 +1047,9 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=None),
                              logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # no per-report INFO lines
-                             callbacks=[TensorBoardLogger(cfg)] if training else []),
-        torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo"),
+                             callbacks=[TensorBoardLogger(cfg)] if training else [],
+                             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
+        torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)),
     )
     return trainer.fit()
 
@@ -1035,7 +1063,7 @@ def summarize(cfg: Config, result: ray.train.Result) -> dict:
         "config": asdict(cfg), "epochs": history, "final": history[-1],
         "sec_per_epoch": statistics.median(m["epoch_seconds"] for m in timed),
         "samples_per_second": statistics.median(m["samples_per_second"] for m in timed),
-        "world_size": out["world_size"], "device": out["device"],
+        "world_size": out["world_size"], "device": out["device"], "started_at_epoch": out["started_at_epoch"],
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
     }
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
@@ -1051,8 +1079,35 @@ def write_json(path: str, data: dict) -> None:
     os.replace(path + ".tmp", path)  # never a half-written result.json
 
 
+def prepare_run_dir(cfg: Config) -> None:
+    """--fresh: delete the run's old checkpoints. Otherwise check that the checkpoint Ray will resume from
+    loads, so that a corrupt one is one clear sentence here rather than a failure on every worker."""
+    from pyarrow import fs
+    storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
+    if storage.get_file_info(run_dir).type == fs.FileType.NotFound:
+        return
+    if cfg.fresh:
+        storage.delete_dir(run_dir)
+        print(f"--fresh: deleted {cfg.run_dir}; starting run '{cfg.name}' over", flush=True)
+        return
+    snapshot = f"{run_dir}/checkpoint_manager_snapshot.json"  # Ray's list of committed checkpoints
+    if storage.get_file_info(snapshot).type == fs.FileType.NotFound:
+        return
+    with storage.open_input_stream(snapshot) as f:
+        committed = json.loads(f.read())["checkpoint_results"]
+    if not committed or "://" in cfg.run_dir:  # cloud storage: let the workers read it
+        return
+    latest = os.path.join(cfg.run_dir, committed[-1]["checkpoint_dir_name"], CHECKPOINT_FILE)
+    try:
+        read_checkpoint(latest)
+    except ConfigError as exc:
+        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start over, or "
+                          f"--eval-only an earlier checkpoint_epoch_* directory") from None
+
+
 def run(cfg: Config) -> dict:
     sizes = check_data(cfg)
+    prepare_run_dir(cfg)
     connect(cfg)
     print(describe(cfg, sizes), flush=True)
     summary = summarize(cfg, fit(cfg))

@@ -1,0 +1,97 @@
+"""Reliability: a dead worker, a killed driver, a corrupt checkpoint; bitwise-reproducible runs."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+import ray_dp
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("ray_cluster")]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Small steps (4 samples per worker) so that an epoch lasts long enough to be interrupted in.
+RUN = ["--workers", "2", "--dataset", "digits", "--batch-size", "8", "--epochs", "3", "--seed", "5"]
+
+
+def train(tmp_path, name, *flags):
+    assert ray_dp.main([*RUN, "--storage-path", str(tmp_path), "--name", name,
+                        "--logdir", str(tmp_path / "tb"), *flags]) == 0
+    return json.loads((tmp_path / name / "result.json").read_text())
+
+
+def final_weights(result):
+    return ray_dp.load_checkpoint(result["checkpoint"] + "/" + ray_dp.CHECKPOINT_FILE)["model"]
+
+
+def assert_bitwise_equal(a, b):
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "parameters differ"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run, the yardstick of every test here."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    return final_weights(train(tmp_path, "reference"))
+
+
+def test_two_runs_with_the_same_seed_end_with_identical_parameters(tmp_path, reference):
+    assert_bitwise_equal(final_weights(train(tmp_path, "again")), reference)
+
+
+def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_and_ends_identical(tmp_path, monkeypatch, reference):
+    marker = tmp_path / "crashed"
+    monkeypatch.setenv("RAY_DP_TEST_CRASH_ONCE", f"{marker}:2:50")  # rank 1 dies at epoch 3, step 51
+    result = train(tmp_path, "crash", "--max-failures", "1")
+    assert marker.exists()  # it did die
+    assert result["started_at_epoch"] >= 1  # the restarted group resumed from a checkpoint
+    assert [m["epoch"] for m in result["epochs"]] == [0, 1, 2]
+    assert_bitwise_equal(final_weights(result), reference)
+
+
+def test_a_worker_death_without_max_failures_fails_with_a_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RAY_DP_TEST_CRASH_ONCE", f"{tmp_path / 'crashed'}:0:3")
+    assert ray_dp.main([*RUN, "--storage-path", str(tmp_path), "--name", "dies", "--logdir", str(tmp_path)]) == 1
+    assert "ray_dp.py: training failed:" in capsys.readouterr().err
+
+
+def test_a_killed_driver_is_resumed_by_the_same_command_and_ends_identical(tmp_path, reference):
+    command = [sys.executable, "ray_dp.py", *RUN, "--storage-path", str(tmp_path), "--name", "killed",
+               "--logdir", str(tmp_path / "tb"), "--address", ray.get_runtime_context().gcs_address]
+    driver = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, RAY_AUTH_MODE="token"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    snapshot = tmp_path / "killed" / "checkpoint_manager_snapshot.json"
+    deadline = time.time() + 240
+    while not (snapshot.exists() and "checkpoint_epoch_000" in snapshot.read_text()):  # epoch 1 committed
+        assert driver.poll() is None and time.time() < deadline, "the first run never checkpointed"
+        time.sleep(0.1)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    committed = json.loads(snapshot.read_text())["checkpoint_results"]
+    assert len(committed) < 3, "the run finished before it was killed"
+
+    result = train(tmp_path, "killed")  # the same command, in this process
+    assert result["started_at_epoch"] == len(committed)  # continued after the last committed epoch
+    assert_bitwise_equal(final_weights(result), reference)
+
+
+def test_a_corrupt_latest_checkpoint_is_one_sentence_and_fresh_starts_over(tmp_path, capsys, reference):
+    finished = train(tmp_path, "corrupt", "--epochs", "1")
+    latest = tmp_path / "corrupt" / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE
+    latest.write_bytes(latest.read_bytes()[:1000])  # cut short
+    capsys.readouterr()
+    assert ray_dp.main([*RUN, "--storage-path", str(tmp_path), "--name", "corrupt"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run 'corrupt' cannot resume:" in err and "is not a readable checkpoint" in err
+    assert "--fresh" in err
+
+    result = train(tmp_path, "corrupt", "--fresh")
+    assert result["started_at_epoch"] == 0 and len(result["epochs"]) == 3
+    assert_bitwise_equal(final_weights(result), reference)
+    assert finished["epochs"][0]["test_acc"] == result["epochs"][0]["test_acc"]
