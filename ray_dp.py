@@ -73,7 +73,10 @@ class Config:
     mode: str = option("ddp", "ddp: DistributedDataParallel, one process per worker; scratch: the d2l lesson's "
                        "functional LeNet with hand-written all-reduce and SGD; dp: nn.DataParallel over "
                        "--workers GPUs driven by one process (CUDA only)", choices=MODES)
-    workers: int = option(2, "number of training workers (processes); each gets one GPU on a GPU cluster")
+    workers: int = option(2, "number of training workers (processes); each gets one GPU on a GPU cluster. "
+                          "MIN:MAX makes the run elastic (same as --min-workers MIN --workers MAX)", metavar="N|MIN:MAX")
+    min_workers: int = option(0, "elastic runs: start with as few as this many workers when no more fit, and "
+                              "continue from the last checkpoint when workers come or go (0: a fixed --workers)")
     cpus_per_worker: float = option(1.0, "CPU cores reserved per worker; fractions allowed (0.25 fits 8 workers on 2 cores)")
     gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)")
     epochs: int = option(10, "number of passes over the training set")
@@ -135,6 +138,19 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default in ("", None) else super()._get_help_string(action)
 
 
+class _WorkersAction(argparse.Action):
+    """--workers N, or MIN:MAX for an elastic run."""
+
+    def __call__(self, parser, namespace, text, option_string=None):
+        low, _, high = text.partition(":")
+        try:
+            namespace.workers, namespace.min_workers = (int(high), int(low)) if high else (int(low), 0)
+        except ValueError:
+            raise ConfigError(f"--workers takes N or MIN:MAX in whole numbers, got {text!r}") from None
+        if high and namespace.min_workers < 1:  # 0 would silently mean "not elastic"
+            raise ConfigError(f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {text}")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one sentence instead of usage + error
         raise ConfigError(f"{message} (see --help)")
@@ -154,7 +170,9 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = dict(f.metadata)
-        if f.name == "gpu":
+        if f.name == "workers":
+            parser.add_argument(flag, action=_WorkersAction, default=f.default, **kwargs)
+        elif f.name == "gpu":
             group = parser.add_mutually_exclusive_group()
             # SUPPRESS: an absent flag leaves Config's None (= decide from the cluster), not a printed default.
             group.add_argument("--gpu", dest="gpu", action="store_const", const=True, default=argparse.SUPPRESS,
@@ -217,6 +235,9 @@ def eval_config(cfg: Config, typed: set) -> Config:
 def validate(cfg: Config) -> None:
     checks = [
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
+        (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
+         f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {cfg.min_workers}:{cfg.workers}"),
+        (not (cfg.min_workers and cfg.mode == "dp"), "--mode dp runs one worker; it cannot be elastic"),
         (cfg.cpus_per_worker > 0, f"--cpus-per-worker must be positive, got {cfg.cpus_per_worker}"),
         (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
         (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
@@ -242,10 +263,11 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    per_step = cfg.workers * cfg.accum_steps
-    if cfg.batch_size % per_step and not cfg.eval_only:  # evaluation has no global batch to split
-        raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = {per_step} "
-                          f"(the global batch is split evenly into per-worker micro-batches)")
+    for workers in range(cfg.min_workers or cfg.workers, cfg.workers + 1):  # every size an elastic run may have
+        per_step = workers * cfg.accum_steps
+        if cfg.batch_size % per_step and not cfg.eval_only:  # evaluation has no global batch to split
+            raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = {per_step} "
+                              f"(the global batch is split evenly into per-worker micro-batches)")
 
 
 # ============================================================================
@@ -700,6 +722,8 @@ def train_loop_per_worker(config: dict) -> dict:
     progress, crash_spec = config.pop("progress", False), config.pop("crash_once", None)
     cfg = Config(**config)
     worker = Worker.from_ray(cfg)
+    if cfg.min_workers:  # elastic: the same global batch, split over the workers there are now
+        cfg = replace(cfg, workers=worker.world)
     train_set, test_set = load_dataset(cfg)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(cfg.model, train_set.tensors[0].shape[1:])
@@ -986,7 +1010,8 @@ def settle_device(cfg: Config, cpus: float, gpus: float, can_grow: bool = False)
     cluster never grows, and Ray would wait forever for resources it does not have."""
     if cfg.gpu is None:
         cfg.gpu = gpus > 0 or cfg.mode == "dp"
-    need = {kind: amount * cfg.processes for kind, amount in resources_per_worker(cfg).items()}
+    fewest = cfg.min_workers or cfg.processes  # an elastic run starts once its minimum fits
+    need = {kind: amount * fewest for kind, amount in resources_per_worker(cfg).items()}
     if need["CPU"] <= cpus and need.get("GPU", 0) <= gpus:
         return
     if can_grow:
@@ -996,7 +1021,7 @@ def settle_device(cfg: Config, cpus: float, gpus: float, can_grow: bool = False)
     elif cfg.gpu and gpus < 1:
         raise ConfigError("--gpu was given but this machine has no GPU (use --cpu)")
     else:
-        raise ConfigError(f"{cfg.workers} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} GPUs but the "
+        raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} GPUs but the "
                           f"cluster has {cpus:g} CPUs and {gpus:g} GPUs (lower --workers or --cpus-per-worker)")
 
 
@@ -1024,7 +1049,8 @@ def check_data(cfg: Config) -> tuple[int, int]:
 
 def describe(cfg: Config, sizes: tuple[int, int]) -> str:
     workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp"
-               else f"{cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers")
+               else f"{cfg.min_workers or cfg.workers}{f'-{cfg.workers}' if cfg.min_workers else ''} "
+                    f"{'GPU' if cfg.gpu else 'CPU'} workers{' (elastic)' if cfg.min_workers else ''}")
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
     return (f"ray-dp: {cfg.mode} {cfg.model} on {cfg.dataset} ({sizes[0]} train / {sizes[1]} test), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x {cfg.processes} workers x "
@@ -1042,7 +1068,8 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
     trainer = TorchTrainer(
         loop or (scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker),
         train_loop_config={**asdict(cfg), **loop_extras},
-        scaling_config=ScalingConfig(num_workers=cfg.processes, use_gpu=cfg.gpu,
+        scaling_config=ScalingConfig(num_workers=(cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes,
+                                     use_gpu=cfg.gpu,
                                      resources_per_worker=resources_per_worker(cfg)),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=None),

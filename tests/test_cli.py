@@ -37,7 +37,15 @@ def a_file(tmp_path):
 
 BAD_INPUTS = [
     (["--workers", "0"], "--workers must be at least 1"),
-    (["--workers", "abc"], "invalid int value: 'abc'"),
+    (["--workers", "abc"], "--workers takes N or MIN:MAX in whole numbers, got 'abc'"),
+    (["--workers", "3:2"], "--workers MIN:MAX needs 1 <= MIN <= MAX, got 3:2"),
+    (["--workers", "0:2"], "--workers MIN:MAX needs 1 <= MIN <= MAX, got 0:2"),
+    (["--workers", "2:x"], "--workers takes N or MIN:MAX in whole numbers, got '2:x'"),
+    (["--workers", "2:3", "--batch-size", "64"], "--batch-size 64 must divide by workers x accum-steps = 3"),
+    (["--mode", "dp", "--workers", "1:2"], "--mode dp runs one worker; it cannot be elastic"),
+    (["--max-failures", "-2"], "--max-failures must be -1 (no limit) or more, got -2"),
+    (["--timeout", "0"], "--timeout must be positive"),
+    (["--log-every", "0"], "--log-every must be at least 1"),
     (["--cpus-per-worker", "0"], "--cpus-per-worker must be positive"),
     (["--epochs", "0"], "--epochs must be at least 1"),
     (["--accum-steps", "0"], "--accum-steps must be at least 1"),

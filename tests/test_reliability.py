@@ -95,3 +95,14 @@ def test_a_corrupt_latest_checkpoint_is_one_sentence_and_fresh_starts_over(tmp_p
     assert result["started_at_epoch"] == 0 and len(result["epochs"]) == 3
     assert_bitwise_equal(final_weights(result), reference)
     assert finished["epochs"][0]["test_acc"] == result["epochs"][0]["test_acc"]
+
+
+def test_elastic_workers_start_with_what_fits_and_keep_the_global_batch(tmp_path):
+    # 4 CPUs in the shared cluster: at 1.5 CPUs each, 2 of the 1..3 workers fit.
+    assert ray_dp.main(["--workers", "1:3", "--cpus-per-worker", "1.5", "--dataset", "digits", "--epochs", "1",
+                        "--batch-size", "48", "--storage-path", str(tmp_path), "--name", "elastic",
+                        "--logdir", str(tmp_path / "tb")]) == 0
+    result = json.loads((tmp_path / "elastic" / "result.json").read_text())
+    assert result["world_size"] == 2
+    assert result["epochs"][0]["train_samples"] == 1437 // 48 * 48  # 48 per step = 24 per worker x 2 workers
+    assert result["config"]["min_workers"] == 1
