@@ -641,8 +641,17 @@ def read_checkpoint(path: str) -> dict:
     return state
 
 
-def latest_checkpoint() -> Optional[dict]:
+def under_torchrun() -> bool:
+    """Started by torchrun (the DDP tutorial's launcher) rather than by Ray: Ray Train's local mode then runs
+    the same loop in each torchrun process, and ray_dp keeps the checkpoints itself."""
+    return {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys()
+
+
+def latest_checkpoint(cfg: Config) -> Optional[dict]:
     """This run's newest checkpoint (Ray finds it in storage when a run with this name ran before), or None."""
+    if under_torchrun():
+        files = sorted(Path(cfg.run_dir).glob(f"checkpoint_epoch_*/{CHECKPOINT_FILE}"))
+        return load_checkpoint(files[-1]) if files else None
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
@@ -650,9 +659,21 @@ def latest_checkpoint() -> Optional[dict]:
         return load_checkpoint(os.path.join(directory, CHECKPOINT_FILE))
 
 
-def report_epoch(metrics: dict, state: Optional[dict], epoch: int) -> None:
+def checkpoint_dir_name(epoch: int) -> str:
+    return f"checkpoint_epoch_{epoch:03d}"
+
+
+def report_epoch(metrics: dict, state: Optional[dict], epoch: int, cfg: Config) -> None:
     """Every rank calls report (it is a barrier); only rank 0 passes a checkpoint (state)."""
-    dir_name = f"checkpoint_epoch_{epoch:03d}"
+    dir_name = checkpoint_dir_name(epoch)
+    if under_torchrun():  # Ray's local mode keeps no checkpoints: write it where Ray would have
+        if state is not None:
+            path = os.path.join(cfg.run_dir, dir_name, CHECKPOINT_FILE)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # atomic: a crash mid-write leaves no half checkpoint
+        ray.train.report(metrics)
+        return
     if state is None:
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=dir_name)
         return
@@ -671,6 +692,7 @@ class Worker:
     rank: int
     world: int
     device: torch.device
+    node_rank: int = 0  # which machine: Ray numbers nodes by IP address
 
     @property
     def is_main(self) -> bool:
@@ -680,7 +702,7 @@ class Worker:
     def from_ray(cls, cfg: Config) -> "Worker":
         torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))  # Ray sets OMP_NUM_THREADS=1 in workers
         ctx = ray.train.get_context()
-        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
+        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), ctx.get_node_rank())
 
 
 def format_epoch(m: dict, epochs: int) -> str:
@@ -690,6 +712,7 @@ def format_epoch(m: dict, epochs: int) -> str:
 
 def run_epochs(cfg: Config, worker: Worker, start_epoch: int, history: list, train_fn, eval_fn, state_fn) -> dict:
     """The epoch loop both modes share: train, evaluate, print (rank 0), report + checkpoint (rank 0's)."""
+    tensorboard = TensorBoardLogger(cfg) if under_torchrun() and worker.is_main else None  # no Ray controller
     if worker.is_main and start_epoch >= cfg.epochs:
         print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train", flush=True)
     elif worker.is_main and start_epoch:
@@ -699,8 +722,18 @@ def run_epochs(cfg: Config, worker: Worker, start_epoch: int, history: list, tra
         history.append(metrics)
         if worker.is_main:
             print(format_epoch(metrics, cfg.epochs), flush=True)
-        report_epoch(metrics, state_fn(epoch, history) if worker.is_main else None, epoch)
-    return {"history": history, "world_size": worker.world, "device": worker.device.type, "started_at_epoch": start_epoch}
+        report_epoch(metrics, state_fn(epoch, history) if worker.is_main else None, epoch, cfg)
+        if tensorboard:
+            tensorboard.after_report(None, [metrics], None)
+    return {"history": history, "world_size": worker.world, "device": worker.device.type,
+            "started_at_epoch": start_epoch, "node_ranks": node_ranks(worker)}
+
+
+def node_ranks(worker: Worker) -> list:
+    """Every worker's node rank, in world-rank order (a collective: all ranks call it)."""
+    ranks = torch.zeros(worker.world, dtype=torch.int64, device=worker.device)
+    ranks[worker.rank] = worker.node_rank
+    return all_reduce_sum(ranks).tolist()
 
 
 def crash_once_hook(spec: Optional[str], worker: Worker):
@@ -732,7 +765,7 @@ def train_loop_per_worker(config: dict) -> dict:
     model = wrap_model(model.to(worker.device), worker.device, cfg.mode)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # created once
     start_epoch, history = 0, []
-    if (state := latest_checkpoint()) is not None:
+    if (state := latest_checkpoint(cfg)) is not None:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, history = state["epoch"] + 1, state["history"]
@@ -920,7 +953,7 @@ def scratch_loop_per_worker(config: dict) -> dict:
     channels, size = train_set.tensors[0].shape[1], train_set.tensors[0].shape[-1]
     initial = init_lenet_params(cfg.seed, channels, size)
     start_epoch, history = 0, []
-    if (state := latest_checkpoint()) is not None:
+    if (state := latest_checkpoint(cfg)) is not None:
         initial = state_dict_to_params(state["model"])
         start_epoch, history = state["epoch"] + 1, state["history"]
     params = get_params(initial, worker.device)
@@ -1068,7 +1101,9 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
     trainer = TorchTrainer(
         loop or (scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker),
         train_loop_config={**asdict(cfg), **loop_extras},
-        scaling_config=ScalingConfig(num_workers=(cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes,
+        # num_workers=0 under torchrun: Ray Train's local mode runs the loop in this very process.
+        scaling_config=ScalingConfig(num_workers=0 if under_torchrun() else
+                                     (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes,
                                      use_gpu=cfg.gpu,
                                      resources_per_worker=resources_per_worker(cfg)),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
@@ -1091,7 +1126,9 @@ def summarize(cfg: Config, result: ray.train.Result) -> dict:
         "sec_per_epoch": statistics.median(m["epoch_seconds"] for m in timed),
         "samples_per_second": statistics.median(m["samples_per_second"] for m in timed),
         "world_size": out["world_size"], "device": out["device"], "started_at_epoch": out["started_at_epoch"],
-        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "node_ranks": out["node_ranks"],
+        # Named by epoch, so known without asking Ray (whose Result may lack it when its state API is slow).
+        "checkpoint": os.path.join(cfg.run_dir, checkpoint_dir_name(history[-1]["epoch"])),
     }
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
@@ -1134,6 +1171,8 @@ def prepare_run_dir(cfg: Config) -> None:
 
 def run(cfg: Config) -> dict:
     sizes = check_data(cfg)
+    if under_torchrun():
+        return run_under_torchrun(cfg, sizes)
     prepare_run_dir(cfg)
     connect(cfg)
     print(describe(cfg, sizes), flush=True)
@@ -1186,6 +1225,23 @@ def format_eval(metrics: dict, per_class: list, out: dict) -> str:
               "      " + "".join(f"{c:>6}" for c in range(NUM_CLASSES))]
     lines += [f"{c:>6}" + "".join(f"{n:>6}" for n in row) for c, row in enumerate(metrics["confusion"])]
     return "\n".join(lines)
+
+
+def run_under_torchrun(cfg: Config, sizes: tuple[int, int]) -> Optional[dict]:
+    """`torchrun --nproc_per_node N ray_dp.py ...`: torchrun's processes are the workers; rank 0 reports."""
+    is_main = os.environ["RANK"] == "0"
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # local mode logs every report at INFO
+    cfg.workers, cfg.gpu = int(os.environ["WORLD_SIZE"]), torch.cuda.is_available()  # torchrun decides these
+    if is_main:
+        prepare_run_dir(cfg)
+        print(describe(cfg, sizes).replace("ray-dp:", "ray-dp (torchrun):"), flush=True)
+    result = fit(cfg)
+    if not is_main:
+        return None
+    summary = summarize(cfg, result)
+    print(f"test acc: {summary['final']['test_acc']:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch "
+          f"on {summary['world_size']} workers ({summary['device']}, torchrun)", flush=True)
+    return summary
 
 
 # ============================================================================

@@ -1,0 +1,136 @@
+"""Multi-node: cluster.yaml validated as `ray up` does; a real 2-node Ray cluster on two loopback
+addresses; the tutorial's torchrun launch. Each must train exactly like one node with 2 workers."""
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+import ray_dp
+
+pytestmark = [pytest.mark.timeout(600)]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+RUN = ["--workers", "2", "--dataset", "digits", "--epochs", "2", "--seed", "3"]
+
+
+def validate(config):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    validate_config(prepare_config(copy.deepcopy(config)))
+
+
+def test_cluster_yaml_passes_rays_own_validation_and_a_broken_copy_fails():
+    with open(os.path.join(REPO, "cluster.yaml")) as f:
+        config = yaml.safe_load(f)
+    validate(config)
+    assert config["provider"]["type"] == "aws"
+    starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c)  # token auth on every node
+    assert "--dashboard-host=127.0.0.1" in " ".join(config["head_start_ray_commands"])
+    assert "requirements.txt" in " ".join(config["setup_commands"])
+    broken = copy.deepcopy(config)
+    del broken["available_node_types"]["gpu_worker"]["node_config"]
+    with pytest.raises(Exception, match="node_config"):
+        validate(broken)
+    broken = copy.deepcopy(config)
+    broken["head_node_type"] = "no_such_type"
+    with pytest.raises(ValueError, match="head_node_type"):
+        validate(broken)
+
+
+def final_weights(result):
+    return ray_dp.load_checkpoint(os.path.join(result["checkpoint"], ray_dp.CHECKPOINT_FILE))["model"]
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def single_node_result(tmp_path_factory, ray_cluster):
+    tmp = tmp_path_factory.mktemp("single")
+    assert ray_dp.main([*RUN, "--storage-path", str(tmp), "--name", "single", "--logdir", str(tmp / "tb")]) == 0
+    return json.loads((tmp / "single" / "result.json").read_text())
+
+
+def start_node(args, log):
+    """`ray start --block` in its own process group: stopping the group stops everything it started
+    (never `ray stop`, which would stop every Ray on the machine)."""
+    return subprocess.Popen([os.path.join(BIN, "ray"), "start", "--block", "--disable-usage-stats", *args],
+                            env=dict(os.environ, RAY_AUTH_MODE="disabled"), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop_node(process):
+    for sig, wait in [(signal.SIGTERM, 10), (signal.SIGKILL, 10)]:
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(wait)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
+def node_ports(base):
+    names = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"]
+    return [arg for i, name in enumerate(names) for arg in (name, str(base + i))] + [
+        "--min-worker-port", str(base + 100), "--max-worker-port", str(base + 999)]
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """A head on 127.0.0.3 and a worker node on 127.0.0.4, 1 CPU each: 2 workers land one per node."""
+    log = open(tmp_path / "nodes.log", "w")
+    head = start_node(["--head", "--node-ip-address", "127.0.0.3", "--port", "46379", "--num-cpus", "1",
+                       "--include-dashboard", "false", "--ray-client-server-port", "46380", *node_ports(41000)], log)
+    nodes = [head]
+    try:
+        time.sleep(5)
+        nodes.append(start_node(["--address", "127.0.0.3:46379", "--node-ip-address", "127.0.0.4", "--num-cpus",
+                                 "1", *node_ports(43000)], log))
+        yield "127.0.0.3:46379"
+    finally:
+        for node in reversed(nodes):
+            stop_node(node)
+        log.close()
+
+
+def test_two_node_cluster_trains_one_worker_per_node_exactly_like_one_node(tmp_path, two_nodes, single_node_result):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    command = [sys.executable, "ray_dp.py", *RUN, "--address", two_nodes, "--storage-path", str(tmp_path / "runs"),
+               "--name", "two-nodes", "--logdir", str(tmp_path / "tb")]
+    deadline = time.time() + 60
+    while True:  # the worker node may still be joining
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode == 0 or time.time() > deadline:
+            break
+        time.sleep(3)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "runs" / "two-nodes" / "result.json").read_text())
+    assert result["node_ranks"] == [0, 1]  # rank 0 on the head, rank 1 on the other node
+    assert result["final"]["test_acc"] == single_node_result["final"]["test_acc"]
+    assert_same_weights(final_weights(result), final_weights(single_node_result))
+    # Where the README says: checkpoints under --storage-path/--name, events under --logdir/--name.
+    assert sorted(p.name for p in (tmp_path / "runs" / "two-nodes").glob("checkpoint_epoch_*")) == [
+        "checkpoint_epoch_000", "checkpoint_epoch_001"]
+    assert list((tmp_path / "tb" / "two-nodes").glob("events.out.tfevents.*"))
+
+
+def test_torchrun_runs_the_same_loop_with_the_same_result(tmp_path, single_node_result):
+    proc = subprocess.run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "ray_dp.py", *RUN,
+                           "--storage-path", str(tmp_path), "--name", "torchrun", "--logdir", str(tmp_path / "tb")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "torchrun" / "result.json").read_text())
+    assert result["world_size"] == 2 and result["node_ranks"] == [0, 0]
+    assert [m["test_acc"] for m in result["epochs"]] == [m["test_acc"] for m in single_node_result["epochs"]]
+    assert_same_weights(final_weights(result), final_weights(single_node_result))
+    assert proc.stdout.count("epoch 1/2:") == 1  # rank 0 prints, the other process does not
+    assert list((tmp_path / "tb" / "torchrun").glob("events.out.tfevents.*"))
