@@ -1060,6 +1060,7 @@ def settle_device(cfg: Config, cpus: float, gpus: float, can_grow: bool = False)
 
 def connect(cfg: Config) -> None:
     """Start (or attach to) Ray, after checking that the run fits, so that nothing starts in vain."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # Ray would fold epoch lines that differ only in numbers
     if not ray.is_initialized() and not cfg.address:
         settle_device(cfg, os.cpu_count() or 1, torch.cuda.device_count())
         ray.init(address="local", runtime_env=RUNTIME_ENV, logging_level=logging.WARNING, include_dashboard=False)

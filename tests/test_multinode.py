@@ -134,3 +134,83 @@ def test_torchrun_runs_the_same_loop_with_the_same_result(tmp_path, single_node_
     assert_same_weights(final_weights(result), final_weights(single_node_result))
     assert proc.stdout.count("epoch 1/2:") == 1  # rank 0 prints, the other process does not
     assert list((tmp_path / "tb" / "torchrun").glob("events.out.tfevents.*"))
+
+
+@pytest.fixture
+def sshd(tmp_path):
+    """An SSH server on 127.0.0.3 and 127.0.0.4 that lets in a throw-away key: the 'machines' of ray up."""
+    if not os.path.exists("/usr/sbin/sshd") and not os.environ.get("CI"):
+        pytest.skip("needs openssh-server and rsync (.ci/run installs them)")
+    for name in ("key", "host_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+    (tmp_path / "authorized_keys").write_text((tmp_path / "key.pub").read_text())
+    (tmp_path / "sshd_config").write_text("\n".join([
+        "ListenAddress 127.0.0.3", "ListenAddress 127.0.0.4", "Port 22", f"HostKey {tmp_path / 'host_key'}",
+        f"AuthorizedKeysFile {tmp_path / 'authorized_keys'}", "PermitRootLogin prohibit-password",
+        "PasswordAuthentication no", "StrictModes no", "UsePAM no", f"PidFile {tmp_path / 'sshd.pid'}", ""]))
+    os.makedirs("/run/sshd", exist_ok=True)
+    server = subprocess.Popen(["/usr/sbin/sshd", "-D", "-f", str(tmp_path / "sshd_config"), "-E",
+                               str(tmp_path / "sshd.log")])
+    time.sleep(1)
+    yield str(tmp_path / "key")
+    server.kill()
+    server.wait()
+
+
+def local_cluster_config(key):
+    """cluster.yaml for the local provider: the shipped file mounts and start commands, adapted only where one
+    machine playing two must differ (explicit node IPs, the venv's ray, no `ray stop`)."""
+    with open(os.path.join(REPO, "cluster.yaml")) as f:
+        shipped = yaml.safe_load(f)
+
+    def adapt(commands, ip, extra=""):
+        # `ray stop` would stop every Ray on this machine, the test session's own cluster included.
+        return [c.replace("ray start", f"{BIN}/ray start").replace("6379", "46479") +
+                f" --node-ip-address={ip} --num-cpus=1" + extra for c in commands if c.strip() != "ray stop"]
+    head = adapt(shipped["head_start_ray_commands"], "127.0.0.3", " --ray-client-server-port=46480")
+    # Ray 2.60's local provider starts worker nodes only with the v1 autoscaler (RAY_NOTES.md).
+    head = [c.replace("RAY_AUTH_MODE=token", "RAY_enable_autoscaler_v2=0 RAY_AUTH_MODE=token") for c in head]
+    return {"cluster_name": "ray-dp-test",
+            "provider": {"type": "local", "head_ip": "127.0.0.3", "worker_ips": ["127.0.0.4"]},
+            "auth": {"ssh_user": "root", "ssh_private_key": key},
+            "file_mounts": shipped["file_mounts"], "rsync_filter": shipped["rsync_filter"],
+            # The shipped setup pip-installs requirements.txt; here the test's venv already has them.
+            "setup_commands": [],
+            "head_start_ray_commands": head,
+            "worker_start_ray_commands": adapt(shipped["worker_start_ray_commands"], "127.0.0.4")}
+
+
+def stop_cluster_processes():
+    """Stop what ray up started, by process group: the processes that name this test's node addresses."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        listing = subprocess.run(["ps", "-eo", "pgid=,args="], capture_output=True, text=True).stdout
+        for group in {int(line.split()[0]) for line in listing.splitlines() if "127.0.0.3" in line or "127.0.0.4" in line}:
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(3)
+
+
+def test_ray_up_with_the_shipped_config_trains_on_two_nodes(tmp_path, sshd, single_node_result):
+    config_path = tmp_path / "local-cluster.yaml"
+    config_path.write_text(yaml.safe_dump(local_cluster_config(sshd)))
+    ray = os.path.join(BIN, "ray")
+    try:
+        up = subprocess.run([ray, "up", "-y", str(config_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        job = (f"cd ~/ray-dp && RAY_AUTH_MODE=token {sys.executable} ray_dp.py {' '.join(RUN)} "
+               f"--address 127.0.0.3:46479 --storage-path {tmp_path}/runs --name via-ray-up --logdir {tmp_path}/tb")
+        deadline = time.time() + 120
+        while True:  # the autoscaler on the head starts the worker node over SSH; it may still be joining
+            run = subprocess.run([ray, "exec", str(config_path), job], cwd=REPO, capture_output=True, text=True,
+                                 timeout=300)
+            if run.returncode == 0 or time.time() > deadline:
+                break
+            time.sleep(5)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        result = json.loads((tmp_path / "runs" / "via-ray-up" / "result.json").read_text())
+        assert result["node_ranks"] == [0, 1]
+        assert_same_weights(final_weights(result), final_weights(single_node_result))
+    finally:
+        stop_cluster_processes()  # never `ray down`: it runs a bare `ray stop` on the head
