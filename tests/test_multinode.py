@@ -183,13 +183,26 @@ def local_cluster_config(key):
 def stop_cluster_processes():
     """Stop what ray up started, by process group: the processes that name this test's node addresses."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        listing = subprocess.run(["ps", "-eo", "pgid=,args="], capture_output=True, text=True).stdout
-        for group in {int(line.split()[0]) for line in listing.splitlines() if "127.0.0.3" in line or "127.0.0.4" in line}:
+        for pid in processes_naming("127.0.0.3", "127.0.0.4"):
             try:
-                os.killpg(group, sig)
+                os.killpg(os.getpgid(pid), sig)  # its group: the workers and agents it started too
             except ProcessLookupError:
                 pass
         time.sleep(3)
+    assert not processes_naming("127.0.0.3", "127.0.0.4"), "ray up's processes outlived the test"
+
+
+def processes_naming(*words):
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace")
+            if entry.isdigit() and any(word in args for word in words):
+                pids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
 
 
 def test_ray_up_with_the_shipped_config_trains_on_two_nodes(tmp_path, sshd, single_node_result):
