@@ -185,7 +185,11 @@ def stop_cluster_processes():
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in processes_naming("127.0.0.3", "127.0.0.4"):
             try:
-                os.killpg(os.getpgid(pid), sig)  # its group: the workers and agents it started too
+                group = os.getpgid(pid)
+                if group == os.getpgid(0):  # e.g. an ssh control master of `ray up`, in pytest's own group
+                    os.kill(pid, sig)
+                else:
+                    os.killpg(group, sig)  # its group: the workers and agents it started too
             except ProcessLookupError:
                 pass
         time.sleep(3)
