@@ -642,14 +642,15 @@ def read_checkpoint(path: str) -> dict:
 
 
 def under_torchrun() -> bool:
-    """Started by torchrun (the DDP tutorial's launcher) rather than by Ray: Ray Train's local mode then runs
-    the same loop in each torchrun process, and ray_dp keeps the checkpoints itself."""
-    return {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys()
+    """The driver was started by torchrun (the DDP tutorial's launcher), not by hand: Ray Train's local mode
+    then runs the loop in each torchrun process, and ray_dp keeps the checkpoints itself. Only the driver
+    asks: Ray's own workers have RANK, WORLD_SIZE, ... too, but not torchrun's run id."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys()
 
 
-def latest_checkpoint(cfg: Config) -> Optional[dict]:
+def latest_checkpoint(cfg: Config, worker: "Worker") -> Optional[dict]:
     """This run's newest checkpoint (Ray finds it in storage when a run with this name ran before), or None."""
-    if under_torchrun():
+    if worker.torchrun:
         files = sorted(Path(cfg.run_dir).glob(f"checkpoint_epoch_*/{CHECKPOINT_FILE}"))
         return load_checkpoint(files[-1]) if files else None
     checkpoint = ray.train.get_checkpoint()
@@ -663,10 +664,10 @@ def checkpoint_dir_name(epoch: int) -> str:
     return f"checkpoint_epoch_{epoch:03d}"
 
 
-def report_epoch(metrics: dict, state: Optional[dict], epoch: int, cfg: Config) -> None:
+def report_epoch(metrics: dict, state: Optional[dict], epoch: int, cfg: Config, worker: "Worker") -> None:
     """Every rank calls report (it is a barrier); only rank 0 passes a checkpoint (state)."""
     dir_name = checkpoint_dir_name(epoch)
-    if under_torchrun():  # Ray's local mode keeps no checkpoints: write it where Ray would have
+    if worker.torchrun:  # Ray's local mode keeps no checkpoints: write it where Ray would have
         if state is not None:
             path = os.path.join(cfg.run_dir, dir_name, CHECKPOINT_FILE)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -693,16 +694,27 @@ class Worker:
     world: int
     device: torch.device
     node_rank: int = 0  # which machine: Ray numbers nodes by IP address
+    torchrun: bool = False  # launched by torchrun (Ray Train's local mode), not by a Ray cluster
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0  # the one rank that prints and writes
 
     @classmethod
-    def from_ray(cls, cfg: Config) -> "Worker":
+    def from_ray(cls, cfg: Config, torchrun: bool = False) -> "Worker":
         torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))  # Ray sets OMP_NUM_THREADS=1 in workers
         ctx = ray.train.get_context()
-        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), ctx.get_node_rank())
+        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), ctx.get_node_rank(),
+                   torchrun)
+
+
+def worker_setup(config: dict) -> tuple[Config, "Worker", dict]:
+    """The train loop's dict split into the Config, this Worker, and the driver's extras (progress bar,
+    launcher, test hooks, weights to evaluate)."""
+    names = {f.name for f in fields(Config)}
+    cfg = Config(**{k: v for k, v in config.items() if k in names})
+    extras = {k: v for k, v in config.items() if k not in names}
+    return cfg, Worker.from_ray(cfg, extras.get("torchrun", False)), extras
 
 
 def format_epoch(m: dict, epochs: int) -> str:
@@ -712,21 +724,22 @@ def format_epoch(m: dict, epochs: int) -> str:
 
 def run_epochs(cfg: Config, worker: Worker, start_epoch: int, history: list, train_fn, eval_fn, state_fn) -> dict:
     """The epoch loop both modes share: train, evaluate, print (rank 0), report + checkpoint (rank 0's)."""
-    tensorboard = TensorBoardLogger(cfg) if under_torchrun() and worker.is_main else None  # no Ray controller
+    tensorboard = TensorBoardLogger(cfg) if worker.torchrun and worker.is_main else None  # no Ray controller
     if worker.is_main and start_epoch >= cfg.epochs:
         print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train", flush=True)
     elif worker.is_main and start_epoch:
         print(f"resumed from the checkpoint of epoch {start_epoch}; continuing at epoch {start_epoch + 1}", flush=True)
+    first_step_at = time.time()  # wall clock, for the benchmark's "seconds to the first step"
     for epoch in range(start_epoch, cfg.epochs):
         metrics = {"epoch": epoch, **train_fn(epoch), **eval_fn()}
         history.append(metrics)
         if worker.is_main:
             print(format_epoch(metrics, cfg.epochs), flush=True)
-        report_epoch(metrics, state_fn(epoch, history) if worker.is_main else None, epoch, cfg)
+        report_epoch(metrics, state_fn(epoch, history) if worker.is_main else None, epoch, cfg, worker)
         if tensorboard:
             tensorboard.after_report(None, [metrics], None)
     return {"history": history, "world_size": worker.world, "device": worker.device.type,
-            "started_at_epoch": start_epoch, "node_ranks": node_ranks(worker)}
+            "started_at_epoch": start_epoch, "first_step_at": first_step_at, "node_ranks": node_ranks(worker)}
 
 
 def node_ranks(worker: Worker) -> list:
@@ -752,9 +765,7 @@ def crash_once_hook(spec: Optional[str], worker: Worker):
 
 def train_loop_per_worker(config: dict) -> dict:
     """--mode ddp (and dp): the DDP tutorial's loop."""
-    progress, crash_spec = config.pop("progress", False), config.pop("crash_once", None)
-    cfg = Config(**config)
-    worker = Worker.from_ray(cfg)
+    cfg, worker, extras = worker_setup(config)
     if cfg.min_workers:  # elastic: the same global batch, split over the workers there are now
         cfg = replace(cfg, workers=worker.world)
     train_set, test_set = load_dataset(cfg)
@@ -765,7 +776,7 @@ def train_loop_per_worker(config: dict) -> dict:
     model = wrap_model(model.to(worker.device), worker.device, cfg.mode)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # created once
     start_epoch, history = 0, []
-    if (state := latest_checkpoint(cfg)) is not None:
+    if (state := latest_checkpoint(cfg, worker)) is not None:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, history = state["epoch"] + 1, state["history"]
@@ -778,7 +789,8 @@ def train_loop_per_worker(config: dict) -> dict:
     return run_epochs(
         cfg, worker, start_epoch, history,
         train_fn=lambda epoch: train_epoch(model, optimizer, train_set, sampler, cfg, worker.device, epoch,
-                                           progress and worker.is_main, crash_once_hook(crash_spec, worker)),
+                                           extras["progress"] and worker.is_main,
+                                           crash_once_hook(extras["crash_once"], worker)),
         eval_fn=evaluate_model,
         state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(),
                                                       epoch, cfg, hist))
@@ -946,29 +958,27 @@ def state_dict_to_params(state: dict) -> list[torch.Tensor]:
 
 def scratch_loop_per_worker(config: dict) -> dict:
     """--mode scratch: the functional LeNet, hand-written all-reduce and SGD, exact distributed evaluation."""
-    progress = config.pop("progress", False)
-    cfg = Config(**config)
-    worker = Worker.from_ray(cfg)
+    cfg, worker, extras = worker_setup(config)
     train_set, test_set = load_dataset(cfg)
     channels, size = train_set.tensors[0].shape[1], train_set.tensors[0].shape[-1]
     initial = init_lenet_params(cfg.seed, channels, size)
     start_epoch, history = 0, []
-    if (state := latest_checkpoint(cfg)) is not None:
+    if (state := latest_checkpoint(cfg, worker)) is not None:
         initial = state_dict_to_params(state["model"])
         start_epoch, history = state["epoch"] + 1, state["history"]
     params = get_params(initial, worker.device)
     return run_epochs(
         cfg, worker, start_epoch, history,
-        train_fn=lambda epoch: scratch_train_epoch(params, train_set, cfg, worker, epoch, progress and worker.is_main),
+        train_fn=lambda epoch: scratch_train_epoch(params, train_set, cfg, worker, epoch,
+                                                   extras["progress"] and worker.is_main),
         eval_fn=lambda: evaluate(lambda X: lenet(X, params), test_set, worker.device),
         state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch, cfg, hist))
 
 
 def eval_loop_per_worker(config: dict) -> dict:
     """--eval-only: the checkpoint's model scored on this worker's shard of the test set (exactly once each)."""
-    weights = ray.get(config.pop("weights"))  # put in Ray's object store by the driver: no shared disk needed
-    cfg = Config(**config)
-    worker = Worker.from_ray(cfg)
+    cfg, worker, extras = worker_setup(config)
+    weights = ray.get(extras["weights"])  # put in Ray's object store by the driver: no shared disk needed
     _, test_set = load_dataset(cfg)
     model = build_model(cfg.model, test_set.tensors[0].shape[1:])
     model.load_state_dict(weights)
@@ -984,11 +994,21 @@ def eval_loop_per_worker(config: dict) -> dict:
 def quiet_ray_logs():
     """Runs in every Ray worker process: keep Ray Train's routine chatter off the console."""
     from ray.train.v2._internal.execution import context
-    # A harmless error that needs Ray's dashboard (not installed).
+    # Ray's PlacementGroupCleaner polls the State API, which needs Ray's dashboard (not installed): it logs
+    # harmless errors, and a traceback when it is slow to stop at the end of a run. Training is unaffected.
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    logging.getLogger("ray.train.v2._internal.callbacks.placement_group_callback").setLevel(logging.CRITICAL)
     # "Reporting training result ..." per rank per epoch; this logger is named by file path, so
     # LoggingConfig(log_level) does not reach it.
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+class QuietControllerLogs(ray.train.UserCallback):
+    """quiet_ray_logs() in Ray Train's controller, which the job's worker_process_setup_hook does not reach
+    (the controller is an actor with a runtime environment of its own)."""
+
+    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        quiet_ray_logs()
 
 
 # PRINT_PATCH=0: rank 0's epoch lines reach the console once, not once as print and again as a log record.
@@ -1096,6 +1116,7 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
     if training:  # a bar only where someone watches: Ray's tqdm draws rank 0's bar on this terminal
         loop_extras["progress"] = sys.stdout.isatty() and not cfg.quiet
         loop_extras["crash_once"] = os.environ.get("RAY_DP_TEST_CRASH_ONCE")
+        loop_extras["torchrun"] = under_torchrun()
     # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by default:
     # with short epochs every report would wait for it, and a crash right after one would lose it.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
@@ -1110,7 +1131,7 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=None),
                              logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # no per-report INFO lines
-                             callbacks=[TensorBoardLogger(cfg)] if training else [],
+                             callbacks=[QuietControllerLogs()] + ([TensorBoardLogger(cfg)] if training else []),
                              failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
         torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)),
     )
@@ -1127,7 +1148,7 @@ def summarize(cfg: Config, result: ray.train.Result) -> dict:
         "sec_per_epoch": statistics.median(m["epoch_seconds"] for m in timed),
         "samples_per_second": statistics.median(m["samples_per_second"] for m in timed),
         "world_size": out["world_size"], "device": out["device"], "started_at_epoch": out["started_at_epoch"],
-        "node_ranks": out["node_ranks"],
+        "node_ranks": out["node_ranks"], "first_step_at": out["first_step_at"],
         # Named by epoch, so known without asking Ray (whose Result may lack it when its state API is slow).
         "checkpoint": os.path.join(cfg.run_dir, checkpoint_dir_name(history[-1]["epoch"])),
     }

@@ -103,6 +103,8 @@ def test_elastic_workers_start_with_what_fits_and_keep_the_global_batch(tmp_path
                         "--batch-size", "48", "--storage-path", str(tmp_path), "--name", "elastic",
                         "--logdir", str(tmp_path / "tb")]) == 0
     result = json.loads((tmp_path / "elastic" / "result.json").read_text())
-    assert result["world_size"] == 2
-    assert result["epochs"][0]["train_samples"] == 1437 // 48 * 48  # 48 per step = 24 per worker x 2 workers
+    # 3 never fit; 2 do when nothing else holds CPUs, 1 when a previous run's resources are still held.
+    assert result["world_size"] in (1, 2)
+    # The global batch is kept whatever the size: 29 steps of 48 samples (48 / world_size per worker).
+    assert result["epochs"][0]["train_samples"] == 1437 // 48 * 48
     assert result["config"]["min_workers"] == 1
