@@ -98,7 +98,8 @@ class Config:
     download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir")
     seed: int = option(0, "random seed for model init and data order (the same on every worker)")
     storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for checkpoints and result.json")
-    name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume (default: mode-model-dataset-time)")
+    name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume "
+                       "(default: mode-model-dataset-time)")
     logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/, one sub-run per run: "
                          "watch with tensorboard --logdir LOGDIR", metavar="LOGDIR")
     log_every: int = option(10, "log the train loss (averaged over workers) to TensorBoard every this many steps")
@@ -110,7 +111,8 @@ class Config:
     fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of resuming it")
     address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a fresh local one)")
     eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of training: a run directory "
-                            "(its last checkpoint), a checkpoint_epoch_NNN directory, or a checkpoint.pt file", metavar="PATH")
+                            "(its last checkpoint), a checkpoint_epoch_NNN directory, or a checkpoint.pt file",
+                            metavar="PATH")
     predict_out: str = option("", "with --eval-only: write each test sample's index, label, predicted class and "
                               "probability to this CSV file", metavar="FILE.csv")
 
@@ -1282,7 +1284,8 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
         factor = workers if scale_lr else 1
         label = f"{mode}-{algorithm}-{workers}w" if mode == "scratch" else f"{mode}-{workers}w"
         configs.append(replace(base, mode=mode, allreduce=algorithm, workers=workers, name=label,
-                               storage_path=base.run_dir, logdir=os.path.join(base.logdir, base.name), batch_size=base.batch_size * factor, lr=base.lr * factor))
+                               storage_path=base.run_dir, logdir=os.path.join(base.logdir, base.name),
+                               batch_size=base.batch_size * factor, lr=base.lr * factor))
     return configs
 
 
