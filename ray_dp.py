@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import math
@@ -82,6 +83,9 @@ class Config:
     epochs: int = option(10, "number of passes over the training set")
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step summed over all workers "
                              "(per-worker micro-batch = batch-size / (workers x accum-steps))")
+    amp: bool = option(False, "mixed precision: forward passes under bf16 autocast (GPU; runs on CPU too); "
+                       "bf16 keeps fp32's range, so no GradScaler is needed")
+    compile: bool = option(False, "torch.compile the model (the first epoch pays for compiling)")
     lr: float = option(0.05, "SGD learning rate (peak, at epoch 1)")
     lr_schedule: str = option("cosine", "learning rate over epochs: cosine decay to 0, or constant",
                               choices=("cosine", "constant"))
@@ -92,6 +96,7 @@ class Config:
                             choices=ALLREDUCE_ALGORITHMS)
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across workers (models with BatchNorm only)")
     model: str = option("lenet", "network", choices=MODELS)
+    synthetic_size: int = option(512, "--dataset synthetic: training images (the test set has 100)")
     dataset: str = option("fashion-mnist", "data set; digits (1,797 real digits from scikit-learn) needs no download",
                           choices=DATASETS)
     data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory)")
@@ -253,6 +258,9 @@ def validate(cfg: Config) -> None:
          f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
         (not (cfg.mode == "scratch" and cfg.accum_steps > 1), "--accum-steps needs --mode ddp (scratch mode has none)"),
         (not (cfg.mode == "scratch" and cfg.sync_bn), "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
+        (not (cfg.mode == "scratch" and (cfg.amp or cfg.compile)),
+         "--amp and --compile need --mode ddp (scratch mode is the lesson's plain fp32 code)"),
+        (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
         (not (cfg.mode == "dp" and cfg.gpu is False), "--mode dp needs GPUs; drop --cpu or use --mode ddp"),
@@ -281,7 +289,7 @@ def load_dataset(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
     if cfg.dataset == "digits":
         return load_digits()
     if cfg.dataset == "synthetic":
-        return make_synthetic(cfg.seed)
+        return make_synthetic(cfg.seed, cfg.synthetic_size)
     from torchvision.datasets import CIFAR10, FashionMNIST
     dataset_class = {"fashion-mnist": FashionMNIST, "cifar10": CIFAR10}[cfg.dataset]
     return load_torchvision(dataset_class, cfg.data_dir, cfg.download)
@@ -453,10 +461,13 @@ def wrap_model(model: nn.Module, device: torch.device, mode: str = "ddp") -> nn.
         return nn.DataParallel(model)
     if rank_and_world()[1] == 1:
         return model
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy and its memory.
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
+    """The bare module under torch.compile's and DDP's / DataParallel's wrappers (what checkpoints hold)."""
+    model = getattr(model, "_orig_mod", model)
     return model.module if isinstance(model, (DDP, nn.DataParallel)) else model
 
 
@@ -478,6 +489,11 @@ def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
 # ============================================================================
 # Train and evaluate (run on every worker)
 # ============================================================================
+
+def autocast(cfg: Config, device: torch.device):
+    """--amp: bf16 autocast for the forward pass and loss (the backward pass follows the same casts)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
+
 
 def learning_rate(cfg: Config, epoch: int) -> float:
     """The epoch's learning rate, a pure function of the epoch (torch's CosineAnnealingLR, per epoch, to 0):
@@ -538,7 +554,7 @@ def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampl
             x, y = images[index].to(device, non_blocking=True), labels[index].to(device, non_blocking=True)
             data_seconds += time.perf_counter() - tic
             last = micro == cfg.accum_steps - 1
-            with grad_sync(model, sync=last):
+            with grad_sync(model, sync=last), autocast(cfg, device):
                 loss = F.cross_entropy(model(x), y)
                 # Dividing by K makes K accumulated micro-batches one mean over the whole step's samples.
                 (loss / cfg.accum_steps).backward()
@@ -775,7 +791,17 @@ def train_loop_per_worker(config: dict) -> dict:
     model = build_model(cfg.model, train_set.tensors[0].shape[1:])
     if cfg.sync_bn:
         model = convert_sync_bn(model, worker.device)  # before DDP, which must see the final modules
+    if worker.device.type == "cuda":
+        # Fixed input shapes: let cuDNN pick its fastest kernels. (Imported by name: run as a script, this
+        # function travels to the workers by value, and cloudpickle cannot ship torch.backends.cudnn.)
+        importlib.import_module("torch.backends.cudnn").benchmark = True
+        # The whole (small) data set on the GPU once: batches are then indexed there, no host copies.
+        train_set, test_set = (TensorDataset(*(t.to(worker.device) for t in d.tensors)) for d in (train_set, test_set))
+        if cfg.model == "resnet18":  # NHWC lets tensor-core convolutions skip layout transposes
+            model = model.to(memory_format=torch.channels_last)
     model = wrap_model(model.to(worker.device), worker.device, cfg.mode)
+    if cfg.compile:
+        model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # created once
     start_epoch, history = 0, []
     if (state := latest_checkpoint(cfg, worker)) is not None:
@@ -785,7 +811,7 @@ def train_loop_per_worker(config: dict) -> dict:
     sampler = train_sampler(train_set, worker.rank, worker.world, cfg.seed)
 
     def evaluate_model():
-        with inference(model) as net:
+        with inference(model) as net, autocast(cfg, worker.device):
             return evaluate(net, test_set, worker.device)
 
     return run_epochs(

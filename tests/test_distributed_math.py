@@ -155,3 +155,22 @@ def test_convert_sync_bn_replaces_every_batchnorm_and_keeps_its_state():
     assert not any(type(m) is nn.BatchNorm2d for m in model.modules())
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_amp_bf16_step_is_close_to_the_fp32_step():
+    fields = dict(model="lenet", batch_size=16, lr=0.1, momentum=0.0, seed=3)
+    data = random_images(16)
+    amp = run_distributed(ddp_one_epoch, 2, {**fields, "amp": True}, data)[0]["params"]
+    fp32 = single_process_reference(ray_dp.Config(**fields, workers=2), data, 2)
+    assert any(not torch.equal(got, want) for got, want in zip(amp, fp32))  # autocast really ran in bf16
+    model, _ = new_model_and_optimizer(ray_dp.Config(**fields))
+    for got, want, start in zip(amp, fp32, model.parameters()):
+        assert got.dtype == torch.float32  # autocast computes in bf16, the weights stay fp32
+        # bf16 keeps ~3 significant digits: the update agrees with fp32's to a few percent.
+        torch.testing.assert_close(got - start.detach(), want - start.detach(), rtol=0.05, atol=2e-3)
+
+
+def test_unwrap_strips_compile_and_ddp_wrappers_for_checkpoints():
+    model = ray_dp.build_model("mlp", (1, 28, 28))
+    assert ray_dp.unwrap(torch.compile(model)) is model  # compiling is lazy: nothing is built here
+    assert list(ray_dp.unwrap(torch.compile(model)).state_dict()) == ["1.weight", "1.bias", "3.weight", "3.bias"]
