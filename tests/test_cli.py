@@ -46,6 +46,8 @@ BAD_INPUTS = [
     (["--max-failures", "-2"], "--max-failures must be -1 (no limit) or more, got -2"),
     (["--timeout", "0"], "--timeout must be positive"),
     (["--log-every", "0"], "--log-every must be at least 1"),
+    (["--mode", "scratch", "--amp"], "--amp and --compile need --mode ddp"),
+    (["--dataset", "synthetic", "--synthetic-size", "0"], "--synthetic-size must be at least 1"),
     (["--cpus-per-worker", "0"], "--cpus-per-worker must be positive"),
     (["--epochs", "0"], "--epochs must be at least 1"),
     (["--accum-steps", "0"], "--accum-steps must be at least 1"),
