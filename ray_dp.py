@@ -46,7 +46,7 @@ import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 import ray
 import ray.train
@@ -96,6 +96,9 @@ class Config:
                             choices=ALLREDUCE_ALGORITHMS)
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across workers (models with BatchNorm only)")
     model: str = option("lenet", "network", choices=MODELS)
+    loader_workers: int = option(0, "0: the in-memory fast path (the data set as tensors on the worker's device, "
+                                 "batches indexed by the sampler); N: a torch DataLoader with N loader processes "
+                                 "per worker (persistent; pinned memory on GPU), for data that must be read per sample")
     synthetic_size: int = option(512, "--dataset synthetic: training images (the test set has 100)")
     dataset: str = option("fashion-mnist", "data set; digits (1,797 real digits from scikit-learn) needs no download",
                           choices=DATASETS)
@@ -222,7 +225,7 @@ NOT_TYPED = object()
 # contradicting value of the first or any of the second is an error rather than silently ignored.
 MODEL_FIELDS = ("model", "dataset")
 TRAINING_FIELDS = ("mode", "epochs", "batch_size", "lr", "lr_schedule", "momentum", "accum_steps", "allreduce",
-                   "sync_bn", "seed")
+                   "sync_bn", "seed", "loader_workers")
 
 
 def eval_config(cfg: Config, typed: set) -> Config:
@@ -260,6 +263,9 @@ def validate(cfg: Config) -> None:
         (not (cfg.mode == "scratch" and cfg.sync_bn), "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
         (not (cfg.mode == "scratch" and (cfg.amp or cfg.compile)),
          "--amp and --compile need --mode ddp (scratch mode is the lesson's plain fp32 code)"),
+        (cfg.loader_workers >= 0, f"--loader-workers must be 0 (in memory) or more, got {cfg.loader_workers}"),
+        (not (cfg.mode == "scratch" and cfg.loader_workers),
+         "--loader-workers needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
@@ -481,6 +487,36 @@ def train_sampler(data: TensorDataset, rank: int, world: int, seed: int) -> Dist
     return DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
 
+class InMemoryBatches:
+    """The fast path for data sets that fit in memory: the tensors (already on the worker's device) indexed
+    by the sampler's micro-batches, with no loader processes and no per-sample collation. Iterates like a
+    DataLoader: len() steps, a fresh pass per epoch in the sampler's order."""
+
+    def __init__(self, data: TensorDataset, sampler: DistributedSampler, micro_batch: int):
+        self.data, self.sampler = data, sampler
+        self.batch_sampler = BatchSampler(sampler, micro_batch, drop_last=True)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self):
+        images, labels = self.data.tensors
+        for index in self.batch_sampler:
+            index = torch.tensor(index, device=images.device)
+            yield images[index], labels[index]
+
+
+def train_batches(data: TensorDataset, cfg: Config, rank: int, world: int, device: torch.device):
+    """This rank's micro-batches, the same ones in the same order on either path."""
+    sampler = train_sampler(data, rank, world, cfg.seed)
+    if not cfg.loader_workers:
+        return InMemoryBatches(data, sampler, cfg.micro_batch)
+    # For data that must be read or decoded per sample: loader processes that live as long as the run
+    # (persistent: not re-forked every epoch), pinned host memory so that copies to the GPU are asynchronous.
+    return DataLoader(data, batch_size=cfg.micro_batch, sampler=sampler, drop_last=True,
+                      num_workers=cfg.loader_workers, pin_memory=device.type == "cuda", persistent_workers=True)
+
+
 def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
     """Every index exactly once across ranks (no padded duplicates, unlike DistributedSampler)."""
     return torch.arange(rank, n, world)
@@ -533,32 +569,32 @@ class StepLog:
         return self.entries
 
 
-def train_epoch(model, optimizer, data: TensorDataset, sampler: DistributedSampler, cfg: Config,
-                device: torch.device, epoch: int, progress: bool = False, after_step=None) -> dict:
-    """One pass over this worker's shard; returns the train loss averaged over ALL workers' samples."""
+def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, epoch: int,
+                progress: bool = False, after_step=None) -> dict:
+    """One pass over this worker's shard (`train_batches`); returns the train loss averaged over ALL
+    workers' samples."""
     model.train()
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(cfg, epoch)
-    sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
-    images, labels = data.tensors
-    micro_batches = list(BatchSampler(sampler, cfg.micro_batch, drop_last=True))
-    steps = len(micro_batches) // cfg.accum_steps  # every rank gets the same count: no rank waits on a missing all-reduce
+    batches.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+    steps = len(batches) // cfg.accum_steps  # every rank gets the same count: no rank waits on a missing all-reduce
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     log = StepLog(cfg, epoch, steps, device, progress)
+    micro_batches = iter(batches)
     data_seconds, start = 0.0, time.perf_counter()
     for step in range(steps):
         step_loss = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(cfg.accum_steps):
             tic = time.perf_counter()
-            index = torch.tensor(micro_batches[step * cfg.accum_steps + micro])
-            x, y = images[index].to(device, non_blocking=True), labels[index].to(device, non_blocking=True)
+            x, y = next(micro_batches)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             data_seconds += time.perf_counter() - tic
             last = micro == cfg.accum_steps - 1
             with grad_sync(model, sync=last), autocast(cfg, device):
                 loss = F.cross_entropy(model(x), y)
                 # Dividing by K makes K accumulated micro-batches one mean over the whole step's samples.
                 (loss / cfg.accum_steps).backward()
-            step_loss += loss.detach() * len(index)
+            step_loss += loss.detach() * len(y)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_sum += step_loss
@@ -796,7 +832,10 @@ def train_loop_per_worker(config: dict) -> dict:
         # function travels to the workers by value, and cloudpickle cannot ship torch.backends.cudnn.)
         importlib.import_module("torch.backends.cudnn").benchmark = True
         # The whole (small) data set on the GPU once: batches are then indexed there, no host copies.
-        train_set, test_set = (TensorDataset(*(t.to(worker.device) for t in d.tensors)) for d in (train_set, test_set))
+        # (Not the training set that loader processes read: they need it in host memory.)
+        test_set = TensorDataset(*(t.to(worker.device) for t in test_set.tensors))
+        if not cfg.loader_workers:
+            train_set = TensorDataset(*(t.to(worker.device) for t in train_set.tensors))
         if cfg.model == "resnet18":  # NHWC lets tensor-core convolutions skip layout transposes
             model = model.to(memory_format=torch.channels_last)
     model = wrap_model(model.to(worker.device), worker.device, cfg.mode)
@@ -808,7 +847,7 @@ def train_loop_per_worker(config: dict) -> dict:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, history = state["epoch"] + 1, state["history"]
-    sampler = train_sampler(train_set, worker.rank, worker.world, cfg.seed)
+    batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
 
     def evaluate_model():
         with inference(model) as net, autocast(cfg, worker.device):
@@ -816,7 +855,7 @@ def train_loop_per_worker(config: dict) -> dict:
 
     return run_epochs(
         cfg, worker, start_epoch, history,
-        train_fn=lambda epoch: train_epoch(model, optimizer, train_set, sampler, cfg, worker.device, epoch,
+        train_fn=lambda epoch: train_epoch(model, optimizer, batches, cfg, worker.device, epoch,
                                            extras["progress"] and worker.is_main,
                                            crash_once_hook(extras["crash_once"], worker)),
         eval_fn=evaluate_model,

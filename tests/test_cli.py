@@ -48,6 +48,8 @@ BAD_INPUTS = [
     (["--log-every", "0"], "--log-every must be at least 1"),
     (["--mode", "scratch", "--amp"], "--amp and --compile need --mode ddp"),
     (["--dataset", "synthetic", "--synthetic-size", "0"], "--synthetic-size must be at least 1"),
+    (["--loader-workers", "-1"], "--loader-workers must be 0 (in memory) or more"),
+    (["--mode", "scratch", "--loader-workers", "2"], "--loader-workers needs --mode ddp"),
     (["--cpus-per-worker", "0"], "--cpus-per-worker must be positive"),
     (["--epochs", "0"], "--epochs must be at least 1"),
     (["--accum-steps", "0"], "--accum-steps must be at least 1"),

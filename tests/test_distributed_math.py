@@ -23,14 +23,16 @@ def new_model_and_optimizer(cfg):
     return model, torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
 
 
-def ddp_one_epoch(cfg_fields, data):
+def ddp_epochs(cfg_fields, data, epochs=1):
     """Worker side: ray_dp's own train_epoch under DDP on this process group."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ray_dp.Config(**cfg_fields, workers=world)
     model, optimizer = new_model_and_optimizer(cfg)
     model = ray_dp.wrap_model(model, CPU)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    stats = ray_dp.train_epoch(model, optimizer, data, ray_dp.train_sampler(data, rank, world, cfg.seed), cfg, CPU, 0)
+    batches = ray_dp.train_batches(data, cfg, rank, world, CPU)
+    for epoch in range(epochs):
+        stats = ray_dp.train_epoch(model, optimizer, batches, cfg, CPU, epoch)
     return {"params": [p.detach().clone() for p in ray_dp.unwrap(model).parameters()], "stats": stats}
 
 
@@ -53,7 +55,7 @@ def test_ddp_steps_equal_single_process_steps_on_the_global_batch(world, accum):
     # 48 samples, global batch 16: 3 optimizer steps; with accum 2 each step is 2 no_sync'd micro-batches.
     fields = dict(model="lenet", batch_size=16, accum_steps=accum, lr=0.1, momentum=0.9, seed=3)
     data = random_images(48)
-    results = run_distributed(ddp_one_epoch, world, fields, data)
+    results = run_distributed(ddp_epochs, world, fields, data)
     expected = single_process_reference(ray_dp.Config(**fields, workers=world), data, world)
     for result in results:  # every rank holds the same parameters, equal to the reference
         assert result["stats"]["train_samples"] == 48
@@ -61,10 +63,24 @@ def test_ddp_steps_equal_single_process_steps_on_the_global_batch(world, accum):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_dataloader_path_trains_exactly_like_the_in_memory_path():
+    # The same sampler, so the same micro-batches in the same order; the second epoch checks that
+    # set_epoch's reshuffle reaches the loader, whose processes persist across epochs.
+    fields = dict(model="lenet", batch_size=16, lr=0.1, momentum=0.9, seed=3, epochs=2)
+    data = random_images(48)
+    in_memory = run_distributed(ddp_epochs, 2, fields, data, 2)
+    loader = run_distributed(ddp_epochs, 2, {**fields, "loader_workers": 2}, data, 2)
+    for a, b in zip(in_memory, loader):
+        assert b["stats"]["train_samples"] == 48
+        assert b["stats"]["train_loss"] == a["stats"]["train_loss"]
+        for got, want in zip(b["params"], a["params"]):
+            assert torch.equal(got, want)
+
+
 def test_training_loss_is_averaged_over_all_workers():
     fields = dict(model="mlp", batch_size=16, lr=0.01, momentum=0.0, seed=0)
     data = random_images(16)
-    results = run_distributed(ddp_one_epoch, 2, fields, data)
+    results = run_distributed(ddp_epochs, 2, fields, data)
     # One step; its loss is the mean over all 16 samples, computed before the update.
     model, _ = new_model_and_optimizer(ray_dp.Config(**fields))
     images, labels = data.tensors
@@ -160,7 +176,7 @@ def test_convert_sync_bn_replaces_every_batchnorm_and_keeps_its_state():
 def test_amp_bf16_step_is_close_to_the_fp32_step():
     fields = dict(model="lenet", batch_size=16, lr=0.1, momentum=0.0, seed=3)
     data = random_images(16)
-    amp = run_distributed(ddp_one_epoch, 2, {**fields, "amp": True}, data)[0]["params"]
+    amp = run_distributed(ddp_epochs, 2, {**fields, "amp": True}, data)[0]["params"]
     fp32 = single_process_reference(ray_dp.Config(**fields, workers=2), data, 2)
     assert any(not torch.equal(got, want) for got, want in zip(amp, fp32))  # autocast really ran in bf16
     model, _ = new_model_and_optimizer(ray_dp.Config(**fields))
