@@ -785,7 +785,8 @@ def run_epochs(cfg: Config, worker: Worker, start_epoch: int, history: list, tra
         print(f"resumed from the checkpoint of epoch {start_epoch}; continuing at epoch {start_epoch + 1}", flush=True)
     first_step_at = time.time()  # wall clock, for the benchmark's "seconds to the first step"
     for epoch in range(start_epoch, cfg.epochs):
-        metrics = {"epoch": epoch, **train_fn(epoch), **eval_fn()}
+        # ended_at (wall clock): the time between two epochs' ends counts evaluation and reporting too.
+        metrics = {"epoch": epoch, **train_fn(epoch), **eval_fn(), "ended_at": time.time()}
         history.append(metrics)
         if worker.is_main:
             print(format_epoch(metrics, cfg.epochs), flush=True)

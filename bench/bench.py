@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Side-by-side benchmarks of ray_dp.py on this machine; contenders interleaved (A B A B ...), medians.
 
-    python bench/bench.py                # about 15 minutes on 2 cores; writes bench/results.md, results.json
+    python bench/bench.py                # about 20 minutes on 2 cores; writes bench/results.md, results.json
     python bench/bench.py --repeats 1    # a quicker, noisier look
 
 Each figure comes from ray_dp.py's own result.json (per-epoch seconds from the workers' clocks, the first
-epoch left out as warm-up) of real runs of the command line, so it measures what users run.
+epoch left out as warm-up) of real runs of the command line, so it measures what users run. The one
+exception, the breakdown of a DDP step, times the pieces directly on two local processes.
 """
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -15,22 +17,81 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import ray_dp  # noqa: E402  (after the path is set)
+
 PYTHON = sys.executable
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+CORES = os.cpu_count()
+DIGITS_TRAIN = 1437
+
+
 def flags(dataset="digits", model="lenet", batch=64, epochs=6, *extra):
     return ["--dataset", dataset, "--model", model, "--batch-size", str(batch), "--epochs", str(epochs), *extra]
 
 
 LENET = flags()
-# Compute-bound on CPU: ResNet-18 (about 3 GFLOP per 28x28 image and step) on 512 synthetic images.
-RESNET = flags("synthetic", "resnet18", 32, 3)
+# Compute-bound on CPU: ResNet-18 (the lesson's, for 28x28 inputs) on 512 synthetic images; at 32 images per
+# worker, computing a step takes about 20 times as long as all-reducing its 11 M gradients.
+RESNET = flags("synthetic", "resnet18", 64, 3)
+
+
+class CpuWatch:
+    """CPU time of every process on the machine, sampled from /proc, to tell the training workers' share
+    of the cores from what everything else (the launcher's own processes) takes meanwhile."""
+
+    def __init__(self, launcher_pid: int):
+        self.launcher_pid, self.samples, self.done = launcher_pid, [], threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self):
+        while not self.done.wait(0.25):
+            self.samples.append((time.time(), self._snapshot()))
+
+    def _snapshot(self) -> dict:
+        ticks = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    title = f.read(40).decode(errors="replace")
+            except OSError:  # the process ended meanwhile
+                continue
+            # Ray names its training workers' processes; torchrun's workers are the launcher's children.
+            worker = title.startswith("ray::RayTrainWorker") or int(fields[1]) == self.launcher_pid
+            ticks[pid] = (int(fields[11]) + int(fields[12]), worker)
+        return ticks
+
+    def shares(self, start: float, end: float) -> dict:
+        """Shares of all cores used by the workers and by every other process between start and end."""
+        self.done.set()
+        self.thread.join()
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return {"workers_cpu_share": float("nan"), "other_cpu_share": float("nan")}
+        (t0, first), (t1, last) = inside[0], inside[-1]
+        used = {True: 0, False: 0}
+        for pid, (ticks, worker) in last.items():
+            used[worker] += ticks - first.get(pid, (ticks, worker))[0]
+        capacity = (t1 - t0) * os.sysconf("SC_CLK_TCK") * CORES
+        return {"workers_cpu_share": used[True] / capacity, "other_cpu_share": used[False] / capacity}
 
 
 def run(args, launcher="ray", workers=2, cpus_per_worker=1.0):
-    """One run of ray_dp.py; returns its result.json plus the wall-clock seconds to its first step."""
+    """One run of ray_dp.py; returns its result.json plus the wall-clock seconds to its first step and
+    the CPU shares during its steady-state epochs."""
     with tempfile.TemporaryDirectory() as tmp:
         common = ["--storage-path", tmp, "--name", "bench", "--logdir", os.path.join(tmp, "tb"), "--quiet"]
         if launcher == "torchrun":
@@ -39,17 +100,27 @@ def run(args, launcher="ray", workers=2, cpus_per_worker=1.0):
             command = [PYTHON, "ray_dp.py", *args, *common, "--workers", str(workers),
                        "--cpus-per-worker", str(cpus_per_worker)]
         started = time.time()
-        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        watch = CpuWatch(proc.pid)
+        _, stderr = proc.communicate()
         if proc.returncode:
-            sys.exit(f"bench: {' '.join(command)} failed:\n{proc.stderr[-2000:]}")
+            sys.exit(f"bench: {' '.join(command)} failed:\n{stderr[-2000:]}")
         with open(os.path.join(tmp, "bench", "result.json")) as f:
             result = json.load(f)
     result["to_first_step"] = result["first_step_at"] - started
+    epochs = result["epochs"]
+    result.update(watch.shares(epochs[1]["ended_at"], epochs[-1]["ended_at"]) if len(epochs) > 2 else {})
     return result
 
 
 def steady(result, key="epoch_seconds"):
     return statistics.median(m[key] for m in result["epochs"][1:])
+
+
+def wall_per_epoch(result):
+    """Median time from one epoch's end to the next: training, evaluation, reporting and checkpointing."""
+    ends = [m["ended_at"] for m in result["epochs"]]
+    return statistics.median(b - a for a, b in zip(ends[1:], ends[2:]))
 
 
 def interleave(contenders, repeats):
@@ -67,31 +138,45 @@ def median_of(results, fn):
 
 
 def launcher_overhead(repeats):
-    results = interleave({"ray": lambda: run(LENET), "torchrun": lambda: run(LENET, "torchrun")}, repeats)
-    ray_epoch, torchrun_epoch = (median_of(results[k], steady) for k in ("ray", "torchrun"))
-    return {"ray_sec_per_epoch": ray_epoch, "torchrun_sec_per_epoch": torchrun_epoch,
-            "ratio_ray_over_torchrun": ray_epoch / torchrun_epoch,
-            "ray_seconds_to_first_step": median_of(results["ray"], lambda r: r["to_first_step"]),
-            "torchrun_seconds_to_first_step": median_of(results["torchrun"], lambda r: r["to_first_step"])}
+    """Ray vs torchrun, the same loop; also returns the Ray runs, for the data-wait figure."""
+    long_lenet = flags(epochs=15)  # long enough to watch the CPU in its steady state
+    results = interleave({"ray": lambda: run(long_lenet), "torchrun": lambda: run(long_lenet, "torchrun")}, repeats)
+    figures = {}
+    for name, fn in [("train_sec_per_epoch", steady), ("wall_sec_per_epoch", wall_per_epoch),
+                     ("seconds_to_first_step", lambda r: r["to_first_step"]),
+                     ("workers_cpu_share", lambda r: r["workers_cpu_share"]),
+                     ("other_processes_cpu_share", lambda r: r["other_cpu_share"])]:
+        ray_value, torchrun_value = (median_of(results[k], fn) for k in ("ray", "torchrun"))
+        figures[name] = {"ray": ray_value, "torchrun": torchrun_value, "ratio": ray_value / torchrun_value}
+    return figures, results["ray"]
 
 
-def scaling(args, repeats):
-    # Same global batch; 1 worker gets both cores (2 threads), 2 workers one core each.
-    results = interleave({"1 worker": lambda: run(args, workers=1, cpus_per_worker=2),
-                          "2 workers": lambda: run(args, workers=2)}, repeats)
-    one, two = (median_of(results[k], steady) for k in ("1 worker", "2 workers"))
-    return {"sec_per_epoch_1_worker": one, "sec_per_epoch_2_workers": two, "speedup": one / two,
-            "efficiency": one / two / 2}
+def scaling(args, repeats, two_thread_baseline=False):
+    """Same global batch. Each worker is one core (one thread), as each is one GPU on a GPU machine; the
+    optional extra contender is one worker given both cores as intra-op threads."""
+    contenders = {"1 worker x 1 core": lambda: run(args, workers=1, cpus_per_worker=1),
+                  "2 workers x 1 core": lambda: run(args, workers=2)}
+    results = interleave(contenders, repeats)
+    if two_thread_baseline:
+        results.update(interleave({"1 worker x 2 threads": lambda: run(args, workers=1, cpus_per_worker=2)}, 1))
+    seconds = {name: median_of(rs, steady) for name, rs in results.items()}
+    one, two = seconds["1 worker x 1 core"], seconds["2 workers x 1 core"]
+    figures = {f"sec_per_epoch, {name}": value for name, value in seconds.items()}
+    figures.update({"speedup": one / two, "efficiency": one / two / 2})
+    if two_thread_baseline:
+        figures["speedup over 1 worker x 2 threads"] = seconds["1 worker x 2 threads"] / two
+    return figures
 
 
 def allreduce_variants(workers, repeats):
-    cpus = 2 / workers  # share the 2 cores
-    runs = {"ddp": lambda: run(flags(batch=48), workers=workers, cpus_per_worker=cpus)}
+    cpus = CORES / workers  # share the cores
+    # --momentum 0: the lesson's plain SGD, which scratch mode always uses, so each step does the same maths.
+    runs = {"ddp": lambda: run(flags(batch=48) + ["--momentum", "0"], workers=workers, cpus_per_worker=cpus)}
     for algorithm in ("naive", "ring", "library"):
         runs[f"scratch-{algorithm}"] = (lambda a=algorithm: run(
             flags(batch=48) + ["--mode", "scratch", "--allreduce", a], workers=workers, cpus_per_worker=cpus))
     results = interleave(runs, repeats)
-    steps = 1437 // 48
+    steps = DIGITS_TRAIN // 48
     table = {}
     for name, rs in results.items():
         row = {"sec_per_step": median_of(rs, steady) / steps}
@@ -102,55 +187,125 @@ def allreduce_variants(workers, repeats):
     return table
 
 
-def data_wait(repeats):
-    results = interleave({"digits (in memory)": lambda: run(LENET),
-                          "synthetic (in memory)": lambda: run(flags("synthetic"))}, repeats)
-    return {name: median_of(rs, lambda r: steady(r, "data_seconds") / steady(r)) for name, rs in results.items()}
+def _time_step_pieces(rank, world, store, out):
+    """On each of 2 processes: one LeNet step (24 images, one thread) done several ways; medians in ms."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    x, y = torch.randn(24, 1, 28, 28), torch.randint(0, 10, (24,))
+    ddp = DDP(ray_dp.build_model("lenet", (1, 28, 28)), gradient_as_bucket_view=True)
+    module = ray_dp.build_model("lenet", (1, 28, 28))
+    ddp_sgd, module_sgd = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (ddp, module))  # plain SGD, as scratch
+    params = ray_dp.get_params(ray_dp.init_lenet_params(0), torch.device("cpu"))
+
+    def ddp_step(sync):
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            F.cross_entropy(ddp(x), y).backward()
+        ddp_sgd.step()
+        ddp_sgd.zero_grad(set_to_none=True)
+
+    def module_step(allreduce):
+        F.cross_entropy(module(x), y).backward()
+        if allreduce:
+            allreduce(torch.cat([p.grad.flatten() for p in module.parameters()]))
+        module_sgd.step()
+        module_sgd.zero_grad(set_to_none=True)
+
+    def scratch_step(algorithm):
+        F.cross_entropy(ray_dp.lenet(x, params), y, reduction="sum").backward()
+        ray_dp.allreduce([p.grad for p in params], algorithm)
+        ray_dp.sgd(params, 0.01, 48)
+
+    pieces = {"DDP step": lambda: ddp_step(True), "DDP step under no_sync (no all-reduce)": lambda: ddp_step(False),
+              "bare module, no all-reduce": lambda: module_step(None),
+              "bare module + dist.all_reduce of the flat gradients": lambda: module_step(dist.all_reduce),
+              "bare module + naive all-reduce (send/recv via rank 0)": lambda: module_step(ray_dp.allreduce_naive),
+              "scratch: functional LeNet + naive all-reduce + sgd": lambda: scratch_step("naive")}
+    times = {name: [] for name in pieces}
+    for _ in range(3):  # interleaved rounds
+        for name, step in pieces.items():
+            dist.barrier()
+            for _ in range(150):
+                tic = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - tic)
+    if rank == 0:
+        torch.save({name: 1e3 * statistics.median(ts) for name, ts in times.items()}, out)
+    dist.destroy_process_group()
+
+
+def step_breakdown():
+    """Where a DDP step's time goes on gloo with one core per process, next to the lesson's naive step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "pieces.pt")
+        mp.spawn(_time_step_pieces, args=(2, os.path.join(tmp, "store"), out), nprocs=2)
+        return torch.load(out)
+
+
+def data_wait(ray_runs):
+    """Share of training time spent fetching batches, per data path (the in-memory runs are the launcher's)."""
+    loader = interleave({"DataLoader": lambda: run(flags("digits", "lenet", 64, 4, "--loader-workers", "1"))}, 1)["DataLoader"]
+    share = lambda r: steady(r, "data_seconds") / steady(r)
+    return {"digits, in memory (the default)": median_of(ray_runs, share),
+            "digits, DataLoader (--loader-workers 1)": median_of(loader, share),
+            "DataLoader sec/epoch over in-memory sec/epoch": median_of(loader, steady) / median_of(ray_runs, steady)}
 
 
 def machine():
-    import torch
     import ray
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "threads_per_worker": "= --cpus-per-worker (1 for 2 workers, 2 for 1 worker)",
+    return {"cpu": platform.processor() or platform.machine(), "cores": CORES,
+            "threads_per_worker": "= --cpus-per-worker (1 unless the table says otherwise)",
             "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__}
 
 
+def table(figures: dict) -> list:
+    return ["| figure | value |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in figures.items()]
+
+
 def to_markdown(report):
-    lines = [f"# ray-dp benchmarks", "", f"Machine: {report['machine']}", f"Runs per contender: {report['repeats']} "
-             f"(interleaved; medians; first epoch left out). Command: `{report['command']}`", ""]
-    lines += ["## 1. Launcher overhead (DDP LeNet, digits, 2 workers, batch 64)", "", "| figure | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.3f} |" for k, v in report["launcher"].items()]
-    for key, title in [("scaling_resnet18", "2. Scaling, compute-bound (ResNet-18, 512 synthetic images, batch 32)"),
-                       ("scaling_lenet", "2b. Scaling, LeNet on digits (batch 64)")]:
-        lines += ["", f"## {title}", "", "| figure | value |", "|---|---|"]
-        lines += [f"| {k} | {v:.3f} |" for k, v in report[key].items()]
-    for workers in (2, 3):
-        lines += ["", f"## 3. DDP vs scratch all-reduce, {workers} workers (LeNet, digits, batch 48)", "",
+    lines = ["# ray-dp benchmarks", "", f"Machine: {report['machine']}", "",
+             f"Runs per contender: up to {report['repeats']} (interleaved; medians; first epoch left out; "
+             f"the heavy ResNet-18 and 3-worker runs fewer, see each title). Command: `{report['command']}`, "
+             f"{report['minutes']:.0f} minutes.", ""]
+    lines += ["## 1. Launcher overhead (DDP LeNet, digits, 2 workers, batch 64, 15 epochs)", "",
+              "| figure | Ray | torchrun | Ray / torchrun |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['ray']:.3f} | {v['torchrun']:.3f} | {v['ratio']:.3f} |" for k, v in report["launcher"].items()]
+    for key, title in [("scaling_resnet18", f"2. Scaling, compute-bound (ResNet-18, 512 synthetic images, "
+                                            f"global batch 64; {min(report['repeats'], 2)} runs, 1 of 1 x 2 threads)"),
+                       ("scaling_lenet", "2b. Scaling, LeNet on digits (global batch 64)")]:
+        lines += ["", f"## {title}", ""] + table(report[key])
+    for workers, runs in ((2, report["repeats"]), (3, 1)):
+        lines += ["", f"## 3. DDP vs scratch all-reduce, {workers} workers (LeNet, digits, batch 48, plain SGD; "
+                      f"{runs} runs)", "",
                   "| contender | sec/step | all-reduce ms/step | bus bandwidth GB/s |", "|---|---|---|---|"]
         for name, row in report[f"allreduce_{workers}"].items():
             lines.append(f"| {name} | {row['sec_per_step']:.4f} | {row.get('allreduce_ms_per_step', float('nan')):.3f} "
                          f"| {row.get('busbw_GBps', float('nan')):.3f} |")
-    lines += ["", "## 4. Share of step time waiting for data", "", "| data path | share |", "|---|---|"]
-    lines += [f"| {k} | {v:.2%} |" for k, v in report["data_wait"].items()]
+    lines += ["", "## 3b. One LeNet step taken apart (2 local processes, gloo, 1 thread each, 24 images each; "
+                  "no Ray)", "", "| step | ms |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in report["step_breakdown"].items()]
+    lines += ["", "## 4. Share of training time waiting for data (2 workers)", ""] + table(report["data_wait"])
     return "\n".join(lines) + "\n"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=2, help="runs per contender (default: 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per contender (default: 3)")
     args = parser.parse_args()
+    started = time.time()
     report = {"machine": machine(), "repeats": args.repeats, "command": " ".join(["python bench/bench.py", *sys.argv[1:]])}
     print("1. launcher overhead", flush=True)
-    report["launcher"] = launcher_overhead(args.repeats)
+    report["launcher"], ray_runs = launcher_overhead(args.repeats)
     print("2. scaling", flush=True)
-    report["scaling_resnet18"] = scaling(RESNET, 1)  # one run each: ~1 minute per epoch on 1 worker
+    report["scaling_resnet18"] = scaling(RESNET, min(args.repeats, 2), two_thread_baseline=True)
     report["scaling_lenet"] = scaling(LENET, args.repeats)
     print("3. DDP vs scratch all-reduce", flush=True)
     report["allreduce_2"] = allreduce_variants(2, args.repeats)
     report["allreduce_3"] = allreduce_variants(3, 1)
+    report["step_breakdown"] = step_breakdown()
     print("4. data wait", flush=True)
-    report["data_wait"] = data_wait(1)
+    report["data_wait"] = data_wait(ray_runs)
+    report["minutes"] = (time.time() - started) / 60
     with open(os.path.join(REPO, "bench", "results.json"), "w") as f:
         json.dump(report, f, indent=2)
     markdown = to_markdown(report)
