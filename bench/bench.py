@@ -139,7 +139,7 @@ def median_of(results, fn):
 
 def launcher_overhead(repeats):
     """Ray vs torchrun, the same loop; also returns the Ray runs, for the data-wait figure."""
-    long_lenet = flags(epochs=15)  # long enough to watch the CPU in its steady state
+    long_lenet = flags(epochs=12)  # long enough to watch the CPU in its steady state
     results = interleave({"ray": lambda: run(long_lenet), "torchrun": lambda: run(long_lenet, "torchrun")}, repeats)
     figures = {}
     for name, fn in [("train_sec_per_epoch", steady), ("wall_sec_per_epoch", wall_per_epoch),
@@ -188,7 +188,8 @@ def allreduce_variants(workers, repeats):
 
 
 def _time_step_pieces(rank, world, store, out):
-    """On each of 2 processes: one LeNet step (24 images, one thread) done several ways; medians in ms."""
+    """On each of 2 processes: one LeNet step (24 images, one thread) done several ways, then ResNet-18
+    steps; medians in ms."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -229,9 +230,41 @@ def _time_step_pieces(rank, world, store, out):
                 tic = time.perf_counter()
                 step()
                 times[name].append(time.perf_counter() - tic)
+    medians = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    medians.update(_time_resnet_pieces(rank))
     if rank == 0:
-        torch.save({name: 1e3 * statistics.median(ts) for name, ts in times.items()}, out)
+        torch.save(medians, out)
     dist.destroy_process_group()
+
+
+def _time_resnet_pieces(rank):
+    """ResNet-18, 32 images per process: what sharing the cores costs, then what the all-reduce adds."""
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    bare = ray_dp.resnet18(1)  # DDP's forward broadcasts BatchNorm buffers: a collective, so not for one process
+    ddp = DDP(ray_dp.resnet18(1), gradient_as_bucket_view=True)
+    bare_sgd, ddp_sgd = (torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (bare, ddp))
+
+    def step(model, optimizer, sync=True):
+        with contextlib.nullcontext() if sync else model.no_sync():
+            F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def median_ms(step_fn, active=True):
+        dist.barrier()
+        times = []
+        for _ in range(5):
+            tic = time.perf_counter()
+            if active:
+                step_fn()
+            times.append(time.perf_counter() - tic)
+        dist.barrier()
+        return 1e3 * statistics.median(times[1:])
+
+    return {"ResNet-18 step, the other process idle": median_ms(lambda: step(bare, bare_sgd), active=rank == 0),
+            "ResNet-18 step, both processes computing (DDP under no_sync)": median_ms(
+                lambda: step(ddp, ddp_sgd, sync=False)),
+            "ResNet-18 DDP step, both processes": median_ms(lambda: step(ddp, ddp_sgd))}
 
 
 def step_breakdown():
@@ -267,12 +300,12 @@ def to_markdown(report):
              f"Runs per contender: up to {report['repeats']} (interleaved; medians; first epoch left out; "
              f"the heavy ResNet-18 and 3-worker runs fewer, see each title). Command: `{report['command']}`, "
              f"{report['minutes']:.0f} minutes.", ""]
-    lines += ["## 1. Launcher overhead (DDP LeNet, digits, 2 workers, batch 64, 15 epochs)", "",
+    lines += ["## 1. Launcher overhead (DDP LeNet, digits, 2 workers, batch 64, 12 epochs)", "",
               "| figure | Ray | torchrun | Ray / torchrun |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['ray']:.3f} | {v['torchrun']:.3f} | {v['ratio']:.3f} |" for k, v in report["launcher"].items()]
     for key, title in [("scaling_resnet18", f"2. Scaling, compute-bound (ResNet-18, 512 synthetic images, "
                                             f"global batch 64; {min(report['repeats'], 2)} runs, 1 of 1 x 2 threads)"),
-                       ("scaling_lenet", "2b. Scaling, LeNet on digits (global batch 64)")]:
+                       ("scaling_lenet", f"2b. Scaling, LeNet on digits (global batch 64; {min(report['repeats'], 2)} runs)")]:
         lines += ["", f"## {title}", ""] + table(report[key])
     for workers, runs in ((2, report["repeats"]), (3, 1)):
         lines += ["", f"## 3. DDP vs scratch all-reduce, {workers} workers (LeNet, digits, batch 48, plain SGD; "
@@ -281,8 +314,8 @@ def to_markdown(report):
         for name, row in report[f"allreduce_{workers}"].items():
             lines.append(f"| {name} | {row['sec_per_step']:.4f} | {row.get('allreduce_ms_per_step', float('nan')):.3f} "
                          f"| {row.get('busbw_GBps', float('nan')):.3f} |")
-    lines += ["", "## 3b. One LeNet step taken apart (2 local processes, gloo, 1 thread each, 24 images each; "
-                  "no Ray)", "", "| step | ms |", "|---|---|"]
+    lines += ["", "## 3b. One step taken apart (2 local processes, gloo, 1 thread each; LeNet: 24 images each, "
+                  "ResNet-18: 32 images each; no Ray)", "", "| step | ms |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in report["step_breakdown"].items()]
     lines += ["", "## 4. Share of training time waiting for data (2 workers)", ""] + table(report["data_wait"])
     return "\n".join(lines) + "\n"
@@ -298,7 +331,7 @@ def main():
     report["launcher"], ray_runs = launcher_overhead(args.repeats)
     print("2. scaling", flush=True)
     report["scaling_resnet18"] = scaling(RESNET, min(args.repeats, 2), two_thread_baseline=True)
-    report["scaling_lenet"] = scaling(LENET, args.repeats)
+    report["scaling_lenet"] = scaling(LENET, min(args.repeats, 2))
     print("3. DDP vs scratch all-reduce", flush=True)
     report["allreduce_2"] = allreduce_variants(2, args.repeats)
     report["allreduce_3"] = allreduce_variants(3, 1)
