@@ -818,6 +818,21 @@ def crash_once_hook(spec: Optional[str], worker: Worker):
     return maybe_crash
 
 
+def cuda_fast_paths(cfg: Config, model: nn.Module, train_set: TensorDataset, test_set: TensorDataset,
+                    device: torch.device) -> tuple[nn.Module, TensorDataset, TensorDataset]:
+    # Fixed input shapes: let cuDNN pick its fastest kernels. (Imported by name: run as a script, this
+    # function travels to the workers by value, and cloudpickle cannot ship torch.backends.cudnn.)
+    importlib.import_module("torch.backends.cudnn").benchmark = True
+    # The whole (small) data set on the GPU once: batches are then indexed there, no host copies.
+    # (Not the training set that loader processes read: they need it in host memory.)
+    test_set = TensorDataset(*(t.to(device) for t in test_set.tensors))
+    if not cfg.loader_workers:
+        train_set = TensorDataset(*(t.to(device) for t in train_set.tensors))
+    if cfg.model == "resnet18":  # NHWC lets tensor-core convolutions skip layout transposes
+        model = model.to(memory_format=torch.channels_last)
+    return model, train_set, test_set
+
+
 def train_loop_per_worker(config: dict) -> dict:
     """--mode ddp (and dp): the DDP tutorial's loop."""
     cfg, worker, extras = worker_setup(config)
@@ -829,16 +844,7 @@ def train_loop_per_worker(config: dict) -> dict:
     if cfg.sync_bn:
         model = convert_sync_bn(model, worker.device)  # before DDP, which must see the final modules
     if worker.device.type == "cuda":
-        # Fixed input shapes: let cuDNN pick its fastest kernels. (Imported by name: run as a script, this
-        # function travels to the workers by value, and cloudpickle cannot ship torch.backends.cudnn.)
-        importlib.import_module("torch.backends.cudnn").benchmark = True
-        # The whole (small) data set on the GPU once: batches are then indexed there, no host copies.
-        # (Not the training set that loader processes read: they need it in host memory.)
-        test_set = TensorDataset(*(t.to(worker.device) for t in test_set.tensors))
-        if not cfg.loader_workers:
-            train_set = TensorDataset(*(t.to(worker.device) for t in train_set.tensors))
-        if cfg.model == "resnet18":  # NHWC lets tensor-core convolutions skip layout transposes
-            model = model.to(memory_format=torch.channels_last)
+        model, train_set, test_set = cuda_fast_paths(cfg, model, train_set, test_set, worker.device)
     model = wrap_model(model.to(worker.device), worker.device, cfg.mode)
     if cfg.compile:
         model = torch.compile(model)
