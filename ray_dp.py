@@ -32,11 +32,14 @@ import json
 import logging
 import math
 import os
+import re
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -152,12 +155,12 @@ class _WorkersAction(argparse.Action):
     """--workers N, or MIN:MAX for an elastic run."""
 
     def __call__(self, parser, namespace, text, option_string=None):
-        low, _, high = text.partition(":")
+        low, colon, high = text.partition(":")
         try:
-            namespace.workers, namespace.min_workers = (int(high), int(low)) if high else (int(low), 0)
-        except ValueError:
+            namespace.workers, namespace.min_workers = (int(high), int(low)) if colon else (int(low), 0)
+        except ValueError:  # also "3:" and ":3": half a range is no range
             raise ConfigError(f"--workers takes N or MIN:MAX in whole numbers, got {text!r}") from None
-        if high and namespace.min_workers < 1:  # 0 would silently mean "not elastic"
+        if colon and namespace.min_workers < 1:  # 0 would silently mean "not elastic"
             raise ConfigError(f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {text}")
 
 
@@ -207,17 +210,48 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     typed = {k for k, v in vars(parser.parse_args(flags, argparse.Namespace(**dict.fromkeys(args, NOT_TYPED)))).items()
              if v is not NOT_TYPED}
     options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
-    cfg = Config(**args)
+    if under_torchrun():
+        args = torchrun_launch(args, typed)
+    cfg = with_absolute_paths(Config(**args))
     validate(cfg)
-    cfg.data_dir, cfg.logdir = os.path.abspath(cfg.data_dir), os.path.abspath(cfg.logdir)  # workers run elsewhere
-    if "://" not in cfg.storage_path:
-        cfg.storage_path = os.path.abspath(cfg.storage_path)
     if cfg.eval_only:
         command, cfg = "eval", eval_config(cfg, typed)
-    default_name = {"compare": "compare", "eval": f"eval-{cfg.model}-{cfg.dataset}"}.get(
+    return command, replace(cfg, name=cfg.name or default_run_name(command, cfg)), options
+
+
+def with_absolute_paths(cfg: Config) -> Config:
+    """Ray's workers run in directories of their own: every local path they are handed is absolute."""
+    paths = {name: os.path.abspath(getattr(cfg, name)) for name in ("data_dir", "logdir", "storage_path", "predict_out")
+             if getattr(cfg, name) and not is_uri(getattr(cfg, name))}
+    return replace(cfg, **paths)
+
+
+def is_uri(path: str) -> bool:
+    return "://" in path  # s3://bucket/path and the like: storage that pyarrow reaches, not a local path
+
+
+def default_run_name(command: str, cfg: Config) -> str:
+    """mode-model-dataset-date-time-pid: the pid keeps two runs started in the same second apart."""
+    prefix = {"compare": "compare", "eval": f"eval-{cfg.model}-{cfg.dataset}"}.get(
         command, f"{cfg.mode}-{cfg.model}-{cfg.dataset}")
-    cfg.name = cfg.name or f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return command, cfg, options
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def torchrun_launch(args: dict, typed: set) -> dict:
+    """Under torchrun, torchrun decides the worker count (WORLD_SIZE) and the device (CUDA if the machine has
+    it): the config states what will really run, so that it is validated like any other."""
+    world = int(os.environ["WORLD_SIZE"])
+    if typed & {"workers", "min_workers"} and (args["workers"], args["min_workers"]) != (world, 0):
+        raise ConfigError(f"torchrun starts {world} processes (WORLD_SIZE={world}) and they are the workers: "
+                          f"drop --workers (or change --nproc_per_node)")
+    cuda = torch.cuda.is_available()
+    if args.get("gpu") is not None and args["gpu"] != cuda:  # absent: --gpu / --cpu not typed
+        raise ConfigError(f"under torchrun the workers use {'CUDA' if cuda else 'the CPU'} when the machine "
+                          f"{'has' if cuda else 'has no'} GPUs: drop --{'cpu' if cuda else 'gpu'}")
+    if is_uri(args["storage_path"]):
+        raise ConfigError("under torchrun, rank 0 writes the checkpoints itself: --storage-path must be a "
+                          "directory (a shared file system for several machines), not a URI")
+    return {**args, "workers": world, "min_workers": 0, "gpu": cuda}
 
 
 NOT_TYPED = object()
@@ -225,7 +259,7 @@ NOT_TYPED = object()
 # contradicting value of the first or any of the second is an error rather than silently ignored.
 MODEL_FIELDS = ("model", "dataset")
 TRAINING_FIELDS = ("mode", "epochs", "batch_size", "lr", "lr_schedule", "momentum", "accum_steps", "allreduce",
-                   "sync_bn", "seed", "loader_workers")
+                   "sync_bn", "seed", "loader_workers", "compile")
 
 
 def eval_config(cfg: Config, typed: set) -> Config:
@@ -238,8 +272,23 @@ def eval_config(cfg: Config, typed: set) -> Config:
         if name in typed and getattr(cfg, name) != trained[name]:
             raise ConfigError(f"the checkpoint holds a {trained['model']} trained on {trained['dataset']}; "
                               f"--{name} {getattr(cfg, name)} contradicts it")
+    if cfg.predict_out == path:
+        raise ConfigError(f"--predict-out {cfg.predict_out} is the checkpoint being evaluated")
     # A scratch-mode checkpoint is a LeNet state_dict too, so every checkpoint is evaluated the ddp way.
     return replace(cfg, model=trained["model"], dataset=trained["dataset"], mode="ddp", eval_only=path)
+
+
+def is_run_name(name: str) -> bool:
+    """One path component, so that <storage-path>/<name> and <logdir>/<name> stay inside their roots."""
+    return name not in (".", "..") and not any(sep in name for sep in ("/", "\\", "\0"))
+
+
+def not_a_directory(path: str) -> Optional[str]:
+    """The first existing part of `path` if it is a file (so no directory can be made there), else None."""
+    for part in [Path(path), *Path(path).parents]:
+        if part.exists():
+            return None if part.is_dir() else str(part)
+    return None
 
 
 def validate(cfg: Config) -> None:
@@ -248,14 +297,16 @@ def validate(cfg: Config) -> None:
         (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
          f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {cfg.min_workers}:{cfg.workers}"),
         (not (cfg.min_workers and cfg.mode == "dp"), "--mode dp runs one worker; it cannot be elastic"),
-        (cfg.cpus_per_worker > 0, f"--cpus-per-worker must be positive, got {cfg.cpus_per_worker}"),
+        (math.isfinite(cfg.cpus_per_worker) and cfg.cpus_per_worker > 0,
+         f"--cpus-per-worker must be a positive number, got {cfg.cpus_per_worker}"),
+        (is_run_name(cfg.name), f"--name must be one directory name (no '/', '\\', '.' or '..'), got {cfg.name!r}"),
         (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
         (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
-        (cfg.lr > 0, f"--lr must be positive, got {cfg.lr}"),
+        (math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}"),
         (cfg.log_every >= 1, f"--log-every must be at least 1, got {cfg.log_every}"),
         (cfg.max_failures >= -1, f"--max-failures must be -1 (no limit) or more, got {cfg.max_failures}"),
-        (cfg.timeout > 0, f"--timeout must be positive, got {cfg.timeout}"),
+        (math.isfinite(cfg.timeout) and cfg.timeout >= 1, f"--timeout must be at least 1 second, got {cfg.timeout}"),
         (0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
         (not (cfg.mode == "scratch" and cfg.model != "lenet"),
          f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
@@ -273,12 +324,18 @@ def validate(cfg: Config) -> None:
         (not (cfg.sync_bn and cfg.model != "resnet18"),
          f"--sync-bn needs a model with BatchNorm (resnet18); {cfg.model} has none"),
         (not cfg.predict_out or cfg.eval_only, "--predict-out needs --eval-only PATH (predictions of a saved model)"),
-        (not os.path.exists(cfg.data_dir) or os.path.isdir(cfg.data_dir),
-         f"--data-dir {cfg.data_dir} exists but is not a directory"),
+        (not cfg.predict_out or cfg.predict_out.lower().endswith(".csv"),
+         f"--predict-out must name a .csv file, got {cfg.predict_out}"),
+        (not os.path.isdir(cfg.predict_out), f"--predict-out {cfg.predict_out} is a directory; name a .csv file"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
+                   "predict-out": os.path.dirname(cfg.predict_out)}
+    for flag, path in directories.items():
+        if path and not is_uri(path) and (blocker := not_a_directory(path)):
+            raise ConfigError(f"--{flag} {path}: {blocker} is a file, not a directory")
     for workers in range(cfg.min_workers or cfg.workers, cfg.workers + 1):  # every size an elastic run may have
         per_step = workers * cfg.accum_steps
         if cfg.batch_size % per_step and not cfg.eval_only:  # evaluation has no global batch to split
@@ -676,11 +733,20 @@ def find_checkpoint(path: str) -> str:
         return os.path.abspath(path)
     if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):
         return os.path.abspath(os.path.join(path, CHECKPOINT_FILE))
-    epochs = sorted(Path(path).glob(f"checkpoint_epoch_*/{CHECKPOINT_FILE}"))
+    epochs = epoch_checkpoints(path)
     if not epochs:
         raise ConfigError(f"--eval-only {path} holds no checkpoint ({CHECKPOINT_FILE} or "
                           f"checkpoint_epoch_*/{CHECKPOINT_FILE})")
     return str(epochs[-1].resolve())
+
+
+def epoch_checkpoints(run_dir: str) -> list[Path]:
+    """A run's checkpoint files in epoch order: by number, since as text epoch 1000 sorts before 999."""
+    found = {}
+    for path in Path(run_dir).glob(f"checkpoint_epoch_*/{CHECKPOINT_FILE}"):
+        if (match := re.fullmatch(r"checkpoint_epoch_(\d+)", path.parent.name)):
+            found[int(match[1])] = path
+    return [found[epoch] for epoch in sorted(found)]
 
 
 def read_checkpoint(path: str) -> dict:
@@ -705,7 +771,7 @@ def under_torchrun() -> bool:
 def latest_checkpoint(cfg: Config, worker: "Worker") -> Optional[dict]:
     """This run's newest checkpoint (Ray finds it in storage when a run with this name ran before), or None."""
     if worker.torchrun:
-        files = sorted(Path(cfg.run_dir).glob(f"checkpoint_epoch_*/{CHECKPOINT_FILE}"))
+        files = epoch_checkpoints(cfg.run_dir)
         return load_checkpoint(files[-1]) if files else None
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
@@ -768,7 +834,16 @@ def worker_setup(config: dict) -> tuple[Config, "Worker", dict]:
     names = {f.name for f in fields(Config)}
     cfg = Config(**{k: v for k, v in config.items() if k in names})
     extras = {k: v for k, v in config.items() if k not in names}
-    return cfg, Worker.from_ray(cfg, extras.get("torchrun", False)), extras
+    worker = Worker.from_ray(cfg, extras.get("torchrun", False))
+    bound_collectives(cfg.timeout)
+    return cfg, worker, extras
+
+
+def bound_collectives(seconds: float) -> None:
+    """--timeout for every collective. Ray's TorchConfig sets it when it makes the process group; Ray's
+    local mode (torchrun) makes it with torch's default, so set it again here, the same on both."""
+    if dist.is_available() and dist.is_initialized():
+        dist.set_timeout(timedelta(seconds=seconds))
 
 
 def format_epoch(m: dict, epochs: int) -> str:
@@ -1057,7 +1132,8 @@ def eval_loop_per_worker(config: dict) -> dict:
     model = build_model(cfg.model, test_set.tensors[0].shape[1:])
     model.load_state_dict(weights)
     model.to(worker.device).eval()
-    metrics = evaluate(model, test_set, worker.device, details=True)
+    with autocast(cfg, worker.device):
+        metrics = evaluate(model, test_set, worker.device, details=True)
     return {"metrics": metrics, "world_size": worker.world, "device": worker.device.type}
 
 
@@ -1132,38 +1208,110 @@ def resources_per_worker(cfg: Config) -> dict:
     return {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if cfg.gpu else {})}
 
 
-def settle_device(cfg: Config, cpus: float, gpus: float, can_grow: bool = False) -> None:
-    """Decide GPU or CPU workers from what the cluster has, then check that the workers fit: a local
-    cluster never grows, and Ray would wait forever for resources it does not have."""
-    if cfg.gpu is None:
-        cfg.gpu = gpus > 0 or cfg.mode == "dp"
+@dataclass(frozen=True)
+class Cluster:
+    """What a run can use: the resources up now and, where an autoscaler can add nodes, the most its node
+    types add up to (None: nothing says). local: a cluster on this machine alone, which never grows."""
+    now: dict
+    most: Optional[dict]
+    local: bool
+
+
+def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
+    """GPU workers (nccl) or CPU workers (gloo), when --gpu / --cpu did not say."""
+    if cfg.gpu is not None:
+        return cfg.gpu
+    if cfg.mode == "dp" or cluster.now.get("GPU", 0) > 0:
+        return True
+    if cluster.most is not None:  # e.g. a fresh `ray up` cluster: GPU nodes start when workers ask for GPUs
+        return cluster.most.get("GPU", 0) > 0
+    if cluster.local:
+        return False
+    raise ConfigError(f"the cluster at {cfg.address} has no GPU now and ray_dp cannot tell whether it can add "
+                      f"GPU nodes (no autoscaler configuration found): pass --gpu or --cpu")
+
+
+def settle_device(cfg: Config, cluster: Cluster) -> Config:
+    """The config with the device decided, once the workers are known to fit: Ray would otherwise wait
+    forever for resources that never come."""
+    cfg = replace(cfg, gpu=decide_gpu(cfg, cluster))
     fewest = cfg.min_workers or cfg.processes  # an elastic run starts once its minimum fits
     need = {kind: amount * fewest for kind, amount in resources_per_worker(cfg).items()}
-    if need["CPU"] <= cpus and need.get("GPU", 0) <= gpus:
-        return
-    if can_grow:
-        print(f"note: waiting for the cluster to grow to {need} (it has {cpus:g} CPUs, {gpus:g} GPUs now)", flush=True)
-    elif cfg.mode == "dp" and gpus < 1:
+    if fits(need, cluster.now):
+        return cfg
+    have = f"{cluster.now.get('CPU', 0):g} CPUs and {cluster.now.get('GPU', 0):g} GPUs"
+    if cluster.local and cfg.mode == "dp" and not cluster.now.get("GPU"):
         raise ConfigError("--mode dp needs CUDA GPUs (it is nn.DataParallel) and this machine has none; use --mode ddp")
-    elif cfg.gpu and gpus < 1:
+    if cluster.local and cfg.gpu and not cluster.now.get("GPU"):
         raise ConfigError("--gpu was given but this machine has no GPU (use --cpu)")
-    else:
-        raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} GPUs but the "
-                          f"cluster has {cpus:g} CPUs and {gpus:g} GPUs (lower --workers or --cpus-per-worker)")
+    if cluster.local or (cluster.most is not None and not fits(need, cluster.most)):
+        limit = f"the cluster has {have}" if cluster.local else f"its node types add up to at most {cluster.most}"
+        raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} GPUs but {limit} "
+                          f"(lower --workers or --cpus-per-worker)")
+    print(f"note: waiting for the cluster to grow to {need} (it has {have} now)", flush=True)
+    return cfg
 
 
-def connect(cfg: Config) -> None:
-    """Start (or attach to) Ray, after checking that the run fits, so that nothing starts in vain."""
+def fits(need: dict, have: dict) -> bool:
+    return all(amount <= have.get(kind, 0) for kind, amount in need.items())
+
+
+BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"  # what `ray up` leaves on the head node for its autoscaler
+
+
+def autoscaler_capacity(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[dict]:
+    """The most of each resource the attached cluster's autoscaler can provide: from the node types Ray
+    records in its GCS (KubeRay, autoscaler v2), else from the config `ray up` left on this head node."""
+    from ray._private.state import state
+    recorded = state.get_cluster_config()
+    if recorded is not None and recorded.node_group_configs:
+        return capacity_from_node_groups(recorded)
+    path = os.path.expanduser(bootstrap_path)
+    if not os.path.isfile(path):
+        return None
+    import yaml
+    with open(path) as f:
+        return capacity_from_node_types(yaml.safe_load(f))
+
+
+def capacity_from_node_groups(cluster_config) -> dict:
+    """From Ray's autoscaler_pb2.ClusterConfig: resources x max_count per node group (-1: no limit)."""
+    return add_up_capacity((dict(group.resources), math.inf if group.max_count == -1 else group.max_count)
+                           for group in cluster_config.node_group_configs)
+
+
+def capacity_from_node_types(cluster_yaml: dict) -> dict:
+    """From a cluster launcher config (cluster.yaml as `ray up` prepared it): the head node, plus
+    resources x max_workers for each node type."""
+    head = cluster_yaml.get("head_node_type")
+    return add_up_capacity((node_type.get("resources", {}), node_type.get("max_workers", 0) + (name == head))
+                           for name, node_type in cluster_yaml.get("available_node_types", {}).items())
+
+
+def add_up_capacity(groups) -> dict:
+    most = {}
+    for resources, count in groups:
+        for kind, amount in resources.items():
+            if amount and count:
+                most[kind] = most.get(kind, 0) + amount * count
+    return most
+
+
+def connect(cfg: Config) -> Config:
+    """Start (or attach to) Ray, after checking that the run fits, so that nothing starts in vain.
+    Returns the config with the device decided."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # Ray would fold epoch lines that differ only in numbers
     if not ray.is_initialized() and not cfg.address:
-        settle_device(cfg, os.cpu_count() or 1, torch.cuda.device_count())
+        machine = {"CPU": os.cpu_count() or 1, "GPU": torch.cuda.device_count()}
+        cfg = settle_device(cfg, Cluster(machine, None, local=True))
         ray.init(address="local", runtime_env=RUNTIME_ENV, logging_level=logging.WARNING, include_dashboard=False)
-        return
+        return cfg
     if not ray.is_initialized():
         ray.init(address=cfg.address, runtime_env=RUNTIME_ENV, logging_level=logging.WARNING)
-    resources = ray.cluster_resources()
-    # A cluster started by `ray up` may add nodes on demand; one this process shares (tests) will not.
-    settle_device(cfg, resources.get("CPU", 0), resources.get("GPU", 0), can_grow=bool(cfg.address))
+    # A cluster this process already runs (tests, compare's rows) was started here and will not grow.
+    attached = bool(cfg.address)
+    return settle_device(cfg, Cluster(ray.cluster_resources(), autoscaler_capacity() if attached else None,
+                                      local=not attached))
 
 
 def check_data(cfg: Config) -> tuple[int, int]:
@@ -1180,9 +1328,20 @@ def describe(cfg: Config, sizes: tuple[int, int]) -> str:
                else f"{cfg.min_workers or cfg.workers}{f'-{cfg.workers}' if cfg.min_workers else ''} "
                     f"{'GPU' if cfg.gpu else 'CPU'} workers{' (elastic)' if cfg.min_workers else ''}")
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
+    dropped = sizes[0] - samples_per_epoch(cfg, sizes[0])
+    left_out = f" ({dropped} train samples left out per epoch: whole global batches only)" if dropped else ""
     return (f"ray-dp: {cfg.mode} {cfg.model} on {cfg.dataset} ({sizes[0]} train / {sizes[1]} test), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x {cfg.processes} workers x "
-            f"{cfg.accum_steps} accum, lr {cfg.lr} ({cfg.lr_schedule}), {cfg.epochs} epochs, run dir {cfg.run_dir}")
+            f"{cfg.accum_steps} accum{left_out}, lr {cfg.lr} ({cfg.lr_schedule}), {cfg.epochs} epochs, "
+            f"run dir {cfg.run_dir}")
+
+
+def samples_per_epoch(cfg: Config, train_size: int) -> int:
+    """Samples trained per epoch: whole global batches. (ddp: each worker's equal shard, cut to whole steps.)"""
+    if cfg.mode == "scratch":
+        return train_size // cfg.batch_size * cfg.batch_size
+    steps = train_size // cfg.processes // (cfg.micro_batch * cfg.accum_steps)
+    return steps * cfg.batch_size
 
 
 def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
@@ -1209,7 +1368,10 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
                              failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
         torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)),
     )
-    return trainer.fit()
+    try:
+        return trainer.fit()
+    except SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, aborts the run and exits
+        raise KeyboardInterrupt from None
 
 
 def summarize(cfg: Config, result: ray.train.Result) -> dict:
@@ -1231,38 +1393,103 @@ def summarize(cfg: Config, result: ray.train.Result) -> dict:
 
 
 def write_json(path: str, data: dict) -> None:
-    if "://" in path:  # cloud storage: Ray already holds the checkpoints there; keep result.json local
-        path = os.path.basename(path)
+    """result.json beside the run's checkpoints, in cloud storage too."""
+    text = json.dumps(data, indent=2)
+    if is_uri(path):  # an object store writes the whole object or nothing
+        from pyarrow import fs
+        storage, key = fs.FileSystem.from_uri(path)
+        storage.create_dir(os.path.dirname(key), recursive=True)
+        with storage.open_output_stream(key) as f:
+            f.write(text.encode())
+        return
+    write_atomically(path, text)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Never a half-written file: write beside it, then rename over it."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(path + ".tmp", path)  # never a half-written result.json
+    with open(path + ".tmp", "w", newline="") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
-def prepare_run_dir(cfg: Config) -> None:
-    """--fresh: delete the run's old checkpoints. Otherwise check that the checkpoint Ray will resume from
-    loads, so that a corrupt one is one clear sentence here rather than a failure on every worker."""
+def check_run_dir(cfg: Config) -> None:
+    """Before any cluster starts. --fresh: delete this run's directory, and nothing outside it. A rerun:
+    the checkpoint it will resume from must load (a corrupt one is one sentence here, not a failure on
+    every worker) and must have been trained the way this command says."""
     from pyarrow import fs
     storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
-    if storage.get_file_info(run_dir).type == fs.FileType.NotFound:
+    kind = storage.get_file_info(run_dir).type
+    if kind == fs.FileType.NotFound:
         return
+    if kind != fs.FileType.Directory:
+        raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if cfg.fresh:
-        storage.delete_dir(run_dir)
-        print(f"--fresh: deleted {cfg.run_dir}; starting run '{cfg.name}' over", flush=True)
+        delete_run_dir(cfg, storage, run_dir)
         return
-    snapshot = f"{run_dir}/checkpoint_manager_snapshot.json"  # Ray's list of committed checkpoints
-    if storage.get_file_info(snapshot).type == fs.FileType.NotFound:
+    latest = latest_committed(cfg.run_dir)
+    if latest is None:
         return
-    with storage.open_input_stream(snapshot) as f:
-        committed = json.loads(f.read())["checkpoint_results"]
-    if not committed or "://" in cfg.run_dir:  # cloud storage: let the workers read it
-        return
-    latest = os.path.join(cfg.run_dir, committed[-1]["checkpoint_dir_name"], CHECKPOINT_FILE)
     try:
-        read_checkpoint(latest)
+        state = read_checkpoint(latest)
     except ConfigError as exc:
         raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start over, or "
                           f"--eval-only an earlier checkpoint_epoch_* directory") from None
+    check_same_training(cfg, state["config"])
+    if cfg.lr_schedule == "cosine" and state["config"].get("epochs") != cfg.epochs and state["epoch"] + 1 < cfg.epochs:
+        print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was {state['config']['epochs']}): "
+              f"epoch {state['epoch'] + 2} trains at lr {learning_rate(cfg, state['epoch'] + 1):.4g}", flush=True)
+
+
+def delete_run_dir(cfg: Config, storage, run_dir: str) -> None:
+    if not is_uri(cfg.run_dir):  # a run directory that is a link may point anywhere: resolve it first
+        target = os.path.realpath(cfg.run_dir)
+        if os.path.dirname(target) != os.path.realpath(cfg.storage_path):
+            raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target}, outside --storage-path; not deleting it")
+    storage.delete_dir(run_dir)
+    print(f"--fresh: deleted {cfg.run_dir}; starting run '{cfg.name}' over", flush=True)
+
+
+# What a rerun of a run may change: how long it trains, on how many workers of what kind, where it
+# reads and writes, what it logs. Anything else would silently train a different model.
+RESUMABLE_FIELDS = {"epochs", "workers", "min_workers", "cpus_per_worker", "gpu", "max_failures", "timeout",
+                    "fresh", "address", "storage_path", "name", "logdir", "log_every", "quiet", "data_dir",
+                    "download", "loader_workers", "compile", "eval_only", "predict_out"}
+
+
+def check_same_training(cfg: Config, stored: dict) -> None:
+    now = asdict(cfg)
+    changed = [name for name in now if name not in RESUMABLE_FIELDS and name in stored and stored[name] != now[name]]
+    if changed:
+        flags = [f"--{name.replace('_', '-')} " for name in changed]
+        was = ", ".join(f"{flag}{stored[name]}" for flag, name in zip(flags, changed))
+        says = ", ".join(f"{flag}{now[name]}" for flag, name in zip(flags, changed))
+        raise ConfigError(f"run '{cfg.name}' was trained with {was}; this command says {says}: rerun it with "
+                          f"its values to resume it, or start over with --fresh or a new --name")
+
+
+def latest_committed(run_dir: str) -> Optional[str]:
+    """The checkpoint file a rerun resumes from: the last one Ray committed (its snapshot lists them, in
+    order), or under torchrun, which keeps no snapshot, the highest epoch written (atomically)."""
+    from pyarrow import fs
+    storage, path = fs.FileSystem.from_uri(run_dir)
+    snapshot = f"{path}/checkpoint_manager_snapshot.json"
+    if storage.get_file_info(snapshot).type != fs.FileType.NotFound:
+        with storage.open_input_stream(snapshot) as f:
+            committed = json.loads(f.read())["checkpoint_results"]
+        return f"{run_dir}/{committed[-1]['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if committed else None
+    files = [] if is_uri(run_dir) else epoch_checkpoints(run_dir)
+    return str(files[-1]) if files else None
+
+
+def interrupted(command: str, cfg: Optional[Config]) -> str:
+    """Ctrl-C: what was kept, and the command line that continues."""
+    latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
+    if latest is None:
+        return "interrupted; nothing was saved"
+    epoch = int(re.search(r"checkpoint_epoch_(\d+)", latest)[1]) + 1
+    return (f"interrupted after epoch {epoch} of {cfg.epochs} (saved in {cfg.run_dir}); "
+            f"the same command with --name {cfg.name} resumes it")
 
 
 def format_summary(summary: dict, launcher: str = "") -> str:
@@ -1275,8 +1502,8 @@ def run(cfg: Config) -> dict:
     sizes = check_data(cfg)
     if under_torchrun():
         return run_under_torchrun(cfg, sizes)
-    prepare_run_dir(cfg)
-    connect(cfg)
+    check_run_dir(cfg)
+    cfg = connect(cfg)
     print(describe(cfg, sizes), flush=True)
     summary = summarize(cfg, fit(cfg))
     print(format_summary(summary), flush=True)
@@ -1289,7 +1516,10 @@ def run(cfg: Config) -> dict:
 def run_eval(cfg: Config) -> dict:
     """--eval-only: the same test metrics as training, plus per-class accuracy and the confusion matrix."""
     _, test_set = load_dataset(cfg)
-    connect(cfg)
+    if epoch_checkpoints(cfg.run_dir):
+        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, whose result.json this "
+                          f"evaluation would overwrite; choose another --name")
+    cfg = connect(cfg)
     print(f"ray-dp: evaluating {cfg.eval_only} ({cfg.model} on {cfg.dataset}, {len(test_set)} test samples) "
           f"on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers", flush=True)
     weights = ray.put(read_checkpoint(cfg.eval_only)["model"])
@@ -1309,12 +1539,13 @@ def run_eval(cfg: Config) -> dict:
 
 def write_predictions(path: str, labels: list, predictions: list) -> None:
     import csv
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["index", "label", "predicted", "probability"])
-        writer.writerows([i, label, int(predicted), f"{probability:.6f}"]
-                         for i, (label, (predicted, probability)) in enumerate(zip(labels, predictions)))
+    import io
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["index", "label", "predicted", "probability"])
+    writer.writerows([i, label, int(predicted), f"{probability:.6f}"]
+                     for i, (label, (predicted, probability)) in enumerate(zip(labels, predictions)))
+    write_atomically(path, text.getvalue())
 
 
 def format_eval(metrics: dict, per_class: list, out: dict) -> str:
@@ -1332,9 +1563,8 @@ def run_under_torchrun(cfg: Config, sizes: tuple[int, int]) -> Optional[dict]:
     """`torchrun --nproc_per_node N ray_dp.py ...`: torchrun's processes are the workers; rank 0 reports."""
     is_main = os.environ["RANK"] == "0"
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # local mode logs every report at INFO
-    cfg.workers, cfg.gpu = int(os.environ["WORLD_SIZE"]), torch.cuda.is_available()  # torchrun decides these
     if is_main:
-        prepare_run_dir(cfg)
+        check_run_dir(cfg)
         print(describe(cfg, sizes).replace("ray-dp:", "ray-dp (torchrun):"), flush=True)
     result = fit(cfg)
     if not is_main:
@@ -1428,6 +1658,7 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
 # ============================================================================
 
 def main(argv=None) -> int:
+    command, cfg = "train", None
     try:
         command, cfg, options = parse_command(argv)
         {"compare": compare, "eval": run_eval, "train": run}[command](cfg, **options)
@@ -1437,6 +1668,9 @@ def main(argv=None) -> int:
     except ray.train.TrainingFailedError as exc:
         print(f"ray_dp.py: training failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"ray_dp.py: {interrupted(command, cfg)}", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a Ctrl-C
     return 0
 
 

@@ -1,6 +1,7 @@
 """Shared fixtures: one local Ray cluster for the whole session, and a gloo process-group launcher."""
 import os
 import sys
+import urllib.error
 
 import pytest
 
@@ -21,3 +22,22 @@ def ray_cluster():
              logging_level="WARNING")
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """As on a fresh 2-core machine without GPUs or network; starting Ray fails the test."""
+    import ray
+    import torch
+    import torchvision
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Ray cluster was started for bad input")
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+
+    def no_network(self):
+        raise urllib.error.URLError("no network")
+    monkeypatch.setattr(torchvision.datasets.FashionMNIST, "download", no_network)

@@ -2,31 +2,13 @@
 import os
 import subprocess
 import sys
-import urllib.error
 
 import pytest
-import ray
 import torch
-import torchvision
 
 import ray_dp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def no_cluster(monkeypatch):
-    """As on a fresh 2-core machine without GPUs or network; starting Ray fails the test."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a Ray cluster was started for bad input")
-    monkeypatch.setattr(ray, "init", refuse)
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-
-    def no_network(self):
-        raise urllib.error.URLError("no network")
-    monkeypatch.setattr(torchvision.datasets.FashionMNIST, "download", no_network)
 
 
 def a_file(tmp_path):
@@ -44,19 +26,35 @@ BAD_INPUTS = [
     (["--workers", "2:3", "--batch-size", "64"], "--batch-size 64 must divide by workers x accum-steps = 3"),
     (["--mode", "dp", "--workers", "1:2"], "--mode dp runs one worker; it cannot be elastic"),
     (["--max-failures", "-2"], "--max-failures must be -1 (no limit) or more, got -2"),
-    (["--timeout", "0"], "--timeout must be positive"),
+    (["--timeout", "0"], "--timeout must be at least 1 second"),
+    (["--timeout", "0.5"], "--timeout must be at least 1 second, got 0.5"),
+    (["--timeout", "inf"], "--timeout must be at least 1 second, got inf"),
+    (["--lr", "inf"], "--lr must be a positive number, got inf"),
+    (["--lr", "nan"], "--lr must be a positive number, got nan"),
+    (["--cpus-per-worker", "inf"], "--cpus-per-worker must be a positive number"),
+    (["--workers", "3:"], "--workers takes N or MIN:MAX in whole numbers, got '3:'"),
+    (["--workers", ":3"], "--workers takes N or MIN:MAX in whole numbers, got ':3'"),
+    (["--name", "../victim"], "--name must be one directory name"),
+    (["--name", "/tmp/victim"], "--name must be one directory name"),
+    (["--name", "a/b"], "--name must be one directory name"),
+    (["--name", "."], "--name must be one directory name"),
+    (["--name", ".."], "--name must be one directory name"),
+    (["--name", "a\\b"], "--name must be one directory name"),
+    (["--storage-path", "{file}"], "is a file, not a directory"),
+    (["--storage-path", "{file}/runs"], "is a file, not a directory"),
+    (["--logdir", "{file}/tb"], "is a file, not a directory"),
     (["--log-every", "0"], "--log-every must be at least 1"),
     (["--mode", "scratch", "--amp"], "--amp and --compile need --mode ddp"),
     (["--dataset", "synthetic", "--synthetic-size", "0"], "--synthetic-size must be at least 1"),
     (["--loader-workers", "-1"], "--loader-workers must be 0 (in memory) or more"),
     (["--mode", "scratch", "--loader-workers", "2"], "--loader-workers needs --mode ddp"),
-    (["--cpus-per-worker", "0"], "--cpus-per-worker must be positive"),
+    (["--cpus-per-worker", "0"], "--cpus-per-worker must be a positive number"),
     (["--epochs", "0"], "--epochs must be at least 1"),
     (["--accum-steps", "0"], "--accum-steps must be at least 1"),
     (["--batch-size", "10", "--workers", "3"], "--batch-size 10 must divide by workers x accum-steps = 3"),
     (["--batch-size", "64", "--workers", "2", "--accum-steps", "3"], "must divide by workers x accum-steps = 6"),
-    (["--lr", "0"], "--lr must be positive"),
-    (["--lr", "-0.1"], "--lr must be positive"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--lr", "-0.1"], "--lr must be a positive number"),
     (["--momentum", "1"], "--momentum must be in [0, 1)"),
     (["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
     (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
@@ -67,7 +65,7 @@ BAD_INPUTS = [
     (["--dataset", "digits", "--batch-size", "4096"], "larger than the 1437 training samples"),
     (["--dataset", "fashion-mnist", "--data-dir", "{tmp}"], "could not be downloaded"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}", "--no-download"], "could not be loaded (--no-download)"),
-    (["--data-dir", "{file}"], "is not a directory"),
+    (["--data-dir", "{file}"], "is a file, not a directory"),
     (["--mode", "dp", "--dataset", "digits"], "--mode dp needs CUDA GPUs"),
     (["--mode", "dp", "--cpu"], "--mode dp needs GPUs; drop --cpu"),
     (["--mode", "dp", "--model", "resnet18", "--sync-bn"], "nn.DataParallel keeps BatchNorm statistics per GPU"),
@@ -83,7 +81,9 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
 def test_bad_input_exits_2_with_one_sentence_before_any_cluster(argv, message, no_cluster, tmp_path, capsys):
     argv = [a.format(tmp=tmp_path, file=a_file(tmp_path)) for a in argv]
-    assert ray_dp.main(argv + ["--storage-path", str(tmp_path / "runs")]) == 2
+    command = argv[:1] if argv[:1] == ["compare"] else []
+    storage = ["--storage-path", str(tmp_path / "runs")]  # before the row's flags: a row's own path wins
+    assert ray_dp.main(command + storage + argv[len(command):]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ray_dp.py: error: ") and err.count("\n") == 1, err
     assert message in err
@@ -123,15 +123,47 @@ EVAL_BAD_INPUTS = [
     (lambda d: ["--eval-only", str(d), "--dataset", "synthetic"], "--dataset synthetic contradicts it"),
     (lambda d: ["--eval-only", str(d), "--epochs", "3"], "--epochs is a training flag"),
     (lambda d: ["--eval-only", str(d), "--loader-workers", "2"], "--loader-workers is a training flag"),
+    (lambda d: ["--eval-only", str(d), "--compile"], "--compile is a training flag"),
     (lambda d: ["--predict-out", str(d / "p.csv")], "--predict-out needs --eval-only"),
+    (lambda d: ["--eval-only", str(d), "--predict-out", str(d)], "must name a .csv file"),
+    (lambda d: ["--eval-only", str(d), "--predict-out", str(d / "checkpoint_epoch_000" / "checkpoint.pt")],
+     "must name a .csv file"),
+    (lambda d: ["--eval-only", str(csv_named_checkpoint(d)), "--predict-out", str(csv_named_checkpoint(d))],
+     "is the checkpoint being evaluated"),
+    (lambda d: ["--eval-only", str(d), "--predict-out", str(d / "dir.csv")], "is a directory"),
+    (lambda d: ["--eval-only", str(d), "--storage-path", str(d.parent), "--name", d.name],
+     "holds a training run, whose result.json this evaluation would overwrite"),
 ]
+
+
+def csv_named_checkpoint(run_dir):
+    path = run_dir.parent / "model.csv"
+    path.write_bytes((run_dir / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).read_bytes())
+    return path
 
 
 @pytest.mark.parametrize("make_argv, message", EVAL_BAD_INPUTS, ids=[m for _, m in EVAL_BAD_INPUTS])
 def test_eval_only_bad_input_is_one_sentence(make_argv, message, run_dir, no_cluster, capsys):
-    assert ray_dp.main(make_argv(run_dir) + ["--storage-path", str(run_dir.parent / "runs")]) == 2
+    (run_dir / "dir.csv").mkdir()
+    argv = make_argv(run_dir)
+    before = snapshot(run_dir.parent)
+    assert ray_dp.main(["--storage-path", str(run_dir.parent / "runs"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ray_dp.py: error: ") and err.count("\n") == 1 and message in err, err
+    assert snapshot(run_dir.parent) == before  # nothing written, deleted or overwritten
+
+
+def snapshot(root):
+    """Every file under root with its bytes."""
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_eval_only_takes_amp_and_refuses_compile(run_dir):
+    # --amp evaluates under bf16 autocast (eval_loop_per_worker); compiling would not pay for one pass.
+    command, cfg, _ = ray_dp.parse_command(["--eval-only", str(run_dir), "--amp"])
+    assert command == "eval" and cfg.amp
+    with pytest.raises(ray_dp.ConfigError, match="--compile is a training flag"):
+        ray_dp.parse_command(["--eval-only", str(run_dir), "--compile"])
 
 
 def test_eval_only_takes_model_and_data_from_the_checkpoint(run_dir):

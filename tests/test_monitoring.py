@@ -90,7 +90,7 @@ def test_tensorboard_serves_the_metrics_of_result_json_for_each_run(tmp_path, te
 def test_console_shows_exactly_one_epoch_line_per_epoch_from_rank_0_only(tmp_path):
     env = dict(os.environ, RAY_AUTH_MODE="token")  # the shared cluster uses token auth (Ray's default)
     proc = subprocess.run(
-        [sys.executable, "ray_dp.py", "--workers", "2", "--dataset", "digits", "--epochs", "3",
+        [sys.executable, "ray_dp.py", "--workers", "2", "--dataset", "digits", "--epochs", "3", "--cpu",
          "--address", ray.get_runtime_context().gcs_address, "--storage-path", str(tmp_path), "--name", "console",
          "--logdir", str(tmp_path / "tb")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -33,7 +33,11 @@ def test_cluster_yaml_passes_rays_own_validation_and_a_broken_copy_fails():
     starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
     assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c)  # token auth on every node
     assert "--dashboard-host=127.0.0.1" in " ".join(config["head_start_ray_commands"])
-    assert "requirements.txt" in " ".join(config["setup_commands"])
+    # A virtual environment on every node (PEP 668 images refuse pip into the system Python), and
+    # Ray started from it.
+    setup = " ".join(config["setup_commands"])
+    assert "python3 -m venv" in setup and "/bin/python -m pip install --quiet -r ~/ray-dp/requirements.txt" in setup
+    assert all("ray-dp-venv}/bin/ray " in c for c in starts)
     broken = copy.deepcopy(config)
     del broken["available_node_types"]["gpu_worker"]["node_config"]
     with pytest.raises(Exception, match="node_config"):
@@ -104,7 +108,7 @@ def two_nodes(tmp_path):
 
 def test_two_node_cluster_trains_one_worker_per_node_exactly_like_one_node(tmp_path, two_nodes, single_node_result):
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    command = [sys.executable, "ray_dp.py", *RUN, "--address", two_nodes, "--storage-path", str(tmp_path / "runs"),
+    command = [sys.executable, "ray_dp.py", *RUN, "--cpu", "--address", two_nodes, "--storage-path", str(tmp_path / "runs"),
                "--name", "two-nodes", "--logdir", str(tmp_path / "tb")]
     deadline = time.time() + 60
     while True:  # the worker node may still be joining
@@ -147,6 +151,8 @@ def sshd(tmp_path):
     (tmp_path / "sshd_config").write_text("\n".join([
         "ListenAddress 127.0.0.3", "ListenAddress 127.0.0.4", "Port 22", f"HostKey {tmp_path / 'host_key'}",
         f"AuthorizedKeysFile {tmp_path / 'authorized_keys'}", "PermitRootLogin prohibit-password",
+        # cluster.yaml's commands install into and run from $RAY_DP_VENV: here, the tests' own venv.
+        f"SetEnv RAY_DP_VENV={os.path.dirname(BIN)}",
         "PasswordAuthentication no", "StrictModes no", "UsePAM no", f"PidFile {tmp_path / 'sshd.pid'}", ""]))
     os.makedirs("/run/sshd", exist_ok=True)
     server = subprocess.Popen(["/usr/sbin/sshd", "-D", "-f", str(tmp_path / "sshd_config"), "-E",
@@ -158,15 +164,15 @@ def sshd(tmp_path):
 
 
 def local_cluster_config(key):
-    """cluster.yaml for the local provider: the shipped file mounts and start commands, adapted only where one
-    machine playing two must differ (explicit node IPs, the venv's ray, no `ray stop`)."""
+    """cluster.yaml for the local provider: the shipped file mounts, setup and start commands, adapted only
+    where one machine playing two must differ (explicit node IPs and ports, no `ray stop`)."""
     with open(os.path.join(REPO, "cluster.yaml")) as f:
         shipped = yaml.safe_load(f)
 
     def adapt(commands, ip, extra=""):
         # `ray stop` would stop every Ray on this machine, the test session's own cluster included.
-        return [c.replace("ray start", f"{BIN}/ray start").replace("6379", "46479") +
-                f" --node-ip-address={ip} --num-cpus=1" + extra for c in commands if c.strip() != "ray stop"]
+        return [c.replace("6379", "46479") + f" --node-ip-address={ip} --num-cpus=1" + extra
+                for c in commands if "ray stop" not in c]
     head = adapt(shipped["head_start_ray_commands"], "127.0.0.3", " --ray-client-server-port=46480")
     # Ray 2.60's local provider starts worker nodes only with the v1 autoscaler (RAY_NOTES.md).
     head = [c.replace("RAY_AUTH_MODE=token", "RAY_enable_autoscaler_v2=0 RAY_AUTH_MODE=token") for c in head]
@@ -174,8 +180,7 @@ def local_cluster_config(key):
             "provider": {"type": "local", "head_ip": "127.0.0.3", "worker_ips": ["127.0.0.4"]},
             "auth": {"ssh_user": "root", "ssh_private_key": key},
             "file_mounts": shipped["file_mounts"], "rsync_filter": shipped["rsync_filter"],
-            # The shipped setup pip-installs requirements.txt; here the test's venv already has them.
-            "setup_commands": [],
+            "setup_commands": shipped["setup_commands"],
             "head_start_ray_commands": head,
             "worker_start_ray_commands": adapt(shipped["worker_start_ray_commands"], "127.0.0.4")}
 
@@ -213,9 +218,12 @@ def test_ray_up_with_the_shipped_config_trains_on_two_nodes(tmp_path, sshd, sing
     config_path = tmp_path / "local-cluster.yaml"
     config_path.write_text(yaml.safe_dump(local_cluster_config(sshd)))
     ray = os.path.join(BIN, "ray")
+    bootstrap = os.path.expanduser(ray_dp.BOOTSTRAP_CONFIG)  # ray up writes it on the head: this machine
+    had_bootstrap = os.path.exists(bootstrap)
     try:
         up = subprocess.run([ray, "up", "-y", str(config_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        # No --gpu / --cpu: ray_dp reads the node types from the head's bootstrap config (no GPU types here).
         job = (f"cd ~/ray-dp && RAY_AUTH_MODE=token {sys.executable} ray_dp.py {' '.join(RUN)} "
                f"--address 127.0.0.3:46479 --storage-path {tmp_path}/runs --name via-ray-up --logdir {tmp_path}/tb")
         deadline = time.time() + 120
@@ -227,7 +235,9 @@ def test_ray_up_with_the_shipped_config_trains_on_two_nodes(tmp_path, sshd, sing
             time.sleep(5)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         result = json.loads((tmp_path / "runs" / "via-ray-up" / "result.json").read_text())
-        assert result["node_ranks"] == [0, 1]
+        assert result["node_ranks"] == [0, 1] and result["device"] == "cpu"
         assert_same_weights(final_weights(result), final_weights(single_node_result))
     finally:
         stop_cluster_processes()  # never `ray down`: it runs a bare `ray stop` on the head
+        if not had_bootstrap and os.path.exists(bootstrap):
+            os.remove(bootstrap)

@@ -62,20 +62,24 @@ def test_a_worker_death_without_max_failures_fails_with_a_message(tmp_path, monk
     assert "ray_dp.py: training failed:" in capsys.readouterr().err
 
 
-def test_a_killed_driver_is_resumed_by_the_same_command_and_ends_identical(tmp_path, reference):
-    command = [sys.executable, "ray_dp.py", *RUN, "--storage-path", str(tmp_path), "--name", "killed",
+def test_ctrl_c_says_where_it_stopped_and_the_same_command_resumes_identically(tmp_path, reference):
+    command = [sys.executable, "ray_dp.py", *RUN, "--cpu", "--storage-path", str(tmp_path), "--name", "killed",
                "--logdir", str(tmp_path / "tb"), "--address", ray.get_runtime_context().gcs_address]
+    # A session of its own: Ctrl-C in a terminal signals the whole foreground process group.
     driver = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, RAY_AUTH_MODE="token"),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     snapshot = tmp_path / "killed" / "checkpoint_manager_snapshot.json"
     deadline = time.time() + 240
     while not (snapshot.exists() and "checkpoint_epoch_000" in snapshot.read_text()):  # epoch 1 committed
         assert driver.poll() is None and time.time() < deadline, "the first run never checkpointed"
         time.sleep(0.1)
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
+    os.killpg(driver.pid, signal.SIGINT)
+    stderr = driver.communicate(timeout=120)[1]
     committed = json.loads(snapshot.read_text())["checkpoint_results"]
-    assert len(committed) < 3, "the run finished before it was killed"
+    assert len(committed) < 3, "the run finished before it was interrupted"
+    assert driver.returncode == 130 and "Traceback" not in stderr
+    assert stderr.splitlines()[-1] == (f"ray_dp.py: interrupted after epoch {len(committed)} of 3 (saved in "
+                                       f"{tmp_path / 'killed'}); the same command with --name killed resumes it")
 
     result = train(tmp_path, "killed")  # the same command, in this process
     assert result["started_at_epoch"] == len(committed)  # continued after the last committed epoch

@@ -1,0 +1,238 @@
+"""Run directories, resume and the device choice, checked before any cluster starts: no path leaves its
+root, --fresh deletes only its own run, a rerun trains what it trained before, GPU when a cluster can add GPUs."""
+import copy
+import json
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+
+import ray_dp
+from distributed import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIGITS = ["--dataset", "digits"]
+
+
+def save_run(run_dir, epochs=(0,), **config):
+    """A run directory as torchrun leaves it (checkpoint_epoch_NNN/checkpoint.pt, no Ray snapshot)."""
+    cfg = ray_dp.Config(dataset="digits", name=run_dir.name, storage_path=str(run_dir.parent), **config)
+    model = ray_dp.build_model(cfg.model, (1, 28, 28))
+    for epoch in epochs:
+        path = run_dir / ray_dp.checkpoint_dir_name(epoch) / ray_dp.CHECKPOINT_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(ray_dp.checkpoint_state(model.state_dict(), {}, epoch, cfg, []), path)
+    return run_dir
+
+
+def error_of(argv, capsys):
+    assert ray_dp.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ray_dp.py: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("name", ["../victim", "{victim}", ".", "..", "../runs"])
+def test_fresh_with_a_name_outside_the_storage_path_deletes_nothing(name, tmp_path, no_cluster, capsys):
+    victim, keep = tmp_path / "victim", save_run(tmp_path / "runs" / "keep")
+    victim.mkdir()
+    (victim / "precious.txt").write_text("x")
+    argv = ["--storage-path", str(tmp_path / "runs"), "--name", name.format(victim=victim), "--fresh", *DIGITS]
+    assert "--name must be one directory name" in error_of(argv, capsys)
+    assert (victim / "precious.txt").exists() and (keep / "checkpoint_epoch_000").exists()
+
+
+def test_fresh_refuses_a_run_directory_that_links_elsewhere(tmp_path, no_cluster, capsys):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("x")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "link").symlink_to(victim)
+    argv = ["--storage-path", str(tmp_path / "runs"), "--name", "link", "--fresh", *DIGITS]
+    assert "outside --storage-path; not deleting it" in error_of(argv, capsys)
+    assert (victim / "precious.txt").exists()
+
+
+def test_fresh_deletes_its_own_run_directory_and_nothing_else(tmp_path, capsys):
+    mine, other = save_run(tmp_path / "runs" / "mine"), save_run(tmp_path / "runs" / "other")
+    _, cfg, _ = ray_dp.parse_command(["--storage-path", str(tmp_path / "runs"), "--name", "mine", "--fresh", *DIGITS])
+    ray_dp.check_run_dir(cfg)
+    assert not mine.exists() and (other / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).exists()
+    assert "--fresh: deleted" in capsys.readouterr().out
+
+
+CHANGED = [
+    (["--lr", "0.1"], "was trained with --lr 0.05; this command says --lr 0.1"),
+    (["--seed", "1", "--batch-size", "32"], "was trained with --batch-size 64, --seed 0; this command says "
+                                            "--batch-size 32, --seed 1"),
+    (["--mode", "scratch"], "was trained with --mode ddp; this command says --mode scratch"),
+    (["--model", "mlp"], "was trained with --model lenet; this command says --model mlp"),
+    (["--dataset", "synthetic"], "--dataset digits; this command says --dataset synthetic"),
+]
+
+
+@pytest.mark.parametrize("flags, message", CHANGED, ids=[" ".join(f) for f, _ in CHANGED])
+def test_resuming_with_a_different_training_config_names_each_difference(flags, message, tmp_path, no_cluster,
+                                                                          capsys):
+    run = save_run(tmp_path / "runs" / "exp")
+    before = (run / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).read_bytes()
+    err = error_of(["--storage-path", str(tmp_path / "runs"), "--name", "exp", *DIGITS, *flags], capsys)
+    assert message in err and "--fresh or a new --name" in err
+    assert (run / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).read_bytes() == before
+
+
+def test_resuming_may_extend_epochs_and_change_workers_and_says_where_the_cosine_lr_goes(tmp_path, capsys):
+    save_run(tmp_path / "runs" / "exp", epochs=range(10))
+    _, cfg, _ = ray_dp.parse_command(["--storage-path", str(tmp_path / "runs"), "--name", "exp", *DIGITS,
+                                      "--epochs", "20", "--workers", "1", "--max-failures", "2", "--quiet"])
+    ray_dp.check_run_dir(cfg)  # no error
+    out = capsys.readouterr().out
+    lr = ray_dp.learning_rate(cfg, 10)
+    assert f"the cosine schedule now spans --epochs 20 (it was 10): epoch 11 trains at lr {lr:.4g}" in out
+    assert lr == pytest.approx(0.025)  # half the peak: the cosine restarts its second half
+
+
+def test_checkpoints_are_ordered_by_epoch_number_not_as_text(tmp_path):
+    run = save_run(tmp_path / "run", epochs=[2, 999, 1000])
+    assert [p.parent.name for p in ray_dp.epoch_checkpoints(run)] == [
+        "checkpoint_epoch_002", "checkpoint_epoch_999", "checkpoint_epoch_1000"]
+    assert ray_dp.find_checkpoint(str(run)).endswith("checkpoint_epoch_1000/checkpoint.pt")
+    assert ray_dp.latest_committed(str(run)).endswith("checkpoint_epoch_1000/checkpoint.pt")
+
+
+def test_latest_committed_follows_rays_snapshot_over_orphan_directories(tmp_path):
+    run = save_run(tmp_path / "run", epochs=[0, 1])  # epoch 1 written but never committed
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+        {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_000"}]}))
+    assert ray_dp.latest_committed(str(run)).endswith("checkpoint_epoch_000/checkpoint.pt")
+    cfg = ray_dp.Config(storage_path=str(tmp_path), name="run", epochs=5)
+    assert ray_dp.interrupted("train", cfg) == (f"interrupted after epoch 1 of 5 (saved in {run}); "
+                                                f"the same command with --name run resumes it")
+
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+
+
+@pytest.mark.parametrize("world, flags, message", [
+    (3, [], "--batch-size 64 must divide by workers x accum-steps = 3"),
+    (128, [], "--batch-size 64 must divide by workers x accum-steps = 128"),
+    (2, ["--workers", "4"], "torchrun starts 2 processes (WORLD_SIZE=2) and they are the workers"),
+    (2, ["--gpu"], "under torchrun the workers use the CPU when the machine has no GPUs: drop --gpu"),
+    (2, ["--storage-path", "s3://bucket/runs"], "--storage-path must be a directory"),
+])
+def test_torchrun_world_size_is_validated_like_workers(world, flags, message, monkeypatch, no_cluster, capsys):
+    for key, value in {**TORCHRUN, "WORLD_SIZE": str(world)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert message in error_of([*DIGITS, *flags], capsys)
+
+
+def test_torchrun_config_states_the_world_size_it_runs(monkeypatch):
+    for key, value in {**TORCHRUN, "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    _, cfg, _ = ray_dp.parse_command(DIGITS)
+    assert (cfg.workers, cfg.micro_batch, cfg.gpu) == (4, 16, torch.cuda.is_available())
+
+
+def never_joins(seconds):
+    """Rank 0 waits in an all-reduce that rank 1 never joins; the bound set afterwards must end the wait."""
+    ray_dp.bound_collectives(seconds)
+    if dist.get_rank() == 1:
+        time.sleep(seconds + 8)
+        return None
+    start = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(1))
+    except RuntimeError:
+        return time.perf_counter() - start
+    return float("inf")
+
+
+@pytest.mark.timeout(120)
+def test_the_collective_timeout_applies_to_a_process_group_made_without_it():
+    # Ray Train's local mode (torchrun) makes the process group with torch's default (30 min).
+    waited = run_distributed(never_joins, 2, 2)[0]
+    assert 1.5 < waited < 10
+
+
+def test_default_run_names_differ_for_runs_started_in_the_same_second(monkeypatch):
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261130-120000")
+    names = set()
+    for pid in (101, 102):
+        monkeypatch.setattr(os, "getpid", lambda: pid)
+        names.add(ray_dp.parse_command(DIGITS)[1].name)
+    assert len(names) == 2
+
+
+def test_result_json_goes_beside_the_checkpoints_on_uri_storage(tmp_path):
+    uri = f"file://{tmp_path}/bucket/exp/result.json"  # pyarrow's URI storage, as s3:// is
+    ray_dp.write_json(uri, {"final": {"test_acc": 0.5}})
+    assert json.loads((tmp_path / "bucket" / "exp" / "result.json").read_text()) == {"final": {"test_acc": 0.5}}
+    assert not os.path.exists("result.json")
+
+
+def test_header_states_the_samples_dropped_each_epoch():
+    cfg = ray_dp.Config(dataset="digits", workers=2, name="x")
+    assert "(29 train samples left out per epoch: whole global batches only)" in ray_dp.describe(cfg, (1437, 360))
+    assert "left out" not in ray_dp.describe(ray_dp.replace(cfg, batch_size=1, workers=1), (1437, 360))
+
+
+# ---- GPU or CPU workers, from what the cluster says ----
+
+def shipped_cluster_yaml():
+    """cluster.yaml as `ray up` prepares it and leaves it on the head (~/ray_bootstrap_config.yaml)."""
+    from ray.autoscaler._private.util import prepare_config
+    with open(os.path.join(REPO, "cluster.yaml")) as f:
+        return prepare_config(yaml.safe_load(f))
+
+
+def test_a_fresh_ray_up_cluster_with_gpu_node_types_but_no_gpu_yet_trains_on_gpus(tmp_path):
+    bootstrap = tmp_path / "ray_bootstrap_config.yaml"
+    bootstrap.write_text(yaml.safe_dump(shipped_cluster_yaml()))
+    most = ray_dp.capacity_from_node_types(yaml.safe_load(bootstrap.read_text()))
+    assert most == {"CPU": 32, "GPU": 4}  # 4 g5.2xlarge workers; the head has CPU 0
+    fresh = ray_dp.Cluster(now={"CPU": 0}, most=most, local=False)  # only the CPU:0 head is up
+    cfg = ray_dp.Config(address="auto", workers=4, model="resnet18")
+    assert ray_dp.decide_gpu(cfg, fresh) is True
+    settled = ray_dp.settle_device(cfg, fresh)  # waits for the autoscaler rather than failing
+    assert settled.gpu and ray_dp.resources_per_worker(settled) == {"CPU": 1.0, "GPU": 1}
+    with pytest.raises(ray_dp.ConfigError, match="its node types add up to at most"):
+        ray_dp.settle_device(ray_dp.replace(cfg, workers=8), fresh)  # 8 GPUs: more than 4 nodes x 1
+
+
+def test_node_groups_recorded_by_ray_decide_too():
+    from ray.core.generated import autoscaler_pb2
+    recorded = autoscaler_pb2.ClusterConfig(node_group_configs=[
+        autoscaler_pb2.NodeGroupConfig(name="head", resources={"CPU": 4}, max_count=1),
+        autoscaler_pb2.NodeGroupConfig(name="gpu", resources={"CPU": 8, "GPU": 4}, max_count=-1)])
+    most = ray_dp.capacity_from_node_groups(recorded)
+    assert most["GPU"] == float("inf") and most["CPU"] == float("inf")
+    assert ray_dp.decide_gpu(ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 4}, most, local=False))
+
+
+@pytest.mark.parametrize("cfg, cluster, gpu", [
+    (ray_dp.Config(), ray_dp.Cluster({"CPU": 2}, None, local=True), False),  # a laptop
+    (ray_dp.Config(), ray_dp.Cluster({"CPU": 2, "GPU": 1}, None, local=True), True),
+    (ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 2, "GPU": 2}, None, local=False), True),
+    (ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 8}, {"CPU": 16}, local=False), False),  # CPU types only
+    (ray_dp.Config(address="auto", gpu=False), ray_dp.Cluster({"CPU": 0}, {"GPU": 4}, local=False), False),
+    (ray_dp.Config(address="auto", gpu=True), ray_dp.Cluster({"CPU": 4}, None, local=False), True),
+])
+def test_device_decision(cfg, cluster, gpu):
+    assert ray_dp.decide_gpu(cfg, cluster) is gpu
+
+
+def test_an_attached_cluster_that_cannot_say_whether_it_adds_gpus_asks_for_gpu_or_cpu():
+    with pytest.raises(ray_dp.ConfigError, match="cannot tell whether it can add GPU nodes.*pass --gpu or --cpu"):
+        ray_dp.decide_gpu(ray_dp.Config(address="10.0.0.1:6379"), ray_dp.Cluster({"CPU": 8}, None, local=False))
+
+
+def test_cluster_yaml_and_readme_pass_gpu_explicitly():
+    for path in ["cluster.yaml", "README.md"]:
+        with open(os.path.join(REPO, path)) as f:
+            lines = [line for line in f.read().replace("\\\n", " ").splitlines() if "--address auto" in line]
+        assert lines and all("--gpu" in line or "--cpu" in line for line in lines), path
