@@ -478,29 +478,48 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 class SyncBatchNormCPU(nn.BatchNorm2d):
     """BatchNorm whose batch statistics span all workers, for CPU/gloo, where torch's SyncBatchNorm refuses to run.
 
-    One all-reduce of [sum(x), sum(x^2), count] per channel gives the global mean and variance. The
-    all-reduce is autograd-aware, so the backward pass also sums the statistics' gradients across
-    workers, which is what makes the gradients equal to BatchNorm over the whole global batch.
+    Each rank computes its own count, mean and sum of squared deviations (M2) per channel, in fp32 even
+    under bf16 autocast; one all-reduce hands every rank all ranks' triples, and Chan's parallel formula
+    combines them. (E[x^2] - mean^2 would cancel catastrophically: at an input mean of 5000, fp32 keeps
+    no digit of a unit variance.) The all-reduce is autograd-aware, so the backward pass also sums the
+    statistics' gradients across workers: the gradients equal BatchNorm's over the whole global batch.
     """
 
     def forward(self, x):
-        if not self.training or rank_and_world()[1] == 1:
+        rank, world = rank_and_world()
+        if not self.training or world == 1:
             return super().forward(x)
-        channels = x.shape[1]
-        dims = [0, 2, 3]
-        count = torch.full((1,), x.numel() / channels, dtype=x.dtype, device=x.device)
-        local = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-        total = dist_fn.all_reduce(local)
-        n = total[-1]
-        mean = total[:channels] / n
-        var = total[channels:2 * channels] / n - mean * mean
+        shape = (1, x.shape[1], 1, 1)
+        x32 = x.float()
+        count, mean, m2 = rank_statistics(x32)
+        # Rank r's row holds its [count, mean, M2]; the sum over ranks is then every rank's rows.
+        rows = torch.zeros(world, 1 + 2 * x.shape[1], dtype=x32.dtype, device=x.device)
+        rows = rows.index_copy(0, torch.tensor([rank], device=x.device), torch.cat([count, mean, m2]).unsqueeze(0))
+        rows = dist_fn.all_reduce(rows)
+        mean, var, n = combine_statistics(rows[:, 0], *rows[:, 1:].chunk(2, dim=1))
         with torch.no_grad():
             self.num_batches_tracked += 1
             self.running_mean.lerp_(mean.detach(), self.momentum)
             self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)  # unbiased, as BatchNorm keeps it
-        shape = (1, channels, 1, 1)
-        x_hat = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        return x_hat * self.weight.view(shape) + self.bias.view(shape)
+        x_hat = (x32 - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        return (x_hat * self.weight.view(shape) + self.bias.view(shape)).to(x.dtype)
+
+
+def rank_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's per-channel count, mean and sum of squared deviations from that mean (two passes)."""
+    count = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype, device=x.device)
+    mean = x.mean((0, 2, 3))
+    m2 = (x - mean.view(1, -1, 1, 1)).square().sum((0, 2, 3))
+    return count, mean, m2
+
+
+def combine_statistics(counts, means, m2s) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chan et al.'s parallel variance: the global mean, the biased variance and the count, per channel,
+    from each rank's (count, mean, M2). Deviations of means from the global mean, never x^2 sums."""
+    n = counts.sum()
+    mean = (counts[:, None] * means).sum(0) / n
+    m2 = m2s.sum(0) + (counts[:, None] * (means - mean).square()).sum(0)
+    return mean, m2 / n, n
 
 
 def convert_sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
@@ -535,8 +554,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def grad_sync(model: nn.Module, sync: bool):
-    """DDP's no_sync() on accumulation micro-steps: their gradients stay local until the last one."""
-    return model.no_sync() if isinstance(model, DDP) and not sync else contextlib.nullcontext()
+    """DDP's no_sync() on accumulation micro-steps: their gradients stay local until the last one.
+    (Looked for under torch.compile's wrapper too, which would otherwise hide it.)"""
+    ddp = getattr(model, "_orig_mod", model)
+    return ddp.no_sync() if isinstance(ddp, DDP) and not sync else contextlib.nullcontext()
 
 
 def train_sampler(data: TensorDataset, rank: int, world: int, seed: int) -> DistributedSampler:
@@ -575,8 +596,9 @@ def train_batches(data: TensorDataset, cfg: Config, rank: int, world: int, devic
 
 
 def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
-    """Every index exactly once across ranks (no padded duplicates, unlike DistributedSampler)."""
-    return torch.arange(rank, n, world)
+    """Every index exactly once across ranks (no padded duplicates, unlike DistributedSampler); a rank
+    beyond the last sample gets none."""
+    return torch.arange(min(rank, n), n, world)
 
 
 # ============================================================================
@@ -696,6 +718,17 @@ def evaluate(net, data: TensorDataset, device: torch.device, batch_size: int = 1
         metrics["confusion"] = confusion.long().tolist()
         metrics["predictions"] = totals[1 + NUM_CLASSES ** 2:].view(-1, 2).tolist()
     return metrics
+
+
+def evaluate_as_saved(model: nn.Module, test_set: TensorDataset, cfg: Config, device: torch.device) -> dict:
+    """Score the model that the checkpoint will hold. Without SyncBatchNorm each rank's BatchNorm running
+    statistics drift apart (DDP broadcasts rank 0's only at the start of a forward); rank 0 saves its
+    own, so every rank evaluates with those."""
+    for buffer in unwrap(model).buffers():
+        if rank_and_world()[1] > 1:
+            dist.broadcast(buffer, src=0)
+    with inference(model) as net, autocast(cfg, device):
+        return evaluate(net, test_set, device)
 
 
 @contextlib.contextmanager
@@ -931,16 +964,12 @@ def train_loop_per_worker(config: dict) -> dict:
         start_epoch, history = state["epoch"] + 1, state["history"]
     batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
 
-    def evaluate_model():
-        with inference(model) as net, autocast(cfg, worker.device):
-            return evaluate(net, test_set, worker.device)
-
     return run_epochs(
         cfg, worker, start_epoch, history,
         train_fn=lambda epoch: train_epoch(model, optimizer, batches, cfg, worker.device, epoch,
                                            extras["progress"] and worker.is_main,
                                            crash_once_hook(extras["crash_once"], worker)),
-        eval_fn=evaluate_model,
+        eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device),
         state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(),
                                                       epoch, cfg, hist))
 

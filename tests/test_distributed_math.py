@@ -105,10 +105,10 @@ def test_exact_evaluation_counts_every_test_sample_once_on_3_workers():
         assert result["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-6)  # float32 batch sums, added in another order
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 7])
-def test_eval_shards_are_disjoint_and_cover_the_test_set(world):
-    shards = [ray_dp.shard_indices(100, r, world) for r in range(world)]
-    assert sorted(torch.cat(shards).tolist()) == list(range(100))
+@pytest.mark.parametrize("n, world", [(100, 1), (100, 2), (100, 3), (100, 7), (3, 7), (0, 2)])
+def test_eval_shards_are_disjoint_and_cover_the_test_set(n, world):
+    shards = [ray_dp.shard_indices(n, r, world) for r in range(world)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(n))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -190,3 +190,117 @@ def test_unwrap_strips_compile_and_ddp_wrappers_for_checkpoints():
     model = ray_dp.build_model("mlp", (1, 28, 28))
     assert ray_dp.unwrap(torch.compile(model)) is model  # compiling is lazy: nothing is built here
     assert list(ray_dp.unwrap(torch.compile(model)).state_dict()) == ["1.weight", "1.bias", "3.weight", "3.bias"]
+
+
+def sync_bn_uneven(x_full, sizes, amp):
+    """SyncBatchNormCPU on this rank's share of x_full (ranks get `sizes` samples each), under bf16 autocast
+    after a conv when amp (the conv is what hands BatchNorm bf16 inputs)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(3, 3, 1), ray_dp.SyncBatchNormCPU(3)
+    x = x_full.split(sizes)[rank].clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        out = bn(conv(x))
+    out.float().sum().backward()
+    return {"out": out.detach().float(), "x_grad": x.grad, "running_mean": bn.running_mean,
+            "running_var": bn.running_var}
+
+
+def full_batch_bn(x_full, amp):
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+    x = x_full.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        out = bn(conv(x))
+    out.float().sum().backward()
+    return {"out": out.detach().float(), "x_grad": x.grad, "running_mean": bn.running_mean,
+            "running_var": bn.running_var}
+
+
+@pytest.mark.parametrize("offset", [30.0, 1000.0, 5000.0])
+def test_cpu_sync_batchnorm_stays_exact_for_large_means_on_uneven_batches(offset):
+    # E[x^2] - mean^2 in fp32 was off by 1.8 at mean 5000; Chan's combination of per-rank (mean, M2) is not.
+    gen = torch.Generator().manual_seed(1)
+    x_full = torch.randn(8, 3, 4, 4, generator=gen) + offset
+    ranks = run_distributed(sync_bn_uneven, 2, x_full, [3, 5], False)
+    want = full_batch_bn(x_full, False)
+    # fp32 itself rounds inputs near 5000 to ~5e-4 (its spacing there): a few of those, not 1.8.
+    torch.testing.assert_close(torch.cat([r["out"] for r in ranks]), want["out"], rtol=0, atol=3e-3)
+    torch.testing.assert_close(torch.cat([r["x_grad"] for r in ranks]), want["x_grad"], rtol=0, atol=3e-3)
+    for r in ranks:
+        torch.testing.assert_close(r["running_mean"], want["running_mean"], rtol=1e-6, atol=1e-4)
+        torch.testing.assert_close(r["running_var"], want["running_var"], rtol=1e-3, atol=1e-3)
+
+
+def test_cpu_sync_batchnorm_runs_under_bf16_autocast_like_batchnorm():
+    gen = torch.Generator().manual_seed(2)
+    x_full = torch.randn(8, 3, 4, 4, generator=gen) * 2 + 1
+    ranks = run_distributed(sync_bn_uneven, 2, x_full, [4, 4], True)
+    want = full_batch_bn(x_full, True)
+    for r in ranks:
+        assert r["running_mean"].dtype == r["running_var"].dtype == torch.float32
+        torch.testing.assert_close(r["running_mean"], want["running_mean"], rtol=0.02, atol=0.02)
+    # bf16 keeps ~3 significant digits
+    torch.testing.assert_close(torch.cat([r["out"] for r in ranks]), want["out"], rtol=0.05, atol=0.05)
+
+
+def bn_model_trained_then_evaluated(data, test):
+    """DDP resnet18 (plain BatchNorm, no --sync-bn) trained on different samples per rank, then scored the
+    way the training loop scores it; returns the metrics and rank 0's weights (what its checkpoint holds)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = ray_dp.Config(model="resnet18", batch_size=8, lr=0.05, seed=0, workers=world)
+    torch.manual_seed(0)
+    model = ray_dp.wrap_model(ray_dp.build_model("resnet18", (1, 8, 8)), CPU)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    ray_dp.train_epoch(model, optimizer, ray_dp.train_batches(data, cfg, rank, world, CPU), cfg, CPU, 0)
+    drifted = ray_dp.unwrap(model).state_dict()["1.running_mean"].clone()
+    metrics = ray_dp.evaluate_as_saved(model, test, cfg, CPU)
+    return {"metrics": metrics, "drifted": drifted, "state": ray_dp.unwrap(model).state_dict()}
+
+
+@pytest.mark.timeout(300)
+def test_reported_metrics_of_a_batchnorm_model_are_those_of_the_saved_checkpoint():
+    gen = torch.Generator().manual_seed(3)
+    data = ray_dp.TensorDataset(torch.rand(32, 1, 8, 8, generator=gen) * torch.arange(32).view(-1, 1, 1, 1) / 8,
+                                torch.randint(0, 10, (32,), generator=gen))
+    test = ray_dp.TensorDataset(torch.rand(20, 1, 8, 8, generator=gen), torch.randint(0, 10, (20,), generator=gen))
+    ranks = run_distributed(bn_model_trained_then_evaluated, 2, data, test)
+    assert not torch.equal(ranks[0]["drifted"], ranks[1]["drifted"])  # the ranks' statistics did drift apart
+    saved = ray_dp.build_model("resnet18", (1, 8, 8))
+    saved.load_state_dict(ranks[0]["state"])  # rank 0 writes the checkpoint: what --eval-only then scores
+    expected = ray_dp.evaluate(saved.eval(), test, CPU)
+    for r in ranks:
+        assert r["metrics"]["test_acc"] == expected["test_acc"] and r["metrics"]["test_count"] == 20
+        assert r["metrics"]["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-5)
+
+
+def all_reduces_per_epoch(compiled):
+    """Gradient all-reduces DDP makes in one epoch of 2 steps x 4 accumulated micro-batches."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = ray_dp.Config(model="lenet", batch_size=16, accum_steps=4, lr=0.1, seed=3, workers=world)
+    model, _ = new_model_and_optimizer(cfg)
+    ddp = ray_dp.wrap_model(model, CPU)
+    calls = []
+
+    def counting_allreduce(state, bucket):
+        calls.append(1)
+        return dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future().then(
+            lambda fut: fut.value()[0])
+    ddp.register_comm_hook(None, counting_allreduce)
+    wrapped = torch.compile(ddp, backend="eager") if compiled else ddp  # eager: the wrapper without inductor
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr)
+    ray_dp.train_epoch(wrapped, optimizer, ray_dp.train_batches(random_images(32), cfg, rank, world, CPU), cfg, CPU, 0)
+    return len(calls)
+
+
+def test_gradient_accumulation_skips_all_reduces_under_torch_compile_too():
+    plain, compiled = run_distributed(all_reduces_per_epoch, 2, False)[0], run_distributed(all_reduces_per_epoch, 2,
+                                                                                          True)[0]
+    assert plain == compiled == 2  # one per optimizer step (LeNet's gradients fit one bucket), not one per micro-batch
+
+
+def test_evaluation_on_more_workers_than_test_samples_counts_each_once():
+    data = random_images(1, seed=5)
+    results = run_distributed(evaluate_on_rank, 3, data)  # ranks 1 and 2 have no sample
+    assert [r["test_count"] for r in results] == [1, 1, 1]
+    assert results[0]["test_acc"] == evaluate_on_rank(data)["test_acc"]
