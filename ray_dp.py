@@ -119,6 +119,8 @@ class Config:
                                "checkpoint (-1: without limit)")
     timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before the run fails "
                             "(torch.distributed's process-group timeout)", metavar="SECONDS")
+    start_timeout: float = option(60.0, "seconds to wait for the workers to start (at the start, and after a "
+                                  "failure or resize) before Ray tries again with what fits", metavar="SECONDS")
     fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of resuming it")
     address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a fresh local one)")
     eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of training: a run directory "
@@ -226,6 +228,9 @@ def with_absolute_paths(cfg: Config) -> Config:
     return replace(cfg, **paths)
 
 
+MAX_SECONDS = 7 * 24 * 3600  # a week: longer timeouts are "never", which is what hangs look like
+
+
 def is_uri(path: str) -> bool:
     return "://" in path  # s3://bucket/path and the like: storage that pyarrow reaches, not a local path
 
@@ -240,7 +245,12 @@ def default_run_name(command: str, cfg: Config) -> str:
 def torchrun_launch(args: dict, typed: set) -> dict:
     """Under torchrun, torchrun decides the worker count (WORLD_SIZE) and the device (CUDA if the machine has
     it): the config states what will really run, so that it is validated like any other."""
-    world = int(os.environ["WORLD_SIZE"])
+    world = os.environ["WORLD_SIZE"]
+    if not world.isdigit() or int(world) < 1:
+        raise ConfigError(f"torchrun's WORLD_SIZE must be a positive whole number, got {world!r}")
+    world = int(world)
+    if args["mode"] == "dp":
+        raise ConfigError("--mode dp is one process driving every GPU; under torchrun use --mode ddp")
     if typed & {"workers", "min_workers"} and (args["workers"], args["min_workers"]) != (world, 0):
         raise ConfigError(f"torchrun starts {world} processes (WORLD_SIZE={world}) and they are the workers: "
                           f"drop --workers (or change --nproc_per_node)")
@@ -259,7 +269,7 @@ NOT_TYPED = object()
 # contradicting value of the first or any of the second is an error rather than silently ignored.
 MODEL_FIELDS = ("model", "dataset")
 TRAINING_FIELDS = ("mode", "epochs", "batch_size", "lr", "lr_schedule", "momentum", "accum_steps", "allreduce",
-                   "sync_bn", "seed", "loader_workers", "compile")
+                   "sync_bn", "seed", "loader_workers", "compile", "fresh")
 
 
 def eval_config(cfg: Config, typed: set) -> Config:
@@ -279,8 +289,26 @@ def eval_config(cfg: Config, typed: set) -> Config:
 
 
 def is_run_name(name: str) -> bool:
-    """One path component, so that <storage-path>/<name> and <logdir>/<name> stay inside their roots."""
-    return name not in (".", "..") and not any(sep in name for sep in ("/", "\\", "\0"))
+    """One path component, so that <storage-path>/<name> and <logdir>/<name> stay inside their roots;
+    printable, not blank, and short enough for a file system (255 bytes)."""
+    return (name not in (".", "..") and not any(sep in name for sep in ("/", "\\")) and name.isprintable()
+            and (not name or name.strip()) and len(name.encode()) <= 255)
+
+
+def not_writable(path: str) -> Optional[str]:
+    """The first existing part of `path` if this process cannot create or write there, else None."""
+    for part in [Path(path), *Path(path).parents]:
+        if part.exists():
+            return None if os.access(part, os.W_OK | os.X_OK) else str(part)
+    return None
+
+
+def check_uri(flag: str, uri: str) -> None:
+    from pyarrow import ArrowException, fs
+    try:
+        fs.FileSystem.from_uri(uri)
+    except (ArrowException, ValueError) as exc:
+        raise ConfigError(f"--{flag} {uri}: {str(exc).splitlines()[0]}") from None
 
 
 def not_a_directory(path: str) -> Optional[str]:
@@ -299,14 +327,20 @@ def validate(cfg: Config) -> None:
         (not (cfg.min_workers and cfg.mode == "dp"), "--mode dp runs one worker; it cannot be elastic"),
         (math.isfinite(cfg.cpus_per_worker) and cfg.cpus_per_worker > 0,
          f"--cpus-per-worker must be a positive number, got {cfg.cpus_per_worker}"),
-        (is_run_name(cfg.name), f"--name must be one directory name (no '/', '\\', '.' or '..'), got {cfg.name!r}"),
+        (cfg.cpus_per_worker >= 1 or round(cfg.cpus_per_worker, 4) == cfg.cpus_per_worker,
+         f"--cpus-per-worker below 1 must be a multiple of 0.0001 (Ray's resolution), got {cfg.cpus_per_worker}"),
+        (is_run_name(cfg.name), f"--name must be one directory name (printable; no '/', '\\', '.' or '..'; at "
+                                f"most 255 bytes), got {cfg.name!r}"),
+        (all((cfg.storage_path, cfg.logdir, cfg.data_dir)), "--storage-path, --logdir and --data-dir cannot be empty"),
         (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
         (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
         (math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}"),
         (cfg.log_every >= 1, f"--log-every must be at least 1, got {cfg.log_every}"),
         (cfg.max_failures >= -1, f"--max-failures must be -1 (no limit) or more, got {cfg.max_failures}"),
-        (math.isfinite(cfg.timeout) and cfg.timeout >= 1, f"--timeout must be at least 1 second, got {cfg.timeout}"),
+        (1 <= cfg.timeout <= MAX_SECONDS, f"--timeout must be 1 to {MAX_SECONDS} seconds, got {cfg.timeout}"),
+        (1 <= cfg.start_timeout <= MAX_SECONDS,
+         f"--start-timeout must be 1 to {MAX_SECONDS} seconds, got {cfg.start_timeout}"),
         (0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
         (not (cfg.mode == "scratch" and cfg.model != "lenet"),
          f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
@@ -332,10 +366,15 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
     directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
-                   "predict-out": os.path.dirname(cfg.predict_out)}
-    for flag, path in directories.items():
-        if path and not is_uri(path) and (blocker := not_a_directory(path)):
-            raise ConfigError(f"--{flag} {path}: {blocker} is a file, not a directory")
+                   "predict-out": cfg.predict_out}
+    for flag, typed in directories.items():
+        path = os.path.dirname(typed) if flag == "predict-out" else typed
+        if path and is_uri(path):
+            check_uri(flag, path)
+        elif path and (blocker := not_a_directory(path)):
+            raise ConfigError(f"--{flag} {typed}: {blocker} is a file, not a directory")
+        elif path and flag != "data-dir" and (blocker := not_writable(path)):
+            raise ConfigError(f"--{flag} {typed}: {blocker} is not writable")
     for workers in range(cfg.min_workers or cfg.workers, cfg.workers + 1):  # every size an elastic run may have
         per_step = workers * cfg.accum_steps
         if cfg.batch_size % per_step and not cfg.eval_only:  # evaluation has no global batch to split
@@ -754,6 +793,13 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
 
 
 def load_checkpoint(path: str) -> dict:
+    """A checkpoint file, local or in cloud storage (s3://...)."""
+    if is_uri(str(path)):
+        import io
+        from pyarrow import fs
+        storage, key = fs.FileSystem.from_uri(str(path))
+        with storage.open_input_stream(key) as f:
+            path = io.BytesIO(f.read())
     # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -798,7 +844,8 @@ def under_torchrun() -> bool:
     """The driver was started by torchrun (the DDP tutorial's launcher), not by hand: Ray Train's local mode
     then runs the loop in each torchrun process, and ray_dp keeps the checkpoints itself. Only the driver
     asks: Ray's own workers have RANK, WORLD_SIZE, ... too, but not torchrun's run id."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys()
+    from ray.train.v2._internal.execution.local_mode.torch import has_torchrun_env
+    return "TORCHELASTIC_RUN_ID" in os.environ and has_torchrun_env()  # what makes Ray's local mode join it
 
 
 def latest_checkpoint(cfg: Config, worker: "Worker") -> Optional[dict]:
@@ -879,6 +926,10 @@ def bound_collectives(seconds: float) -> None:
         dist.set_timeout(timedelta(seconds=seconds))
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
 def format_epoch(m: dict, epochs: int) -> str:
     return (f"epoch {m['epoch'] + 1}/{epochs}: train loss {m['train_loss']:.4f}, test loss {m['test_loss']:.4f}, "
             f"test acc {m['test_acc']:.4f}, {m['epoch_seconds']:.1f} s, {m['samples_per_second']:.0f} samples/s")
@@ -890,7 +941,8 @@ def run_epochs(cfg: Config, worker: Worker, start_epoch: int, history: list, tra
     if worker.is_main and start_epoch >= cfg.epochs:
         print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train", flush=True)
     elif worker.is_main and start_epoch:
-        print(f"resumed from the checkpoint of epoch {start_epoch}; continuing at epoch {start_epoch + 1}", flush=True)
+        print(f"ray-dp: resuming at epoch {start_epoch + 1} of {cfg.epochs} with {plural(worker.world, 'worker')}, "
+              f"from the checkpoint of epoch {start_epoch}", flush=True)
     first_step_at = time.time()  # wall clock, for the benchmark's "seconds to the first step"
     for epoch in range(start_epoch, cfg.epochs):
         # ended_at (wall clock): the time between two epochs' ends counts evaluation and reporting too.
@@ -1232,6 +1284,178 @@ class TensorBoardLogger(ray.train.UserCallback):
         self.writer.flush()
 
 
+from ray.train.v2._internal.execution.callback import (  # noqa: E402 (Ray Train's controller hooks)
+    ControllerCallback, ReportCallback, WorkerGroupCallback)
+
+
+class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
+    """One console line per event of a run's life that is not an epoch: a worker or node lost, failure k
+    of --max-failures, waiting for workers, a start that timed out, the worker group (re)started; and
+    the same events as a record (recovery.json in the run's local directory) for result.json.
+
+    Ray Train runs it in its controller, on the driver's node (Ray's internal callback hooks: the public
+    UserCallback sees reports only). Its lines start with "ray-dp: ", which the console prints bare."""
+
+    def __init__(self, cfg: Config, record_path: str):
+        self.cfg, self.record_path = cfg, record_path
+        self.events, self.failures, self.node_ips, self.last_epoch = [], 0, {}, -1
+        self.reported = None  # the error last described: Ray passes it to ShuttingDown, then to Errored
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        state = getattr(current_state, "next_state", current_state)  # ShuttingDown(next_state=Errored)
+        error = getattr(state, "training_failed_error", None)
+        kind = type(state).__name__
+        if error is not None and error is not self.reported:
+            self.reported = error
+            self.failed(error, stopping=kind == "ErroredState")
+        elif kind == "SchedulingState" and self.events:
+            workers = current_state.scaling_decision.num_workers
+            self.add(f"waiting up to {self.cfg.start_timeout:g} s for {plural(workers, 'worker')} (--start-timeout)",
+                     event="waiting", workers=workers)
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self.node_ips = {w.distributed_context.world_rank: w.metadata.node_ip for w in worker_group.get_workers()}
+        nodes = sorted(set(self.node_ips.values()))
+        message = f"{plural(len(self.node_ips), 'worker')} started on {', '.join(nodes)}" if self.events else None
+        self.add(message, event="started", workers=len(self.node_ips), nodes=nodes)
+
+    def after_report(self, training_report, metrics: list) -> None:
+        epoch = metrics[0]["epoch"]
+        pending = [e for e in self.events if e["event"] == "failed" and "redone" not in e]
+        for failure in pending:  # the first report after a restart: the epochs trained twice
+            failure["redone"] = list(range(epoch + 1, failure["during_epoch"] + 1))
+            self.save()
+        self.last_epoch = epoch
+
+    def failed(self, error, stopping: bool) -> None:
+        startup = getattr(error, "controller_failure", None)
+        if type(startup).__name__ == "WorkerGroupStartupTimeoutError":
+            self.add(f"the workers did not all start within {self.cfg.start_timeout:g} s; trying again with what "
+                     f"fits", event="start_timeout")
+            return
+        self.failures += 1
+        limit = self.cfg.max_failures
+        if stopping:
+            then = f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
+        else:
+            of = "no limit" if limit == -1 else f"{limit} allowed"
+            then = f"failure {self.failures} (--max-failures: {of}): restarting the workers from the last checkpoint"
+        what = describe_worker_failures(getattr(error, "worker_failures", {}), self.node_ips) or first_line(error)
+        errors = {rank: first_line(e) for rank, e in getattr(error, "worker_failures", {}).items()}
+        self.add(f"{what} during epoch {self.last_epoch + 2}; {then}", event="failed", failure=self.failures,
+                 during_epoch=self.last_epoch + 2, what=what, errors=errors)
+
+    def add(self, message: Optional[str], **event) -> None:
+        if message:
+            print(f"ray-dp: {message}", flush=True)
+        self.events.append({"at": time.time(), **event})
+        self.save()
+
+    def save(self) -> None:
+        write_json(self.record_path, {"events": self.events})
+
+
+# A collective whose peer vanished: gloo's and NCCL's words for it.
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited|communicator was aborted")
+
+
+def describe_worker_failures(failures: dict, node_ips: dict) -> str:
+    """Which ranks were lost: those whose process or node died (Ray's health check failed), and when every
+    error raised is a collective that lost its peer, the ranks that raised nothing (they could not).
+    Otherwise the first error raised. The other ranks' errors follow from it; ray.log has them all."""
+    lost = {rank for rank, error in failures.items() if type(error).__name__ == "WorkerHealthCheckFailedError"}
+    if not lost and failures and all(PEER_LOST.search(str(error)) for error in failures.values()):
+        lost = set(node_ips) - set(failures)
+    if lost:
+        where = ", ".join(f"rank {rank} on {node_ips.get(rank) or node_ip_in(failures.get(rank, ''))}"
+                          for rank in sorted(lost))
+        return f"lost worker {where} (its process or node died)"
+    if failures:
+        rank = min(failures)
+        return f"worker rank {rank} on {node_ips.get(rank, '?')} failed: {first_line(failures[rank])}"
+    return ""
+
+
+def node_ip_in(error: BaseException) -> str:
+    """The node address Ray's health-check error names (its worker's metadata), or '?'."""
+    found = re.search(r"node_ip='([^']+)'", str(error))
+    return found[1] if found else "?"
+
+
+def first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else ""  # a traceback's last line is its error
+    return f"{type(error).__name__}: {last[:160]}" if last else type(error).__name__
+
+
+def recovery_summary(record_path: str) -> dict:
+    """result.json's account of failures: how many, the restarts, the world size over time, epochs redone."""
+    try:
+        with open(record_path) as f:
+            events = json.load(f)["events"]
+    except FileNotFoundError:  # torchrun: no Ray controller, no such events
+        return {}
+    starts = [e for e in events if e["event"] == "started"]
+    return {"failures": sum(e["event"] == "failed" for e in events), "restarts": max(len(starts) - 1, 0),
+            "world_sizes": [[e["at"], e["workers"]] for e in starts],
+            "epochs_redone": [epoch for e in events for epoch in e.get("redone", [])], "events": events}
+
+
+class RayOutput:
+    """What Ray forwards to this console from its processes. ray_dp's own lines (the training workers'
+    and the controller's stdout) stay; Ray's and the libraries' chatter (every stderr line: tracebacks,
+    gloo's errors, warnings; the raylet's notices) goes to ray.log in the run's local directory. Lines
+    that start with "ray-dp: " are printed without Ray's process prefix."""
+
+    def __init__(self):
+        from ray._private import ray_logging, worker
+        self.print_to_console, self.log_path = worker.print_to_stdstream, None
+        # Ray prints what its processes forward through a dispatcher, and the errors the cluster reports
+        # (a worker died, ...) through print_to_stdstream itself: route both.
+        dispatcher = ray_logging.global_worker_stdstream_dispatcher
+        if "ray_print_logs" in [name for name, _ in dispatcher.handlers]:  # none if log_to_driver=False
+            dispatcher.remove_handler("ray_print_logs")
+            dispatcher.add_handler("ray_print_logs", self.route)
+        worker.print_to_stdstream = self.route
+
+    def route(self, batch: dict, ignore_prefix: bool = False) -> None:
+        if batch["is_err"] or batch.get("pid") == "raylet":
+            self.to_log(batch)
+            return
+        ours = [line for line in batch["lines"] if line.startswith("ray-dp: ")]
+        rest = [line for line in batch["lines"] if not line.startswith("ray-dp: ")]
+        for line in ours:
+            print(line, flush=True)
+        if rest:
+            self.print_to_console({**batch, "lines": rest}, ignore_prefix=False)
+
+    def to_log(self, batch: dict) -> None:
+        if not self.log_path:
+            return
+        source = f"({batch.get('actor_name') or batch.get('task_name') or ''} pid={batch.get('pid')}, " \
+                 f"ip={batch.get('ip')})"
+        with open(self.log_path, "a") as f:
+            f.writelines(f"{source} {line}\n" for line in batch["lines"])
+
+
+_ray_output: Optional[RayOutput] = None  # installed once per driver process, after Ray is up
+
+
+def send_ray_output_to(log_path: str) -> None:
+    """From now on, Ray's forwarded chatter goes to log_path (a run's ray.log)."""
+    global _ray_output
+    if _ray_output is None:
+        _ray_output = RayOutput()
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    _ray_output.log_path = log_path
+
+
+def local_run_dir(cfg: Config) -> str:
+    """Where the driver's node keeps a run's logs: the run directory, or for cloud storage beside its
+    TensorBoard events (LOGDIR/<name>)."""
+    return os.path.join(cfg.logdir, cfg.name) if is_uri(cfg.run_dir) else cfg.run_dir
+
+
 def resources_per_worker(cfg: Config) -> dict:
     gpus = cfg.workers if cfg.mode == "dp" else 1  # dp: one process holds all of the run's GPUs
     return {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if cfg.gpu else {})}
@@ -1239,11 +1463,27 @@ def resources_per_worker(cfg: Config) -> dict:
 
 @dataclass(frozen=True)
 class Cluster:
-    """What a run can use: the resources up now and, where an autoscaler can add nodes, the most its node
-    types add up to (None: nothing says). local: a cluster on this machine alone, which never grows."""
+    """What a run can use: the resources up now and, where an autoscaler can add nodes, its node types as
+    (resources of one node, most nodes) (None: nothing says). local: this machine alone, which never grows."""
     now: dict
-    most: Optional[dict]
+    node_types: Optional[list]
     local: bool
+
+    @property
+    def most(self) -> Optional[dict]:
+        """The most of each resource the node types add up to."""
+        if self.node_types is None:
+            return None
+        most = {}
+        for resources, count in self.node_types:
+            for kind, amount in resources.items():
+                if amount and count:
+                    most[kind] = most.get(kind, 0) + amount * count
+        return most
+
+    def hosts(self, per_worker: dict) -> bool:
+        """Some node type can hold one worker (a worker never spans nodes)."""
+        return any(count and fits(per_worker, resources) for resources, count in self.node_types or [])
 
 
 def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
@@ -1277,6 +1517,9 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
         limit = f"the cluster has {have}" if cluster.local else f"its node types add up to at most {cluster.most}"
         raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} GPUs but {limit} "
                           f"(lower --workers or --cpus-per-worker)")
+    if cluster.node_types is not None and not cluster.hosts(resources_per_worker(cfg)):
+        raise ConfigError(f"one worker needs {resources_per_worker(cfg)} and no node type of the cluster has that "
+                          f"much (lower --cpus-per-worker)")
     print(f"note: waiting for the cluster to grow to {need} (it has {have} now)", flush=True)
     return cfg
 
@@ -1288,42 +1531,33 @@ def fits(need: dict, have: dict) -> bool:
 BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"  # what `ray up` leaves on the head node for its autoscaler
 
 
-def autoscaler_capacity(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[dict]:
-    """The most of each resource the attached cluster's autoscaler can provide: from the node types Ray
-    records in its GCS (KubeRay, autoscaler v2), else from the config `ray up` left on this head node."""
+def autoscaler_node_types(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[list]:
+    """The attached cluster's node types, as its autoscaler knows them: from the node groups Ray records in
+    its GCS (KubeRay, autoscaler v2), else from the config `ray up` left on this head node; None if neither."""
     from ray._private.state import state
     recorded = state.get_cluster_config()
     if recorded is not None and recorded.node_group_configs:
-        return capacity_from_node_groups(recorded)
+        return node_types_from_groups(recorded)
     path = os.path.expanduser(bootstrap_path)
     if not os.path.isfile(path):
         return None
     import yaml
     with open(path) as f:
-        return capacity_from_node_types(yaml.safe_load(f))
+        return node_types_from_yaml(yaml.safe_load(f))
 
 
-def capacity_from_node_groups(cluster_config) -> dict:
-    """From Ray's autoscaler_pb2.ClusterConfig: resources x max_count per node group (-1: no limit)."""
-    return add_up_capacity((dict(group.resources), math.inf if group.max_count == -1 else group.max_count)
-                           for group in cluster_config.node_group_configs)
+def node_types_from_groups(cluster_config) -> list:
+    """From Ray's autoscaler_pb2.ClusterConfig: (resources, max_count) per node group (-1: no limit)."""
+    return [(dict(group.resources), math.inf if group.max_count == -1 else group.max_count)
+            for group in cluster_config.node_group_configs]
 
 
-def capacity_from_node_types(cluster_yaml: dict) -> dict:
-    """From a cluster launcher config (cluster.yaml as `ray up` prepared it): the head node, plus
-    resources x max_workers for each node type."""
+def node_types_from_yaml(cluster_yaml: dict) -> list:
+    """From a cluster launcher config (cluster.yaml as `ray up` prepared it): the head node once, plus
+    max_workers nodes of each node type."""
     head = cluster_yaml.get("head_node_type")
-    return add_up_capacity((node_type.get("resources", {}), node_type.get("max_workers", 0) + (name == head))
-                           for name, node_type in cluster_yaml.get("available_node_types", {}).items())
-
-
-def add_up_capacity(groups) -> dict:
-    most = {}
-    for resources, count in groups:
-        for kind, amount in resources.items():
-            if amount and count:
-                most[kind] = most.get(kind, 0) + amount * count
-    return most
+    return [(node_type.get("resources", {}), node_type.get("max_workers", 0) + (name == head))
+            for name, node_type in cluster_yaml.get("available_node_types", {}).items()]
 
 
 def connect(cfg: Config) -> Config:
@@ -1339,7 +1573,7 @@ def connect(cfg: Config) -> Config:
         ray.init(address=cfg.address, runtime_env=RUNTIME_ENV, logging_level=logging.WARNING)
     # A cluster this process already runs (tests, compare's rows) was started here and will not grow.
     attached = bool(cfg.address)
-    return settle_device(cfg, Cluster(ray.cluster_resources(), autoscaler_capacity() if attached else None,
+    return settle_device(cfg, Cluster(ray.cluster_resources(), autoscaler_node_types() if attached else None,
                                       local=not attached))
 
 
@@ -1382,6 +1616,10 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
     # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by default:
     # with short epochs every report would wait for it, and a crash right after one would lose it.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)  # Ray hands it to the controller
+    logs = local_run_dir(cfg)
+    send_ray_output_to(os.path.join(logs, "ray.log"))
+    recovery = RecoveryLog(cfg, os.path.join(logs, "recovery.json"))
     trainer = TorchTrainer(
         loop or (scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker),
         train_loop_config={**asdict(cfg), **loop_extras},
@@ -1393,7 +1631,7 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=None),
                              logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # no per-report INFO lines
-                             callbacks=[QuietControllerLogs()] + ([TensorBoardLogger(cfg)] if training else []),
+                             callbacks=[QuietControllerLogs(), recovery] + ([TensorBoardLogger(cfg)] if training else []),
                              failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
         torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)),
     )
@@ -1416,6 +1654,7 @@ def summarize(cfg: Config, result: ray.train.Result) -> dict:
         "node_ranks": out["node_ranks"], "first_step_at": out["first_step_at"],
         # Named by epoch, so known without asking Ray (whose Result may lack it when its state API is slow).
         "checkpoint": os.path.join(cfg.run_dir, checkpoint_dir_name(history[-1]["epoch"])),
+        "recovery": recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json")),
     }
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
@@ -1443,9 +1682,9 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def check_run_dir(cfg: Config) -> None:
-    """Before any cluster starts. --fresh: delete this run's directory, and nothing outside it. A rerun:
-    the checkpoint it will resume from must load (a corrupt one is one sentence here, not a failure on
-    every worker) and must have been trained the way this command says."""
+    """Before any cluster starts. --fresh: the directory it will delete must be this run's and nothing
+    else. A rerun: the checkpoint it will resume from must load (a corrupt one is one sentence here, not
+    a failure on every worker) and must have been trained the way this command says."""
     from pyarrow import fs
     storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
     kind = storage.get_file_info(run_dir).type
@@ -1454,7 +1693,7 @@ def check_run_dir(cfg: Config) -> None:
     if kind != fs.FileType.Directory:
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if cfg.fresh:
-        delete_run_dir(cfg, storage, run_dir)
+        check_deletable(cfg, storage, run_dir)
         return
     latest = latest_committed(cfg.run_dir)
     if latest is None:
@@ -1470,18 +1709,40 @@ def check_run_dir(cfg: Config) -> None:
               f"epoch {state['epoch'] + 2} trains at lr {learning_rate(cfg, state['epoch'] + 1):.4g}", flush=True)
 
 
-def delete_run_dir(cfg: Config, storage, run_dir: str) -> None:
-    if not is_uri(cfg.run_dir):  # a run directory that is a link may point anywhere: resolve it first
-        target = os.path.realpath(cfg.run_dir)
-        if os.path.dirname(target) != os.path.realpath(cfg.storage_path):
-            raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target}, outside --storage-path; not deleting it")
-    storage.delete_dir(run_dir)
-    print(f"--fresh: deleted {cfg.run_dir}; starting run '{cfg.name}' over", flush=True)
+RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json")
+
+
+def check_deletable(cfg: Config, storage, run_dir: str) -> None:
+    """--fresh deletes <storage-path>/<name>/ only if it is a ray-dp run, inside --storage-path, and holds
+    neither --logdir nor --data-dir (./runs/tensorboard is a directory of ./runs too)."""
+    from pyarrow import fs
+    names = {Path(info.path).name for info in storage.get_file_info(fs.FileSelector(run_dir))}
+    if not (names & set(RUN_MARKERS) or any(re.fullmatch(r"checkpoint_epoch_\d+", n) for n in names)):
+        raise ConfigError(f"--fresh: {cfg.run_dir} is not a ray-dp run (no checkpoints, no result.json); "
+                          f"not deleting it")
+    if is_uri(cfg.run_dir):
+        return
+    target = os.path.realpath(cfg.run_dir)  # a run directory that is a link may point anywhere
+    if os.path.dirname(target) != os.path.realpath(cfg.storage_path):
+        raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target}, outside --storage-path; not deleting it")
+    for flag, path in [("logdir", cfg.logdir), ("data-dir", cfg.data_dir)]:
+        if Path(os.path.realpath(path)).is_relative_to(target):
+            raise ConfigError(f"--fresh: {cfg.run_dir} holds --{flag} {path}; not deleting it")
+
+
+def start_fresh(cfg: Config) -> None:
+    """--fresh, once every check has passed: delete the run's directory (check_run_dir vetted it)."""
+    from pyarrow import fs
+    storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
+    if cfg.fresh and storage.get_file_info(run_dir).type == fs.FileType.Directory:
+        storage.delete_dir(run_dir)
+        print(f"--fresh: deleted {cfg.run_dir}; starting run '{cfg.name}' over", flush=True)
 
 
 # What a rerun of a run may change: how long it trains, on how many workers of what kind, where it
 # reads and writes, what it logs. Anything else would silently train a different model.
 RESUMABLE_FIELDS = {"epochs", "workers", "min_workers", "cpus_per_worker", "gpu", "max_failures", "timeout",
+                    "start_timeout",
                     "fresh", "address", "storage_path", "name", "logdir", "log_every", "quiet", "data_dir",
                     "download", "loader_workers", "compile", "eval_only", "predict_out"}
 
@@ -1490,11 +1751,18 @@ def check_same_training(cfg: Config, stored: dict) -> None:
     now = asdict(cfg)
     changed = [name for name in now if name not in RESUMABLE_FIELDS and name in stored and stored[name] != now[name]]
     if changed:
-        flags = [f"--{name.replace('_', '-')} " for name in changed]
-        was = ", ".join(f"{flag}{stored[name]}" for flag, name in zip(flags, changed))
-        says = ", ".join(f"{flag}{now[name]}" for flag, name in zip(flags, changed))
+        was = ", ".join(as_flag(name, stored[name]) for name in changed)
+        says = ", ".join(as_flag(name, now[name]) for name in changed)
         raise ConfigError(f"run '{cfg.name}' was trained with {was}; this command says {says}: rerun it with "
                           f"its values to resume it, or start over with --fresh or a new --name")
+
+
+def as_flag(name: str, value) -> str:
+    """How a config value is typed: --lr 0.05, --amp, --no-amp."""
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
 
 
 def latest_committed(run_dir: str) -> Optional[str]:
@@ -1504,11 +1772,21 @@ def latest_committed(run_dir: str) -> Optional[str]:
     storage, path = fs.FileSystem.from_uri(run_dir)
     snapshot = f"{path}/checkpoint_manager_snapshot.json"
     if storage.get_file_info(snapshot).type != fs.FileType.NotFound:
-        with storage.open_input_stream(snapshot) as f:
-            committed = json.loads(f.read())["checkpoint_results"]
+        try:
+            with storage.open_input_stream(snapshot) as f:
+                committed = json.loads(f.read())["checkpoint_results"]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{run_dir}/checkpoint_manager_snapshot.json is not Ray's list of checkpoints; "
+                              f"rerun with --fresh to start over") from None
         return f"{run_dir}/{committed[-1]['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if committed else None
     files = [] if is_uri(run_dir) else epoch_checkpoints(run_dir)
     return str(files[-1]) if files else None
+
+
+def describe_training_error(error: ray.train.TrainingFailedError) -> str:
+    """One line for a run that failed for good (Ray's own message is the ranks' tracebacks)."""
+    controller = getattr(error, "controller_failure", None)
+    return describe_worker_failures(getattr(error, "worker_failures", {}), {}) or first_line(controller or error)
 
 
 def interrupted(command: str, cfg: Optional[Config]) -> str:
@@ -1516,15 +1794,24 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
     latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
     if latest is None:
         return "interrupted; nothing was saved"
-    epoch = int(re.search(r"checkpoint_epoch_(\d+)", latest)[1]) + 1
+    epoch = int(Path(latest).parent.name.rpartition("_")[2]) + 1  # checkpoint_epoch_NNN, 0-based
+    same = "the same command without --fresh" if cfg.fresh else "the same command"
     return (f"interrupted after epoch {epoch} of {cfg.epochs} (saved in {cfg.run_dir}); "
-            f"the same command with --name {cfg.name} resumes it")
+            f"{same} with --name {cfg.name} resumes it")
 
 
 def format_summary(summary: dict, launcher: str = "") -> str:
-    """The lessons' closing line: `test acc: 0.97, 0.3 sec/epoch on 2 workers (cpu)`."""
-    return (f"test acc: {summary['final']['test_acc']:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch "
-            f"on {summary['world_size']} workers ({summary['device']}{launcher})")
+    """The lessons' closing line: `test acc: 0.97, 0.3 sec/epoch on 2 workers (cpu)`, and what it survived."""
+    world = summary["world_size"]
+    line = (f"test acc: {summary['final']['test_acc']:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch "
+            f"on {plural(world, 'worker')} ({summary['device']}{launcher})")
+    recovery = summary.get("recovery") or {}
+    if recovery.get("failures"):
+        sizes = [size for _, size in recovery["world_sizes"]]
+        redone = ", ".join(map(str, recovery["epochs_redone"])) or "none"
+        line += (f"; survived {plural(recovery['failures'], 'failure')}, {plural(recovery['restarts'], 'restart')} "
+                 f"(workers {' -> '.join(map(str, sizes))}), epochs redone: {redone}")
+    return line
 
 
 def run(cfg: Config) -> dict:
@@ -1533,6 +1820,7 @@ def run(cfg: Config) -> dict:
         return run_under_torchrun(cfg, sizes)
     check_run_dir(cfg)
     cfg = connect(cfg)
+    start_fresh(cfg)
     print(describe(cfg, sizes), flush=True)
     summary = summarize(cfg, fit(cfg))
     print(format_summary(summary), flush=True)
@@ -1545,6 +1833,8 @@ def run(cfg: Config) -> dict:
 def run_eval(cfg: Config) -> dict:
     """--eval-only: the same test metrics as training, plus per-class accuracy and the confusion matrix."""
     _, test_set = load_dataset(cfg)
+    if os.path.isfile(cfg.run_dir):
+        raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if epoch_checkpoints(cfg.run_dir):
         raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, whose result.json this "
                           f"evaluation would overwrite; choose another --name")
@@ -1594,6 +1884,7 @@ def run_under_torchrun(cfg: Config, sizes: tuple[int, int]) -> Optional[dict]:
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # local mode logs every report at INFO
     if is_main:
         check_run_dir(cfg)
+        start_fresh(cfg)  # before the other ranks can look for checkpoints: they wait for rank 0 to join
         print(describe(cfg, sizes).replace("ray-dp:", "ray-dp (torchrun):"), flush=True)
     result = fit(cfg)
     if not is_main:
@@ -1695,7 +1986,8 @@ def main(argv=None) -> int:
         print(f"ray_dp.py: error: {exc}", file=sys.stderr)
         return 2
     except ray.train.TrainingFailedError as exc:
-        print(f"ray_dp.py: training failed: {exc}", file=sys.stderr)
+        print(f"ray_dp.py: training failed: {describe_training_error(exc)}; the full errors are in "
+              f"{os.path.join(local_run_dir(cfg), 'ray.log')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"ray_dp.py: {interrupted(command, cfg)}", file=sys.stderr)

@@ -3,9 +3,11 @@ addresses; the tutorial's torchrun launch. Each must train exactly like one node
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -17,7 +19,8 @@ import ray_dp
 pytestmark = [pytest.mark.timeout(600)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
-RUN = ["--workers", "2", "--dataset", "digits", "--epochs", "2", "--seed", "3"]
+# Batch 8: epochs long enough (179 steps) to lose a node in the middle of one.
+RUN = ["--workers", "2", "--dataset", "digits", "--epochs", "2", "--seed", "3", "--batch-size", "8"]
 
 
 def validate(config):
@@ -88,43 +91,124 @@ def node_ports(base):
         "--min-worker-port", str(base + 100), "--max-worker-port", str(base + 999)]
 
 
+class TwoNodes:
+    """A head on 127.0.0.3 and a worker node on 127.0.0.4, 1 CPU each: 2 workers land one per node."""
+
+    address = "127.0.0.3:46379"
+
+    def __init__(self, log):
+        self.log, self.temp_dirs = log, []
+        self.head = start_node(["--head", "--node-ip-address", "127.0.0.3", "--port", "46379", "--num-cpus", "1",
+                                "--include-dashboard", "false", "--ray-client-server-port", "46380",
+                                *node_ports(41000)], log)
+        time.sleep(5)
+        self.workers = [self.add_worker_node(43000)]
+
+    def add_worker_node(self, ports):
+        # A temp dir of its own, as on a machine of its own: the head's log monitor reads only its session's
+        # logs, this node's only these (sharing one, both would forward every line).
+        temp_dir = tempfile.mkdtemp(prefix="ray-node-")  # short: Ray's socket paths must stay under 108 bytes
+        self.temp_dirs.append(temp_dir)
+        return start_node(["--address", self.address, "--node-ip-address", "127.0.0.4", "--num-cpus", "1",
+                           "--temp-dir", temp_dir, *node_ports(ports)], self.log)
+
+    def kill_worker_node(self):
+        """As if the machine died: every process of the node at once, the training worker included (Ray
+        starts workers in sessions of their own, so the node's process group alone would miss them)."""
+        for pid in [self.workers[-1].pid, *descendants(self.workers[-1].pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.workers[-1].wait()
+
+    def stop(self):
+        for node in reversed([self.head, *self.workers]):
+            stop_node(node)
+        for temp_dir in self.temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 @pytest.fixture
 def two_nodes(tmp_path):
-    """A head on 127.0.0.3 and a worker node on 127.0.0.4, 1 CPU each: 2 workers land one per node."""
     log = open(tmp_path / "nodes.log", "w")
-    head = start_node(["--head", "--node-ip-address", "127.0.0.3", "--port", "46379", "--num-cpus", "1",
-                       "--include-dashboard", "false", "--ray-client-server-port", "46380", *node_ports(41000)], log)
-    nodes = [head]
+    nodes = TwoNodes(log)
     try:
-        time.sleep(5)
-        nodes.append(start_node(["--address", "127.0.0.3:46379", "--node-ip-address", "127.0.0.4", "--num-cpus",
-                                 "1", *node_ports(43000)], log))
-        yield "127.0.0.3:46379"
+        yield nodes
     finally:
-        for node in reversed(nodes):
-            stop_node(node)
+        nodes.stop()
         log.close()
 
 
-def test_two_node_cluster_trains_one_worker_per_node_exactly_like_one_node(tmp_path, two_nodes, single_node_result):
+def train_on(nodes, tmp_path, name, *flags, during_epoch_2=None):
+    """ray_dp.py attached to the two nodes; during_epoch_2(nodes) runs once epoch 1 is committed."""
+    command = [sys.executable, "ray_dp.py", *RUN, "--cpu", "--address", nodes.address, "--storage-path",
+               str(tmp_path / "runs"), "--name", name, "--logdir", str(tmp_path / "tb"), *flags]
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    command = [sys.executable, "ray_dp.py", *RUN, "--cpu", "--address", two_nodes, "--storage-path", str(tmp_path / "runs"),
-               "--name", "two-nodes", "--logdir", str(tmp_path / "tb")]
     deadline = time.time() + 60
-    while True:  # the worker node may still be joining
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        if proc.returncode == 0 or time.time() > deadline:
-            break
-        time.sleep(3)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "runs" / "two-nodes" / "result.json").read_text())
-    assert result["node_ranks"] == [0, 1]  # rank 0 on the head, rank 1 on the other node
+    while not ray_nodes_alive(nodes.address, env) == 2:  # the worker node may still be joining
+        assert time.time() < deadline, "the worker node never joined"
+        time.sleep(2)
+    driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if during_epoch_2:
+        snapshot = tmp_path / "runs" / name / "checkpoint_manager_snapshot.json"
+        while not (snapshot.exists() and "checkpoint_epoch_000" in snapshot.read_text()):
+            assert driver.poll() is None and time.time() < deadline + 240, "epoch 1 was never committed"
+            time.sleep(0.1)
+        during_epoch_2(nodes)
+    stdout, stderr = driver.communicate(timeout=400)
+    assert driver.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "Traceback" not in stdout + stderr and "Connection reset" not in stdout + stderr  # in ray.log
+    return stdout, json.loads((tmp_path / "runs" / name / "result.json").read_text())
+
+
+def ray_nodes_alive(address, env):
+    probe = "import ray; ray.init(address='%s', logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))"
+    out = subprocess.run([sys.executable, "-c", probe % address], env=env, capture_output=True, text=True, timeout=60)
+    return int(out.stdout.strip() or 0)
+
+
+def test_a_lost_node_is_replaced_and_the_run_resumes_exactly_with_one_line_per_event(tmp_path, two_nodes,
+                                                                                    single_node_result):
+    def kill_and_replace(nodes):
+        nodes.kill_worker_node()
+        nodes.workers.append(nodes.add_worker_node(44000))
+
+    stdout, result = train_on(two_nodes, tmp_path, "two-nodes", "--max-failures", "3", during_epoch_2=kill_and_replace)
+    events = [line for line in stdout.splitlines() if line.startswith("ray-dp: ") and "epoch 2 of" not in line]
+    lost = [line for line in events if line.startswith("ray-dp: lost worker rank")]
+    assert len(lost) == 1 and lost[0].endswith(
+        "on 127.0.0.4 (its process or node died) during epoch 2; failure 1 (--max-failures: 3 allowed): "
+        "restarting the workers from the last checkpoint"), stdout
+    assert "ray-dp: waiting up to 60 s for 2 workers (--start-timeout)" in events
+    assert "ray-dp: 2 workers started on 127.0.0.3, 127.0.0.4" in events
+    assert "ray-dp: resuming at epoch 2 of 2 with 2 workers, from the checkpoint of epoch 1" in stdout
+    assert stdout.strip().splitlines()[-1].endswith(
+        "on 2 workers (cpu); survived 1 failure, 1 restart (workers 2 -> 2), epochs redone: 2")
+    recovery = result["recovery"]
+    assert (recovery["failures"], recovery["restarts"], recovery["epochs_redone"]) == (1, 1, [2])
+    assert [size for _, size in recovery["world_sizes"]] == [2, 2]
+    assert "Traceback" in (tmp_path / "runs" / "two-nodes" / "ray.log").read_text()  # kept, off the console
+    # The same training as without the failure: rank 0 on the head, rank 1 on the (new) other node.
+    assert result["node_ranks"] == [0, 1]
     assert result["final"]["test_acc"] == single_node_result["final"]["test_acc"]
     assert_same_weights(final_weights(result), final_weights(single_node_result))
     # Where the README says: checkpoints under --storage-path/--name, events under --logdir/--name.
     assert sorted(p.name for p in (tmp_path / "runs" / "two-nodes").glob("checkpoint_epoch_*")) == [
         "checkpoint_epoch_000", "checkpoint_epoch_001"]
     assert list((tmp_path / "tb" / "two-nodes").glob("events.out.tfevents.*"))
+
+
+def test_an_elastic_run_that_loses_a_node_waits_then_goes_on_with_the_workers_left(tmp_path, two_nodes):
+    stdout, result = train_on(two_nodes, tmp_path, "elastic", "--workers", "1:2", "--start-timeout", "10",
+                              "--max-failures", "3", during_epoch_2=TwoNodes.kill_worker_node)
+    assert "on 127.0.0.4 (its process or node died) during epoch 2; failure 1" in stdout
+    assert "ray-dp: resuming at epoch 2 of 2 with 1 worker, from the checkpoint of epoch 1" in stdout
+    assert [size for _, size in result["recovery"]["world_sizes"]] == [2, 1]
+    assert result["world_size"] == 1 and result["recovery"]["epochs_redone"] == [2]
+    # The global batch is kept across the resize: 179 steps of 8 samples, 8 per worker on 1 worker.
+    assert [m["train_samples"] for m in result["epochs"]] == [1432, 1432]
+    assert stdout.strip().splitlines()[-1].endswith("(workers 2 -> 1), epochs redone: 2")
 
 
 def test_torchrun_runs_the_same_loop_with_the_same_result(tmp_path, single_node_result):
@@ -199,6 +283,24 @@ def stop_cluster_processes():
                 pass
         time.sleep(3)
     assert not processes_naming("127.0.0.3", "127.0.0.4"), "ray up's processes outlived the test"
+
+
+def descendants(pid):
+    """Every process below pid, from /proc's parent links."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def processes_naming(*words):

@@ -47,8 +47,7 @@ def test_fresh_with_a_name_outside_the_storage_path_deletes_nothing(name, tmp_pa
 
 
 def test_fresh_refuses_a_run_directory_that_links_elsewhere(tmp_path, no_cluster, capsys):
-    victim = tmp_path / "victim"
-    victim.mkdir()
+    victim = save_run(tmp_path / "victim")  # even a run: its directory is not inside --storage-path
     (victim / "precious.txt").write_text("x")
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "link").symlink_to(victim)
@@ -61,8 +60,40 @@ def test_fresh_deletes_its_own_run_directory_and_nothing_else(tmp_path, capsys):
     mine, other = save_run(tmp_path / "runs" / "mine"), save_run(tmp_path / "runs" / "other")
     _, cfg, _ = ray_dp.parse_command(["--storage-path", str(tmp_path / "runs"), "--name", "mine", "--fresh", *DIGITS])
     ray_dp.check_run_dir(cfg)
+    assert mine.exists()  # checking deletes nothing: every other check comes first
+    ray_dp.start_fresh(cfg)
     assert not mine.exists() and (other / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).exists()
     assert "--fresh: deleted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, flags, message", [
+    ("documents", [], "is not a ray-dp run (no checkpoints, no result.json); not deleting it"),
+    ("tensorboard", ["--logdir", "{runs}/tensorboard"], "holds --logdir"),  # ./runs/tensorboard by default
+    ("exp", ["--workers", "64"], "64 workers need 64 CPUs"),  # a later check fails: nothing deleted yet
+])
+def test_fresh_refuses_what_is_not_this_run_and_deletes_only_after_every_check(name, flags, message, tmp_path,
+                                                                            no_cluster, capsys):
+    runs = tmp_path / "runs"
+    save_run(runs / "exp")
+    (runs / "documents").mkdir()
+    (runs / "documents" / "precious.txt").write_text("x")
+    (runs / "tensorboard" / "exp").mkdir(parents=True)
+    (runs / "tensorboard" / "result.json").write_text("{}")  # even if it looked like a run
+    before = {str(p) for p in tmp_path.rglob("*")}
+    flags = [f.format(runs=runs) for f in flags]
+    assert message in error_of(["--storage-path", str(runs), "--name", name, "--fresh", *DIGITS, *flags], capsys)
+    assert {str(p) for p in tmp_path.rglob("*")} == before
+
+
+def test_a_run_in_uri_storage_is_checked_on_resume_like_a_local_one(tmp_path, no_cluster, capsys):
+    run = save_run(tmp_path / "bucket" / "exp")
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(  # as Ray writes it
+        {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_000"}]}))
+    uri = f"file://{tmp_path}/bucket"  # pyarrow's URI storage, as s3:// is
+    _, cfg, _ = ray_dp.parse_command(["--storage-path", uri, "--name", "exp", *DIGITS])
+    ray_dp.check_run_dir(cfg)  # the same config: it resumes
+    assert "was trained with --lr 0.05; this command says --lr 0.1" in error_of(
+        ["--storage-path", uri, "--name", "exp", *DIGITS, "--lr", "0.1"], capsys)
 
 
 CHANGED = [
@@ -70,6 +101,7 @@ CHANGED = [
     (["--seed", "1", "--batch-size", "32"], "was trained with --batch-size 64, --seed 0; this command says "
                                             "--batch-size 32, --seed 1"),
     (["--mode", "scratch"], "was trained with --mode ddp; this command says --mode scratch"),
+    (["--amp"], "was trained with --no-amp; this command says --amp"),
     (["--model", "mlp"], "was trained with --model lenet; this command says --model mlp"),
     (["--dataset", "synthetic"], "--dataset digits; this command says --dataset synthetic"),
 ]
@@ -112,9 +144,12 @@ def test_latest_committed_follows_rays_snapshot_over_orphan_directories(tmp_path
     cfg = ray_dp.Config(storage_path=str(tmp_path), name="run", epochs=5)
     assert ray_dp.interrupted("train", cfg) == (f"interrupted after epoch 1 of 5 (saved in {run}); "
                                                 f"the same command with --name run resumes it")
+    fresh = ray_dp.replace(cfg, fresh=True)  # the same command would delete what was saved
+    assert ray_dp.interrupted("train", fresh).endswith("the same command without --fresh with --name run resumes it")
 
 
-TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "1"}
 
 
 @pytest.mark.parametrize("world, flags, message", [
@@ -123,6 +158,8 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "LOCAL_RANK": "0", "MAST
     (2, ["--workers", "4"], "torchrun starts 2 processes (WORLD_SIZE=2) and they are the workers"),
     (2, ["--gpu"], "under torchrun the workers use the CPU when the machine has no GPUs: drop --gpu"),
     (2, ["--storage-path", "s3://bucket/runs"], "--storage-path must be a directory"),
+    (2, ["--mode", "dp"], "under torchrun use --mode ddp"),
+    ("abc", [], "WORLD_SIZE must be a positive whole number, got 'abc'"),
 ])
 def test_torchrun_world_size_is_validated_like_workers(world, flags, message, monkeypatch, no_cluster, capsys):
     for key, value in {**TORCHRUN, "WORLD_SIZE": str(world)}.items():
@@ -193,15 +230,17 @@ def shipped_cluster_yaml():
 def test_a_fresh_ray_up_cluster_with_gpu_node_types_but_no_gpu_yet_trains_on_gpus(tmp_path):
     bootstrap = tmp_path / "ray_bootstrap_config.yaml"
     bootstrap.write_text(yaml.safe_dump(shipped_cluster_yaml()))
-    most = ray_dp.capacity_from_node_types(yaml.safe_load(bootstrap.read_text()))
-    assert most == {"CPU": 32, "GPU": 4}  # 4 g5.2xlarge workers; the head has CPU 0
-    fresh = ray_dp.Cluster(now={"CPU": 0}, most=most, local=False)  # only the CPU:0 head is up
+    node_types = ray_dp.node_types_from_yaml(yaml.safe_load(bootstrap.read_text()))
+    fresh = ray_dp.Cluster(now={"CPU": 0}, node_types=node_types, local=False)  # only the CPU:0 head is up
+    assert fresh.most == {"CPU": 32, "GPU": 4}  # 4 g5.2xlarge workers; the head has CPU 0
     cfg = ray_dp.Config(address="auto", workers=4, model="resnet18")
     assert ray_dp.decide_gpu(cfg, fresh) is True
     settled = ray_dp.settle_device(cfg, fresh)  # waits for the autoscaler rather than failing
     assert settled.gpu and ray_dp.resources_per_worker(settled) == {"CPU": 1.0, "GPU": 1}
     with pytest.raises(ray_dp.ConfigError, match="its node types add up to at most"):
         ray_dp.settle_device(ray_dp.replace(cfg, workers=8), fresh)  # 8 GPUs: more than 4 nodes x 1
+    with pytest.raises(ray_dp.ConfigError, match="no node type of the cluster has that much"):
+        ray_dp.settle_device(ray_dp.replace(cfg, workers=2, cpus_per_worker=16), fresh)  # 8 CPUs a node
 
 
 def test_node_groups_recorded_by_ray_decide_too():
@@ -209,17 +248,17 @@ def test_node_groups_recorded_by_ray_decide_too():
     recorded = autoscaler_pb2.ClusterConfig(node_group_configs=[
         autoscaler_pb2.NodeGroupConfig(name="head", resources={"CPU": 4}, max_count=1),
         autoscaler_pb2.NodeGroupConfig(name="gpu", resources={"CPU": 8, "GPU": 4}, max_count=-1)])
-    most = ray_dp.capacity_from_node_groups(recorded)
-    assert most["GPU"] == float("inf") and most["CPU"] == float("inf")
-    assert ray_dp.decide_gpu(ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 4}, most, local=False))
+    cluster = ray_dp.Cluster({"CPU": 4}, ray_dp.node_types_from_groups(recorded), local=False)
+    assert cluster.most == {"CPU": float("inf"), "GPU": float("inf")}
+    assert ray_dp.decide_gpu(ray_dp.Config(address="auto"), cluster)
 
 
 @pytest.mark.parametrize("cfg, cluster, gpu", [
     (ray_dp.Config(), ray_dp.Cluster({"CPU": 2}, None, local=True), False),  # a laptop
     (ray_dp.Config(), ray_dp.Cluster({"CPU": 2, "GPU": 1}, None, local=True), True),
     (ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 2, "GPU": 2}, None, local=False), True),
-    (ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 8}, {"CPU": 16}, local=False), False),  # CPU types only
-    (ray_dp.Config(address="auto", gpu=False), ray_dp.Cluster({"CPU": 0}, {"GPU": 4}, local=False), False),
+    (ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 8}, [({"CPU": 16}, 2)], local=False), False),
+    (ray_dp.Config(address="auto", gpu=False), ray_dp.Cluster({"CPU": 0}, [({"GPU": 4}, 1)], local=False), False),
     (ray_dp.Config(address="auto", gpu=True), ray_dp.Cluster({"CPU": 4}, None, local=False), True),
 ])
 def test_device_decision(cfg, cluster, gpu):
