@@ -78,22 +78,30 @@ class Config:
                        "functional LeNet with hand-written all-reduce and SGD; dp: nn.DataParallel over "
                        "--workers GPUs driven by one process (CUDA only)", choices=MODES)
     workers: int = option(2, "number of training workers (processes); each gets one GPU on a GPU cluster. "
-                          "MIN:MAX makes the run elastic (same as --min-workers MIN --workers MAX)", metavar="N|MIN:MAX")
-    min_workers: int = option(0, "elastic runs: start with as few as this many workers when no more fit, and "
-                              "continue from the last checkpoint when workers come or go (0: a fixed --workers)")
-    cpus_per_worker: float = option(1.0, "CPU cores reserved per worker; fractions allowed (0.25 fits 8 workers on 2 cores)")
+                          "MIN:MAX makes the run elastic: it starts with as many as fit, at least MIN, and "
+                          "continues from the last checkpoint when workers come or go", metavar="N|MIN:MAX")
+    # Set by --workers MIN:MAX (0: a fixed --workers); not a flag of its own.
+    min_workers: int = option(0, "", cli=False)
+    cpus_per_worker: Optional[float] = option(
+        None, "CPU cores reserved per worker; fractions allowed (default: 1; on a machine ray_dp starts Ray on "
+              "itself, more workers than cores share the cores evenly)", type=float, metavar="CPUS")
     gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)")
-    epochs: int = option(10, "number of passes over the training set")
+    epochs: int = option(10, "number of passes over the training set (--mode scratch and compare: 20)",
+                         metavar="N")
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step summed over all workers "
-                             "(per-worker micro-batch = batch-size / (workers x accum-steps))")
+                             "(per-worker micro-batch = batch-size / (workers x accum-steps); --mode scratch "
+                             "and compare: 32, the lesson's)", metavar="N")
     amp: bool = option(False, "mixed precision: forward passes under bf16 autocast (GPU; runs on CPU too); "
                        "bf16 keeps fp32's range, so no GradScaler is needed")
     compile: bool = option(False, "torch.compile the model (the first epoch pays for compiling)")
-    lr: float = option(0.05, "SGD learning rate (peak, at epoch 1)")
-    lr_schedule: str = option("cosine", "learning rate over epochs: cosine decay to 0, or constant",
+    lr: float = option(0.05, "SGD learning rate (peak, at epoch 1; --mode scratch and compare: 0.2)", metavar="LR")
+    lr_schedule: str = option("cosine", "learning rate over epochs: cosine decay to 0 over --epochs (extending a run "
+                              "stretches it), or constant (--mode scratch and compare: constant)",
                               choices=("cosine", "constant"))
-    momentum: float = option(0.9, "SGD momentum (0 = the lessons' plain SGD; --mode scratch always uses plain SGD)")
-    accum_steps: int = option(1, "micro-batches accumulated per optimizer step (gradients synced only on the last)")
+    momentum: float = option(0.9, "SGD momentum (compare: 0, like the lesson's plain SGD, which --mode scratch "
+                             "always uses)", metavar="M")
+    accum_steps: int = option(1, "micro-batches accumulated per optimizer step (gradients synced only on the last)",
+                              metavar="K")
     allreduce: str = option("naive", "--mode scratch: how gradients are summed: naive (the lesson: all into "
                             "rank 0, then back), ring (reduce-scatter + all-gather), library (dist.all_reduce)",
                             choices=ALLREDUCE_ALGORITHMS)
@@ -101,28 +109,32 @@ class Config:
     model: str = option("lenet", "network", choices=MODELS)
     loader_workers: int = option(0, "0: the in-memory fast path (the data set as tensors on the worker's device, "
                                  "batches indexed by the sampler); N: a torch DataLoader with N loader processes "
-                                 "per worker (persistent; pinned memory on GPU), for data that must be read per sample")
-    synthetic_size: int = option(512, "--dataset synthetic: training images (the test set has 100)")
+                                 "per worker (persistent; pinned memory on GPU), for data that must be read per sample",
+                                 metavar="N")
+    synthetic_size: int = option(512, "--dataset synthetic: training images (the test set has 100)", metavar="N")
     dataset: str = option("fashion-mnist", "data set; digits (1,797 real digits from scikit-learn) needs no download",
                           choices=DATASETS)
-    data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory)")
+    data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory)", metavar="DIR")
     download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir")
-    seed: int = option(0, "random seed for model init and data order (the same on every worker)")
-    storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for checkpoints and result.json")
+    seed: int = option(0, "random seed for model init and data order (the same on every worker)", metavar="N")
+    storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for checkpoints and "
+                               "result.json", metavar="PATH")
     name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume "
-                       "(default: mode-model-dataset-time)")
+                       "(default: mode-model-dataset-date-time-pid)", metavar="NAME")
     logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/, one sub-run per run: "
                          "watch with tensorboard --logdir LOGDIR", metavar="LOGDIR")
-    log_every: int = option(10, "log the train loss (averaged over workers) to TensorBoard every this many steps")
+    log_every: int = option(10, "log the train loss (averaged over workers) to TensorBoard every this many steps",
+                            metavar="STEPS")
     quiet: bool = option(False, "no progress bar (there is none anyway when the output is not a terminal)")
     max_failures: int = option(0, "restart the worker group this many times after a worker dies, from the last "
-                               "checkpoint (-1: without limit)")
+                               "checkpoint (-1: without limit)", metavar="K")
     timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before the run fails "
                             "(torch.distributed's process-group timeout)", metavar="SECONDS")
     start_timeout: float = option(60.0, "seconds to wait for the workers to start (at the start, and after a "
                                   "failure or resize) before Ray tries again with what fits", metavar="SECONDS")
     fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of resuming it")
-    address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a fresh local one)")
+    address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a fresh local one)",
+                          metavar="ADDRESS")
     eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of training: a run directory "
                             "(its last checkpoint), a checkpoint_epoch_NNN directory, or a checkpoint.pt file",
                             metavar="PATH")
@@ -151,6 +163,12 @@ class ConfigError(ValueError):
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # "(default: )" says nothing: leave empty defaults out
         return action.help if action.default in ("", None) else super()._get_help_string(action)
+
+
+# --mode scratch and compare, for what the command line leaves unsaid: the lesson's recipe, plain SGD at a
+# constant learning rate, large enough and long enough to leave the plateau where the lesson's init
+# (randn * 0.01) sits at chance for hundreds of steps (measured on digits: README, Teaching).
+LESSON_DEFAULTS = {"batch_size": 32, "lr": 0.2, "lr_schedule": "constant", "epochs": 20, "momentum": 0.0}
 
 
 class _WorkersAction(argparse.Action):
@@ -185,6 +203,8 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = dict(f.metadata)
+        if not kwargs.pop("cli", True):
+            continue
         if f.name == "workers":
             parser.add_argument(flag, action=_WorkersAction, default=f.default, **kwargs)
         elif f.name == "gpu":
@@ -194,11 +214,12 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
                                help=kwargs["help"])
             group.add_argument("--cpu", dest="gpu", action="store_const", const=False, default=argparse.SUPPRESS,
                                help="use CPU workers (gloo backend)")
-        elif isinstance(f.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kwargs)
+        elif isinstance(f.default, bool):  # a switch; one that is on by default also gets its --no- form
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            parser.add_argument(flag, action=action, default=f.default, **kwargs)
         else:
-            metavar = kwargs.pop("metavar", None if "choices" in kwargs else f.name.split("_")[-1].upper())
-            parser.add_argument(flag, type=type(f.default), default=f.default, metavar=metavar, **kwargs)
+            kwargs.setdefault("type", type(f.default))
+            parser.add_argument(flag, default=f.default, **kwargs)
     return parser
 
 
@@ -212,6 +233,8 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     typed = {k for k, v in vars(parser.parse_args(flags, argparse.Namespace(**dict.fromkeys(args, NOT_TYPED)))).items()
              if v is not NOT_TYPED}
     options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
+    if command == "compare" or args["mode"] == "scratch":
+        args.update({k: v for k, v in LESSON_DEFAULTS.items() if k not in typed})
     if under_torchrun():
         args = torchrun_launch(args, typed)
     cfg = with_absolute_paths(Config(**args))
@@ -251,7 +274,7 @@ def torchrun_launch(args: dict, typed: set) -> dict:
     world = int(world)
     if args["mode"] == "dp":
         raise ConfigError("--mode dp is one process driving every GPU; under torchrun use --mode ddp")
-    if typed & {"workers", "min_workers"} and (args["workers"], args["min_workers"]) != (world, 0):
+    if "workers" in typed and (args["workers"], args.get("min_workers", 0)) != (world, 0):
         raise ConfigError(f"torchrun starts {world} processes (WORLD_SIZE={world}) and they are the workers: "
                           f"drop --workers (or change --nproc_per_node)")
     cuda = torch.cuda.is_available()
@@ -320,15 +343,16 @@ def not_a_directory(path: str) -> Optional[str]:
 
 
 def validate(cfg: Config) -> None:
+    cpus = cfg.cpus_per_worker
     checks = [
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
         (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
          f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {cfg.min_workers}:{cfg.workers}"),
         (not (cfg.min_workers and cfg.mode == "dp"), "--mode dp runs one worker; it cannot be elastic"),
-        (math.isfinite(cfg.cpus_per_worker) and cfg.cpus_per_worker > 0,
-         f"--cpus-per-worker must be a positive number, got {cfg.cpus_per_worker}"),
-        (cfg.cpus_per_worker >= 1 or round(cfg.cpus_per_worker, 4) == cfg.cpus_per_worker,
-         f"--cpus-per-worker below 1 must be a multiple of 0.0001 (Ray's resolution), got {cfg.cpus_per_worker}"),
+        (cpus is None or (math.isfinite(cpus) and cpus > 0),
+         f"--cpus-per-worker must be a positive number, got {cpus}"),
+        (cpus is None or cpus >= 1 or round(cpus, 4) == cpus,
+         f"--cpus-per-worker below 1 must be a multiple of 0.0001 (Ray's resolution), got {cpus}"),
         (is_run_name(cfg.name), f"--name must be one directory name (printable; no '/', '\\', '.' or '..'; at "
                                 f"most 255 bytes), got {cfg.name!r}"),
         (all((cfg.storage_path, cfg.logdir, cfg.data_dir)), "--storage-path, --logdir and --data-dir cannot be empty"),
@@ -902,7 +926,7 @@ class Worker:
 
     @classmethod
     def from_ray(cls, cfg: Config, torchrun: bool = False) -> "Worker":
-        torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))  # Ray sets OMP_NUM_THREADS=1 in workers
+        torch.set_num_threads(max(1, int(cfg.cpus_per_worker or 1)))  # Ray sets OMP_NUM_THREADS=1 in workers
         ctx = ray.train.get_context()
         return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), ctx.get_node_rank(),
                    torchrun)
@@ -1458,7 +1482,7 @@ def local_run_dir(cfg: Config) -> str:
 
 def resources_per_worker(cfg: Config) -> dict:
     gpus = cfg.workers if cfg.mode == "dp" else 1  # dp: one process holds all of the run's GPUs
-    return {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if cfg.gpu else {})}
+    return {"CPU": cfg.cpus_per_worker or 1.0, **({"GPU": gpus} if cfg.gpu else {})}
 
 
 @dataclass(frozen=True)
@@ -1504,6 +1528,8 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
     """The config with the device decided, once the workers are known to fit: Ray would otherwise wait
     forever for resources that never come."""
     cfg = replace(cfg, gpu=decide_gpu(cfg, cluster))
+    if cluster.local and cfg.cpus_per_worker is None and cfg.processes > cluster.now.get("CPU", 0) and not cfg.gpu:
+        cfg = share_cores(cfg, cluster.now.get("CPU", 0))
     fewest = cfg.min_workers or cfg.processes  # an elastic run starts once its minimum fits
     need = {kind: amount * fewest for kind, amount in resources_per_worker(cfg).items()}
     if fits(need, cluster.now):
@@ -1513,8 +1539,10 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
         raise ConfigError("--mode dp needs CUDA GPUs (it is nn.DataParallel) and this machine has none; use --mode ddp")
     if cluster.local and cfg.gpu and not cluster.now.get("GPU"):
         raise ConfigError("--gpu was given but this machine has no GPU (use --cpu)")
-    if cluster.local or (cluster.most is not None and not fits(need, cluster.most)):
-        limit = f"the cluster has {have}" if cluster.local else f"its node types add up to at most {cluster.most}"
+    if cluster.local or cluster.most is None or not fits(need, cluster.most):
+        limit = (f"the cluster has {have}" if cluster.local else
+                 f"the cluster has {have} and no autoscaler configuration that could add more" if cluster.most is None
+                 else f"its node types add up to at most {cluster.most}")
         raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} GPUs but {limit} "
                           f"(lower --workers or --cpus-per-worker)")
     if cluster.node_types is not None and not cluster.hosts(resources_per_worker(cfg)):
@@ -1522,6 +1550,15 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
                           f"much (lower --cpus-per-worker)")
     print(f"note: waiting for the cluster to grow to {need} (it has {have} now)", flush=True)
     return cfg
+
+
+def share_cores(cfg: Config, cores: float) -> Config:
+    """More workers than this machine has cores, and no --cpus-per-worker: as torchrun would, start them
+    all, each on an equal share of the cores (one thread each). The maths is that of the global batch."""
+    share = math.floor(cores / cfg.processes * 10_000) / 10_000  # Ray counts CPUs in steps of 0.0001
+    print(f"note: {cfg.processes} workers share this machine's {cores:g} cores: {share:g} CPU and 1 thread "
+          f"each (--cpus-per-worker sets it)", flush=True)
+    return replace(cfg, cpus_per_worker=share)
 
 
 def fits(need: dict, have: dict) -> bool:
@@ -1595,8 +1632,13 @@ def describe(cfg: Config, sizes: tuple[int, int]) -> str:
     left_out = f" ({dropped} train samples left out per epoch: whole global batches only)" if dropped else ""
     return (f"ray-dp: {cfg.mode} {cfg.model} on {cfg.dataset} ({sizes[0]} train / {sizes[1]} test), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x {cfg.processes} workers x "
-            f"{cfg.accum_steps} accum{left_out}, lr {cfg.lr} ({cfg.lr_schedule}), {cfg.epochs} epochs, "
+            f"{cfg.accum_steps} accum{left_out}, lr {cfg.lr} ({cfg.lr_schedule}), {optimizer_name(cfg)}, "
+            f"{cfg.epochs} epochs, "
             f"run dir {cfg.run_dir}")
+
+
+def optimizer_name(cfg: Config) -> str:
+    return "plain SGD" if cfg.mode == "scratch" or not cfg.momentum else f"SGD momentum {cfg.momentum}"
 
 
 def samples_per_epoch(cfg: Config, train_size: int) -> int:
@@ -1783,6 +1825,23 @@ def latest_committed(run_dir: str) -> Optional[str]:
     return str(files[-1]) if files else None
 
 
+def near_chance(cfg: Config, summary: dict) -> Optional[str]:
+    """When a run ended where guessing would (10 classes: 0.10), what most likely happened and what to try."""
+    final, acc = summary["final"], summary["final"]["test_acc"]
+    if acc > 1.5 / NUM_CLASSES:
+        return None
+    steps = sum(m["train_samples"] for m in summary["epochs"]) // cfg.batch_size
+    head = f"test acc {acc:.2f} is chance (1/{NUM_CLASSES})"
+    if not math.isfinite(final["train_loss"]) or final["train_loss"] > 3 * math.log(NUM_CLASSES):
+        return f"{head}: the loss grew to {final['train_loss']:.3g}, so lr {cfg.lr} is too large; try --lr {cfg.lr / 5:g}"
+    if cfg.mode == "scratch":
+        return (f"{head}: the lesson's init (randn * 0.01) sits at chance for hundreds of steps and this run took "
+                f"{steps} at lr {cfg.lr} ({cfg.lr_schedule}); give it more steps (--epochs, a smaller --batch-size), "
+                f"a constant --lr of 0.2 to 0.5 (--lr-schedule constant)")
+    return (f"{head} after {steps} steps at lr {cfg.lr} ({cfg.lr_schedule}): try more --epochs or another --lr "
+            f"(train loss {final['train_loss']:.3f}; ln 10 = 2.303 is the loss of a uniform guess)")
+
+
 def describe_training_error(error: ray.train.TrainingFailedError) -> str:
     """One line for a run that failed for good (Ray's own message is the ranks' tracebacks)."""
     controller = getattr(error, "controller_failure", None)
@@ -1824,6 +1883,8 @@ def run(cfg: Config) -> dict:
     print(describe(cfg, sizes), flush=True)
     summary = summarize(cfg, fit(cfg))
     print(format_summary(summary), flush=True)
+    if (advice := near_chance(cfg, summary)):
+        print(f"note: {advice}", flush=True)
     if cfg.mode == "dp":
         print(f"note: nn.DataParallel normalised each GPU's 1/{cfg.workers} of the batch with its own BatchNorm "
               f"statistics (per replica); only DDP can synchronise them (--mode ddp --sync-bn)", flush=True)
@@ -1891,6 +1952,8 @@ def run_under_torchrun(cfg: Config, sizes: tuple[int, int]) -> Optional[dict]:
         return None
     summary = summarize(cfg, result)
     print(format_summary(summary, ", torchrun"), flush=True)
+    if (advice := near_chance(cfg, summary)):
+        print(f"note: {advice}", flush=True)
     return summary
 
 
@@ -1932,11 +1995,8 @@ def compare_rows(configs: list[Config], summaries: list[dict]) -> list[dict]:
 
 
 def write_compare(out_dir: str, rows: list[dict], histories: list[list[dict]]) -> str:
+    """compare.csv, compare.md (the table, returned) and compare.png."""
     import csv
-
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "compare.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -1946,18 +2006,49 @@ def write_compare(out_dir: str, rows: list[dict], histories: list[list[dict]]) -
                       ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows])
     with open(os.path.join(out_dir, "compare.md"), "w") as f:
         f.write(table + "\n")
-    fig, (acc_axes, time_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for row, history in zip(rows, histories):
-        acc_axes.plot([m["epoch"] + 1 for m in history], [m["test_acc"] for m in history], marker="o", label=row["run"])
-    acc_axes.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy per epoch")
-    acc_axes.legend()
-    time_axes.bar([row["run"] for row in rows], [row["sec_per_epoch"] for row in rows])
-    time_axes.set(ylabel="seconds per epoch", title="seconds per epoch (after epoch 1)")
-    time_axes.tick_params(axis="x", labelrotation=30)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "compare.png"), dpi=100)
-    plt.close(fig)
+    plot_compare(os.path.join(out_dir, "compare.png"), rows, histories)
     return table
+
+
+# Runs that learn alike draw lines on top of each other: each gets its own dash and marker.
+LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"), ((0, (1, 3)), "x")]
+
+
+def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> None:
+    """Accuracy and loss per epoch for every run; seconds per epoch; speedup over 1 worker against N x."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    (acc_axes, loss_axes), (time_axes, speed_axes) = axes
+    for row, history, (dash, marker) in zip(rows, histories, LINE_STYLES * len(rows)):
+        epochs = [m["epoch"] + 1 for m in history]
+        style = dict(linestyle=dash, marker=marker, markersize=5, alpha=0.85, label=row["run"])
+        acc_axes.plot(epochs, [m["test_acc"] for m in history], **style)
+        loss_axes.plot(epochs, [m["train_loss"] for m in history], **style)
+    acc_axes.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy per epoch", ylim=(0, 1))
+    loss_axes.set(xlabel="epoch", ylabel="train loss", title="train loss per epoch (mean over all workers)")
+    for axis in (acc_axes, loss_axes):
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.grid(alpha=0.3)
+    acc_axes.legend(fontsize=8)
+    names = [row["run"] for row in rows]
+    epochs_timed = max(len(histories[0]) - 1, 1)
+    time_axes.bar(names, [row["sec_per_epoch"] for row in rows], color="tab:blue")
+    time_axes.set(ylabel="seconds per epoch", title=f"seconds per epoch: median of epochs 2-{epochs_timed + 1} "
+                                                      f"of 1 run each" if epochs_timed > 1 else "seconds per epoch")
+    speed_axes.bar(names, [row["speedup"] for row in rows], color="tab:green", label="measured")
+    speed_axes.scatter(names, [row["workers"] for row in rows], marker="_", s=900, color="black", zorder=3,
+                       label="ideal: N x for N workers")
+    speed_axes.set(ylabel="speedup over the same mode on 1 worker", title="speedup (sec/epoch of 1 worker / N)")
+    speed_axes.legend(fontsize=8)
+    for axis in (time_axes, speed_axes):
+        axis.tick_params(axis="x", labelrotation=30)
+        axis.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def compare(base: Config, scale_lr: bool) -> list[dict]:

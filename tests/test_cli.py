@@ -70,7 +70,8 @@ BAD_INPUTS = [
     (["--sync-bn", "--model", "lenet"], "--sync-bn needs a model with BatchNorm"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--dataset", "digits", "--gpu"], "--gpu was given but this machine has no GPU"),
-    (["--dataset", "digits", "--workers", "8"], "8 workers need 8 CPUs and 0 GPUs but the cluster has 2 CPUs"),
+    (["--dataset", "digits", "--workers", "8", "--cpus-per-worker", "1"],
+     "8 workers need 8 CPUs and 0 GPUs but the cluster has 2 CPUs"),
     (["--dataset", "digits", "--batch-size", "4096"], "larger than the 1437 training samples"),
     (["--dataset", "fashion-mnist", "--data-dir", "{tmp}"], "could not be downloaded"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}", "--no-download"], "could not be loaded (--no-download)"),
@@ -83,7 +84,7 @@ BAD_INPUTS = [
     (["--mode", "scratch", "--accum-steps", "2"], "--accum-steps needs --mode ddp"),
     (["--mode", "scratch", "--allreduce", "tree"], "argument --allreduce: invalid choice: 'tree'"),
     (["compare", "--workers", "3", "--batch-size", "64"], "--batch-size 64 must divide by workers x accum-steps = 3"),
-    (["compare", "--workers", "4", "--dataset", "digits"], "4 workers need 4 CPUs"),
+    (["compare", "--workers", "4", "--dataset", "digits", "--cpus-per-worker", "1"], "4 workers need 4 CPUs"),
 ]
 
 
@@ -206,3 +207,68 @@ def test_help_documents_every_flag_with_its_default():
                  "--storage-path", "--name", "--address", "--mode"]:
         assert flag in text
     assert "GLOBAL batch" in text and "(default: 64)" in text
+
+
+def test_scratch_and_compare_train_the_lessons_recipe_unless_told_otherwise():
+    lesson = dict(batch_size=32, lr=0.2, lr_schedule="constant", epochs=20, momentum=0.0)
+    for argv in (["--mode", "scratch"], ["compare"]):
+        cfg = ray_dp.parse_command(argv)[1]
+        assert {k: getattr(cfg, k) for k in lesson} == lesson
+    typed = ray_dp.parse_command(["--mode", "scratch", "--lr-schedule", "cosine", "--epochs", "5"])[1]
+    assert (typed.lr_schedule, typed.epochs, typed.lr) == ("cosine", 5, 0.2)  # what is typed is kept
+    ddp = ray_dp.parse_command([])[1]
+    assert (ddp.batch_size, ddp.lr, ddp.lr_schedule, ddp.epochs, ddp.momentum) == (64, 0.05, "cosine", 10, 0.9)
+    # compare: every row trains the same global batch and schedule, ddp rows with the lesson's plain SGD
+    rows = ray_dp.compare_configs(ray_dp.parse_command(["compare", "--workers", "2"])[1], scale_lr=False)
+    assert {(c.batch_size, c.lr, c.lr_schedule, c.epochs, c.momentum) for c in rows} == {(32, 0.2, "constant", 20, 0)}
+    header = ray_dp.describe(ray_dp.replace(ray_dp.parse_command(["--mode", "scratch"])[1], gpu=False), (1437, 360))
+    assert "global batch 32" in header and "lr 0.2 (constant), plain SGD, 20 epochs" in header
+
+
+@pytest.mark.parametrize("workers, cpus, message", [
+    (8, None, "note: 8 workers share this machine's 2 cores: 0.25 CPU and 1 thread each"),
+    (3, None, "note: 3 workers share this machine's 2 cores: 0.6666 CPU and 1 thread each"),
+    (2, None, None),  # they fit: one core each, no note
+])
+def test_more_workers_than_local_cores_share_the_cores(workers, cpus, message, capsys):
+    local = ray_dp.Cluster({"CPU": 2}, None, local=True)
+    cfg = ray_dp.settle_device(ray_dp.Config(workers=workers, batch_size=48, cpus_per_worker=cpus), local)
+    assert cfg.cpus_per_worker * workers <= 2 if message else cfg.cpus_per_worker is None
+    assert ray_dp.resources_per_worker(cfg)["CPU"] == (cfg.cpus_per_worker or 1.0)
+    out = capsys.readouterr().out
+    assert (message in out) if message else out == ""
+
+
+@pytest.mark.parametrize("cfg, cluster", [
+    (ray_dp.Config(workers=8, cpus_per_worker=1.0), ray_dp.Cluster({"CPU": 2}, None, local=True)),  # typed: kept
+    (ray_dp.Config(workers=8), ray_dp.Cluster({"CPU": 2}, None, local=False)),  # a cluster shares nothing
+    (ray_dp.Config(workers=8, gpu=True), ray_dp.Cluster({"CPU": 16, "GPU": 2}, None, local=True)),
+])
+def test_core_sharing_never_hides_a_request_that_cannot_fit(cfg, cluster):
+    with pytest.raises(ray_dp.ConfigError, match="8 workers need"):
+        ray_dp.settle_device(replace_address(cfg, cluster), cluster)
+
+
+def replace_address(cfg, cluster):
+    return cfg if cluster.local else ray_dp.replace(cfg, address="10.0.0.1:6379", gpu=False)
+
+
+def test_help_names_each_value_not_a_word_of_its_flag():
+    text = " ".join(ray_dp.build_parser().format_help().split())
+    for shown in ["--cpus-per-worker CPUS", "--loader-workers N", "--epochs N", "--timeout SECONDS", "--seed N"]:
+        assert shown in text
+    assert "WORKER" not in text and "--min-workers" not in text and "--no-quiet" not in text
+
+
+def summary(mode_loss_acc):
+    loss, acc = mode_loss_acc
+    return {"final": {"test_acc": acc, "train_loss": loss}, "epochs": [{"train_samples": 1408}] * 10}
+
+
+def test_a_run_that_ends_at_chance_says_why_and_what_to_try():
+    scratch = ray_dp.Config(mode="scratch", batch_size=64, lr=0.05, lr_schedule="cosine")
+    note = ray_dp.near_chance(scratch, summary((2.3026, 0.09)))
+    assert note.startswith("test acc 0.09 is chance (1/10): the lesson's init (randn * 0.01) sits at chance")
+    assert "this run took 220 at lr 0.05 (cosine)" in note and "--lr-schedule constant" in note
+    assert "lr 5.0 is too large" in ray_dp.near_chance(ray_dp.Config(lr=5.0), summary((float("nan"), 0.1)))
+    assert ray_dp.near_chance(ray_dp.Config(), summary((0.1, 0.97))) is None

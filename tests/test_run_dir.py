@@ -69,7 +69,7 @@ def test_fresh_deletes_its_own_run_directory_and_nothing_else(tmp_path, capsys):
 @pytest.mark.parametrize("name, flags, message", [
     ("documents", [], "is not a ray-dp run (no checkpoints, no result.json); not deleting it"),
     ("tensorboard", ["--logdir", "{runs}/tensorboard"], "holds --logdir"),  # ./runs/tensorboard by default
-    ("exp", ["--workers", "64"], "64 workers need 64 CPUs"),  # a later check fails: nothing deleted yet
+    ("exp", ["--workers", "64", "--cpus-per-worker", "1"], "64 workers need 64 CPUs"),  # a later check fails: nothing deleted yet
 ])
 def test_fresh_refuses_what_is_not_this_run_and_deletes_only_after_every_check(name, flags, message, tmp_path,
                                                                             no_cluster, capsys):
@@ -100,7 +100,8 @@ CHANGED = [
     (["--lr", "0.1"], "was trained with --lr 0.05; this command says --lr 0.1"),
     (["--seed", "1", "--batch-size", "32"], "was trained with --batch-size 64, --seed 0; this command says "
                                             "--batch-size 32, --seed 1"),
-    (["--mode", "scratch"], "was trained with --mode ddp; this command says --mode scratch"),
+    (["--mode", "scratch", "--batch-size", "64", "--lr", "0.05", "--lr-schedule", "cosine", "--momentum", "0.9"],
+     "was trained with --mode ddp; this command says --mode scratch"),
     (["--amp"], "was trained with --no-amp; this command says --amp"),
     (["--model", "mlp"], "was trained with --model lenet; this command says --model mlp"),
     (["--dataset", "synthetic"], "--dataset digits; this command says --dataset synthetic"),
