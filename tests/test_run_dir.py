@@ -276,3 +276,12 @@ def test_cluster_yaml_and_readme_pass_gpu_explicitly():
         with open(os.path.join(REPO, path)) as f:
             lines = [line for line in f.read().replace("\\\n", " ").splitlines() if "--address auto" in line]
         assert lines and all("--gpu" in line or "--cpu" in line for line in lines), path
+
+
+def test_ray_trains_placement_group_cleaner_waits_one_second_per_question():
+    # Pinned Ray 2.60: without its dashboard every State API question waits 10 s, and the end of each
+    # run waits for one (README, Performance). A Ray upgrade that changes the callback fails here.
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    ray_dp.shorten_placement_group_cleaner_waits()
+    callback = PlacementGroupCleanerCallback()
+    assert (callback._check_interval_s, callback._get_actor_timeout_s, callback._stop_timeout) == (1.0, 1.0, 3.0)
