@@ -9,16 +9,16 @@ has GPUs, CPU workers (gloo) otherwise.
 
 Run it:
     python ray_dp.py --workers 2 --dataset digits        # offline quick start (CPU)
-    python ray_dp.py --workers 8 --cpus-per-worker 0.25  # 8 workers on a 2-core laptop
+    python ray_dp.py --workers 8 --dataset digits        # 8 workers share a 2-core laptop's cores
     python ray_dp.py --workers 8 --model resnet18        # Fashion-MNIST, downloaded to ./data
     python ray_dp.py --dataset cifar10 --model resnet18 --sync-bn --accum-steps 2
     python ray_dp.py --name myrun ...                    # run it again with the same name to resume
-    python ray_dp.py --address auto ...                  # attach to a running cluster (ray up cluster.yaml)
-    python ray_dp.py --mode scratch --dataset digits --batch-size 32 --lr 0.2 --epochs 20 --allreduce ring
-                                                         # the d2l lesson: hand-written all-reduce LeNet
+    python ray_dp.py --address auto --gpu ...            # on a running cluster (ray up cluster.yaml)
+    python ray_dp.py --mode scratch --dataset digits     # the d2l lesson: hand-written all-reduce LeNet
     python ray_dp.py --mode dp --workers 4 --model resnet18  # nn.DataParallel over 4 GPUs of one worker
-    python ray_dp.py compare --workers 2 --dataset digits   # ddp vs scratch, 1 vs N workers: the lesson's table
+    python ray_dp.py compare --workers 2 --dataset digits    # ddp vs scratch, 1 vs N workers: the table
     python ray_dp.py --eval-only runs/myrun --workers 3 --predict-out preds.csv  # multi-worker inference
+    tensorboard --logdir runs/tensorboard                # watch every run
     python ray_dp.py --help                              # every flag, with units and defaults
 
 Outputs go to <storage-path>/<name>/: one checkpoint_epoch_NNN/ per epoch and result.json.
@@ -454,8 +454,9 @@ def load_torchvision(dataset_class, root: str, download: bool) -> tuple[TensorDa
         try:
             splits = [dataset_class(root, train=train, download=download) for train in (True, False)]
         except (RuntimeError, OSError) as exc:  # not found / corrupt / no network (URLError is an OSError)
+            reason = " ".join(str(exc).split())  # torchvision's messages run over several lines
             raise DataError(f"{dataset_class.__name__} is not in {root} and could not be "
-                            f"{'downloaded' if download else 'loaded (--no-download)'} ({exc}); "
+                            f"{'downloaded' if download else 'loaded (--no-download)'} ({reason}); "
                             f"put its files there with --data-dir DIR, or use --dataset digits (offline)") from None
     return tuple(images_to_tensors(split) for split in splits)
 
@@ -1608,6 +1609,27 @@ def node_types_from_yaml(cluster_yaml: dict) -> list:
             for name, node_type in cluster_yaml.get("available_node_types", {}).items()]
 
 
+def check_reachable(address: str, seconds: float = 5.0) -> None:
+    """A cluster's GCS must answer before ray.init, which would otherwise retry for minutes. 'auto' is the
+    last cluster `ray start` recorded on this machine (/tmp/ray/ray_current_cluster), possibly long gone."""
+    import socket
+    from ray._private.services import canonicalize_bootstrap_address
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+    except ConnectionError:
+        resolved = None
+    if not resolved:
+        raise ConfigError(f"--address {address}: no running Ray cluster is recorded on this machine; start one "
+                          f"(ray start --head, or ray up cluster.yaml) or drop --address to run here")
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=seconds).close()
+    except (OSError, ValueError):
+        found = f" (--address {address} found it in /tmp/ray/ray_current_cluster)" if address == "auto" else ""
+        raise ConfigError(f"no Ray cluster answers at {resolved}{found}: start one (ray start --head, or ray up "
+                          f"cluster.yaml), or drop --address to run on this machine") from None
+
+
 def connect(cfg: Config) -> Config:
     """Start (or attach to) Ray, after checking that the run fits, so that nothing starts in vain.
     Returns the config with the device decided."""
@@ -1620,7 +1642,11 @@ def connect(cfg: Config) -> Config:
         ray.init(address="local", runtime_env=RUNTIME_ENV, logging_level=logging.WARNING, include_dashboard=False)
         return cfg
     if not ray.is_initialized():
-        ray.init(address=cfg.address, runtime_env=RUNTIME_ENV, logging_level=logging.WARNING)
+        check_reachable(cfg.address)
+        try:
+            ray.init(address=cfg.address, runtime_env=RUNTIME_ENV, logging_level=logging.WARNING)
+        except ConnectionError as exc:
+            raise ConfigError(f"cannot attach to the Ray cluster at {cfg.address}: {first_line(exc)}") from None
     # A cluster this process already runs (tests, compare's rows) was started here and will not grow.
     attached = bool(cfg.address)
     return settle_device(cfg, Cluster(ray.cluster_resources(), autoscaler_node_types() if attached else None,
