@@ -264,6 +264,7 @@ def local_cluster_config(key):
             "provider": {"type": "local", "head_ip": "127.0.0.3", "worker_ips": ["127.0.0.4"]},
             "auth": {"ssh_user": "root", "ssh_private_key": key},
             "file_mounts": shipped["file_mounts"], "rsync_filter": shipped["rsync_filter"],
+            "rsync_exclude": shipped["rsync_exclude"],
             "setup_commands": shipped["setup_commands"],
             "head_start_ray_commands": head,
             "worker_start_ray_commands": adapt(shipped["worker_start_ray_commands"], "127.0.0.4")}
