@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
+import io
+import itertools
 import json
 import logging
 import math
@@ -45,7 +48,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -241,6 +243,8 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     validate(cfg)
     if cfg.eval_only:
         command, cfg = "eval", eval_config(cfg, typed)
+    elif command == "train":
+        options["typed"] = typed  # a rerun takes what the command line leaves unsaid from the run it resumes
     return command, replace(cfg, name=cfg.name or default_run_name(command, cfg)), options
 
 
@@ -307,8 +311,10 @@ def eval_config(cfg: Config, typed: set) -> Config:
                               f"--{name} {getattr(cfg, name)} contradicts it")
     if cfg.predict_out == path:
         raise ConfigError(f"--predict-out {cfg.predict_out} is the checkpoint being evaluated")
-    # A scratch-mode checkpoint is a LeNet state_dict too, so every checkpoint is evaluated the ddp way.
-    return replace(cfg, model=trained["model"], dataset=trained["dataset"], mode="ddp", eval_only=path)
+    # A scratch-mode checkpoint is a LeNet state_dict too, so every checkpoint is evaluated the ddp way;
+    # bf16 autocast as in training, unless --amp says otherwise.
+    amp = cfg.amp if "amp" in typed else trained.get("amp", False)
+    return replace(cfg, model=trained["model"], dataset=trained["dataset"], mode="ddp", eval_only=path, amp=amp)
 
 
 def is_run_name(name: str) -> bool:
@@ -402,8 +408,10 @@ def validate(cfg: Config) -> None:
     for workers in range(cfg.min_workers or cfg.workers, cfg.workers + 1):  # every size an elastic run may have
         per_step = workers * cfg.accum_steps
         if cfg.batch_size % per_step and not cfg.eval_only:  # evaluation has no global batch to split
+            lower, upper = cfg.batch_size // per_step * per_step, (cfg.batch_size // per_step + 1) * per_step
+            near = f"; e.g. {lower} or {upper}" if lower else f"; e.g. {upper}"
             raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = {per_step} "
-                              f"(the global batch is split evenly into per-worker micro-batches)")
+                              f"(the global batch is split evenly into per-worker micro-batches{near})")
 
 
 # ============================================================================
@@ -559,7 +567,7 @@ class SyncBatchNormCPU(nn.BatchNorm2d):
         # Rank r's row holds its [count, mean, M2]; the sum over ranks is then every rank's rows.
         rows = torch.zeros(world, 1 + 2 * x.shape[1], dtype=x32.dtype, device=x.device)
         rows = rows.index_copy(0, torch.tensor([rank], device=x.device), torch.cat([count, mean, m2]).unsqueeze(0))
-        rows = dist_fn.all_reduce(rows)
+        rows = SumOverRanks.apply(rows)
         mean, var, n = combine_statistics(rows[:, 0], *rows[:, 1:].chunk(2, dim=1))
         with torch.no_grad():
             self.num_batches_tracked += 1
@@ -567,6 +575,23 @@ class SyncBatchNormCPU(nn.BatchNorm2d):
             self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)  # unbiased, as BatchNorm keeps it
         x_hat = (x32 - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         return (x_hat * self.weight.view(shape) + self.bias.view(shape)).to(x.dtype)
+
+
+class SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward pass all-reduces the gradient too: each rank's output depends on
+    every rank's input, so each input's gradient is the sum over ranks of the outputs' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
 
 
 def rank_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -820,7 +845,6 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
 def load_checkpoint(path: str) -> dict:
     """A checkpoint file, local or in cloud storage (s3://...)."""
     if is_uri(str(path)):
-        import io
         from pyarrow import fs
         storage, key = fs.FileSystem.from_uri(str(path))
         with storage.open_input_stream(key) as f:
@@ -1332,10 +1356,12 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
     Ray Train runs it in its controller, on the driver's node (Ray's internal callback hooks: the public
     UserCallback sees reports only). Its lines start with "ray-dp: ", which the console prints bare."""
 
-    def __init__(self, cfg: Config, record_path: str):
+    def __init__(self, cfg: Config, record_path: str, last_epoch: int = -1):
         self.cfg, self.record_path = cfg, record_path
-        self.events, self.failures, self.node_ips, self.last_epoch = [], 0, {}, -1
+        self.events, self.failures, self.node_ips = [], 0, {}
+        self.last_epoch = last_epoch  # the last epoch reported (or resumed from): -1 before the first
         self.reported = None  # the error last described: Ray passes it to ShuttingDown, then to Errored
+        self.save_failed = False
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         state = getattr(current_state, "next_state", current_state)  # ShuttingDown(next_state=Errored)
@@ -1364,22 +1390,30 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.last_epoch = epoch
 
     def failed(self, error, stopping: bool) -> None:
-        startup = getattr(error, "controller_failure", None)
-        if type(startup).__name__ == "WorkerGroupStartupTimeoutError":
-            self.add(f"the workers did not all start within {self.cfg.start_timeout:g} s; trying again with what "
-                     f"fits", event="start_timeout")
+        controller = getattr(error, "controller_failure", None)
+        if type(controller).__name__ == "WorkerGroupStartupTimeoutError" and not stopping:
+            then = "trying again with what fits" if self.cfg.min_workers else "trying again"
+            self.add(f"the workers did not all start within {self.cfg.start_timeout:g} s; {then}",
+                     event="start_timeout")
             return
-        self.failures += 1
+        # Ray charges --max-failures with the training's failures only (a worker group error that is not a
+        # preemption); its own start-up errors and preemptions have limits of their own.
+        counted = type(error).__name__ == "WorkerGroupError" and "preempt" not in str(error).lower()
+        self.failures += counted
         limit = self.cfg.max_failures
-        if stopping:
+        if not counted:
+            then = "stopping (Ray does not retry this error)" if stopping else "Ray retries it (not counted "
+            then += "" if stopping else "against --max-failures)"
+        elif stopping:
             then = f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
         else:
             of = "no limit" if limit == -1 else f"{limit} allowed"
             then = f"failure {self.failures} (--max-failures: {of}): restarting the workers from the last checkpoint"
-        what = describe_worker_failures(getattr(error, "worker_failures", {}), self.node_ips) or first_line(error)
-        errors = {rank: first_line(e) for rank, e in getattr(error, "worker_failures", {}).items()}
+        worker_failures = getattr(error, "worker_failures", {})
+        what = describe_worker_failures(worker_failures, self.node_ips) or first_line(controller or error)
         self.add(f"{what} during epoch {self.last_epoch + 2}; {then}", event="failed", failure=self.failures,
-                 during_epoch=self.last_epoch + 2, what=what, errors=errors)
+                 counted=counted, during_epoch=self.last_epoch + 2, what=what, node_ips=self.node_ips,
+                 errors={rank: first_line(e) for rank, e in worker_failures.items()})
 
     def add(self, message: Optional[str], **event) -> None:
         if message:
@@ -1388,7 +1422,13 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.save()
 
     def save(self) -> None:
-        write_json(self.record_path, {"events": self.events})
+        """The record is a convenience: a disk that refuses it must not stop the training it records."""
+        try:
+            write_json(self.record_path, {"events": self.events})
+        except OSError as exc:
+            if not self.save_failed:
+                print(f"ray-dp: cannot write {self.record_path} ({exc}); training goes on without it", flush=True)
+            self.save_failed = True
 
 
 # A collective whose peer vanished: gloo's and NCCL's words for it.
@@ -1403,24 +1443,32 @@ def describe_worker_failures(failures: dict, node_ips: dict) -> str:
     if not lost and failures and all(PEER_LOST.search(str(error)) for error in failures.values()):
         lost = set(node_ips) - set(failures)
     if lost:
-        where = ", ".join(f"rank {rank} on {node_ips.get(rank) or node_ip_in(failures.get(rank, ''))}"
-                          for rank in sorted(lost))
-        return f"lost worker {where} (its process or node died)"
+        where = ", ".join(f"rank {rank}{on_node(rank, node_ips, failures.get(rank, ''))}" for rank in sorted(lost))
+        memory = any("memory" in str(failures.get(rank, "")).lower() for rank in lost)
+        return f"lost worker {where} ({'killed: out of memory' if memory else 'its process or node died'})"
     if failures:
         rank = min(failures)
-        return f"worker rank {rank} on {node_ips.get(rank, '?')} failed: {first_line(failures[rank])}"
+        return f"worker rank {rank}{on_node(rank, node_ips, failures[rank])} failed: {first_line(failures[rank])}"
     return ""
 
 
-def node_ip_in(error: BaseException) -> str:
-    """The node address Ray's health-check error names (its worker's metadata), or '?'."""
+def on_node(rank: int, node_ips: dict, error) -> str:
+    ip = node_ips.get(rank) or node_ip_in(error)
+    return f" on {ip}" if ip else ""
+
+
+def node_ip_in(error) -> str:
+    """The node address Ray's health-check error names (its worker's metadata), or ''."""
     found = re.search(r"node_ip='([^']+)'", str(error))
-    return found[1] if found else "?"
+    return found[1] if found else ""
 
 
 def first_line(error: BaseException) -> str:
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    last = lines[-1].strip() if lines else ""  # a traceback's last line is its error
+    """An error in one line: a traceback's last line (which names its type), else 'Type: message'."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", last):
+        return last[:200]
     return f"{type(error).__name__}: {last[:160]}" if last else type(error).__name__
 
 
@@ -1445,25 +1493,26 @@ class RayOutput:
 
     def __init__(self):
         from ray._private import ray_logging, worker
+        self.dispatcher, self.worker = ray_logging.global_worker_stdstream_dispatcher, worker
         self.print_to_console, self.log_path = worker.print_to_stdstream, None
-        # Ray prints what its processes forward through a dispatcher, and the errors the cluster reports
-        # (a worker died, ...) through print_to_stdstream itself: route both.
-        dispatcher = ray_logging.global_worker_stdstream_dispatcher
-        if "ray_print_logs" in [name for name, _ in dispatcher.handlers]:  # none if log_to_driver=False
-            dispatcher.remove_handler("ray_print_logs")
-            dispatcher.add_handler("ray_print_logs", self.route)
-        worker.print_to_stdstream = self.route
+
+    def install(self) -> None:
+        """Ray prints what its processes forward through a dispatcher (a handler per ray.init), and the
+        errors the cluster reports (a worker died, ...) through print_to_stdstream itself: route both."""
+        handlers = [handler for name, handler in self.dispatcher.handlers if name == "ray_print_logs"]
+        if handlers:  # none if log_to_driver=False
+            ignore_prefix = getattr(handlers[-1], "keywords", {}).get("ignore_prefix", False)
+            self.dispatcher.remove_handler("ray_print_logs")
+            self.dispatcher.add_handler("ray_print_logs", functools.partial(self.route, ignore_prefix=ignore_prefix))
+        self.worker.print_to_stdstream = self.route
 
     def route(self, batch: dict, ignore_prefix: bool = False) -> None:
         if batch["is_err"] or batch.get("pid") == "raylet":
             self.to_log(batch)
             return
-        ours = [line for line in batch["lines"] if line.startswith("ray-dp: ")]
-        rest = [line for line in batch["lines"] if not line.startswith("ray-dp: ")]
-        for line in ours:
-            print(line, flush=True)
-        if rest:
-            self.print_to_console({**batch, "lines": rest}, ignore_prefix=False)
+        # In order, a run of lines at a time: ours without Ray's prefix, the rest as Ray prints them.
+        for ours, lines in itertools.groupby(batch["lines"], key=lambda line: line.startswith("ray-dp: ")):
+            self.print_to_console({**batch, "lines": list(lines)}, ignore_prefix=ours or ignore_prefix)
 
     def to_log(self, batch: dict) -> None:
         if not self.log_path:
@@ -1474,7 +1523,7 @@ class RayOutput:
             f.writelines(f"{source} {line}\n" for line in batch["lines"])
 
 
-_ray_output: Optional[RayOutput] = None  # installed once per driver process, after Ray is up
+_ray_output: Optional[RayOutput] = None  # one per driver process
 
 
 def send_ray_output_to(log_path: str) -> None:
@@ -1482,6 +1531,7 @@ def send_ray_output_to(log_path: str) -> None:
     global _ray_output
     if _ray_output is None:
         _ray_output = RayOutput()
+    _ray_output.install()  # again after each ray.init, which adds a printing handler of its own
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     _ray_output.log_path = log_path
 
@@ -1568,6 +1618,9 @@ def share_cores(cfg: Config, cores: float) -> Config:
     """More workers than this machine has cores, and no --cpus-per-worker: as torchrun would, start them
     all, each on an equal share of the cores (one thread each). The maths is that of the global batch."""
     share = math.floor(cores / cfg.processes * 10_000) / 10_000  # Ray counts CPUs in steps of 0.0001
+    if not share:
+        raise ConfigError(f"{cfg.processes} workers cannot share {cores:g} cores (Ray's smallest share is 0.0001 "
+                          f"CPU): lower --workers")
     print(f"note: {cfg.processes} workers share this machine's {cores:g} cores: {share:g} CPU and 1 thread "
           f"each (--cpus-per-worker sets it)", flush=True)
     return replace(cfg, cpus_per_worker=share)
@@ -1618,6 +1671,8 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
         resolved = canonicalize_bootstrap_address(address)
     except ConnectionError:
         resolved = None
+    except ValueError:
+        raise ConfigError(f"--address {address}: give 'auto' or host:port (e.g. 10.0.0.5:6379)") from None
     if not resolved:
         raise ConfigError(f"--address {address}: no running Ray cluster is recorded on this machine; start one "
                           f"(ray start --head, or ray up cluster.yaml) or drop --address to run here")
@@ -1635,7 +1690,8 @@ def connect(cfg: Config) -> Config:
     Returns the config with the device decided."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # Ray would fold epoch lines that differ only in numbers
     if not ray.is_initialized() and not cfg.address:
-        machine = {"CPU": os.cpu_count() or 1, "GPU": torch.cuda.device_count()}
+        from ray._private.utils import get_num_cpus  # what ray.init registers: cgroup limits, not the host's
+        machine = {"CPU": get_num_cpus(), "GPU": torch.cuda.device_count()}
         cfg = settle_device(cfg, Cluster(machine, None, local=True))
         # Ray turns token auth on for a cluster it starts, and says so on every run: good, and not news.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
@@ -1688,7 +1744,7 @@ def samples_per_epoch(cfg: Config, train_size: int) -> int:
     return steps * cfg.batch_size
 
 
-def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
+def fit(cfg: Config, loop=None, last_epoch: int = -1, **loop_extras) -> ray.train.Result:
     training = loop is None
     if training:  # a bar only where someone watches: Ray's tqdm draws rank 0's bar on this terminal
         loop_extras["progress"] = sys.stdout.isatty() and not cfg.quiet
@@ -1701,7 +1757,7 @@ def fit(cfg: Config, loop=None, **loop_extras) -> ray.train.Result:
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)  # Ray hands it to the controller
     logs = local_run_dir(cfg)
     send_ray_output_to(os.path.join(logs, "ray.log"))
-    recovery = RecoveryLog(cfg, os.path.join(logs, "recovery.json"))
+    recovery = RecoveryLog(cfg, os.path.join(logs, "recovery.json"), last_epoch)
     trainer = TorchTrainer(
         loop or (scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker),
         train_loop_config={**asdict(cfg), **loop_extras},
@@ -1763,32 +1819,49 @@ def write_atomically(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def check_run_dir(cfg: Config) -> None:
+def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, int]:
     """Before any cluster starts. --fresh: the directory it will delete must be this run's and nothing
     else. A rerun: the checkpoint it will resume from must load (a corrupt one is one sentence here, not
-    a failure on every worker) and must have been trained the way this command says."""
+    a failure on every worker) and must have been trained the way this command says; what the command
+    does not say (flags not typed, when `typed` is given) it takes from that checkpoint.
+    Returns the config to run and the epoch the run resumes after (-1: from the start)."""
     from pyarrow import fs
     storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
     kind = storage.get_file_info(run_dir).type
     if kind == fs.FileType.NotFound:
-        return
+        return cfg, -1
     if kind != fs.FileType.Directory:
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if cfg.fresh:
         check_deletable(cfg, storage, run_dir)
-        return
+        return cfg, -1
     latest = latest_committed(cfg.run_dir)
     if latest is None:
-        return
+        return cfg, -1
     try:
         state = read_checkpoint(latest)
     except ConfigError as exc:
         raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start over, or "
                           f"--eval-only an earlier checkpoint_epoch_* directory") from None
+    cfg = follow_stored(cfg, state["config"], typed)
     check_same_training(cfg, state["config"])
     if cfg.lr_schedule == "cosine" and state["config"].get("epochs") != cfg.epochs and state["epoch"] + 1 < cfg.epochs:
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was {state['config']['epochs']}): "
               f"epoch {state['epoch'] + 2} trains at lr {learning_rate(cfg, state['epoch'] + 1):.4g}", flush=True)
+    return cfg, state["epoch"]
+
+
+def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
+    """A rerun's untyped training settings and --epochs come from the run it resumes (so the shortest
+    command that names the run resumes it as it was, whatever today's defaults are)."""
+    if typed is None:
+        return cfg
+    adopt = {name: stored[name] for name in asdict(cfg) if name in stored and name not in typed
+             and (name not in RESUMABLE_FIELDS or name == "epochs") and stored[name] != getattr(cfg, name)}
+    if adopt:
+        print(f"note: run '{cfg.name}' resumes with its own {', '.join(as_flag(k, v) for k, v in adopt.items())}",
+              flush=True)
+    return replace(cfg, **adopt)
 
 
 RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json")
@@ -1831,7 +1904,8 @@ RESUMABLE_FIELDS = {"epochs", "workers", "min_workers", "cpus_per_worker", "gpu"
 
 def check_same_training(cfg: Config, stored: dict) -> None:
     now = asdict(cfg)
-    changed = [name for name in now if name not in RESUMABLE_FIELDS and name in stored and stored[name] != now[name]]
+    ignored = RESUMABLE_FIELDS | ({"momentum"} if cfg.mode == "scratch" else set())  # scratch: plain SGD
+    changed = [name for name in now if name not in ignored and name in stored and stored[name] != now[name]]
     if changed:
         was = ", ".join(as_flag(name, stored[name]) for name in changed)
         says = ", ".join(as_flag(name, now[name]) for name in changed)
@@ -1840,10 +1914,10 @@ def check_same_training(cfg: Config, stored: dict) -> None:
 
 
 def as_flag(name: str, value) -> str:
-    """How a config value is typed: --lr 0.05, --amp, --no-amp."""
+    """How a config value is typed: --lr 0.05, --amp; 'no --amp' for a switch that was off."""
     flag = name.replace("_", "-")
     if isinstance(value, bool):
-        return f"--{flag}" if value else f"--no-{flag}"
+        return f"--{flag}" if value else f"no --{flag}"
     return f"--{flag} {value}"
 
 
@@ -1868,28 +1942,47 @@ def latest_committed(run_dir: str) -> Optional[str]:
 def near_chance(cfg: Config, summary: dict) -> Optional[str]:
     """When a run ended where guessing would (10 classes: 0.10), what most likely happened and what to try."""
     final, acc = summary["final"], summary["final"]["test_acc"]
-    if acc > 1.5 / NUM_CLASSES:
+    if acc > 1.5 / NUM_CLASSES or cfg.dataset == "synthetic":  # synthetic labels are random: chance is right
         return None
     steps = sum(m["train_samples"] for m in summary["epochs"]) // cfg.batch_size
-    head = f"test acc {acc:.2f} is chance (1/{NUM_CLASSES})"
+    head = f"test acc {acc:.2f} is near chance (1/{NUM_CLASSES} = {1 / NUM_CLASSES:.2f})"
     if not math.isfinite(final["train_loss"]) or final["train_loss"] > 3 * math.log(NUM_CLASSES):
         return f"{head}: the loss grew to {final['train_loss']:.3g}, so lr {cfg.lr} is too large; try --lr {cfg.lr / 5:g}"
     if cfg.mode == "scratch":
+        tips = ["more steps (more --epochs, or a smaller --batch-size)"]
+        if cfg.lr_schedule != "constant" or cfg.lr < 0.2:
+            tips.append("a constant lr of 0.2 to 0.3 (--lr 0.2 --lr-schedule constant)")
         return (f"{head}: the lesson's init (randn * 0.01) sits at chance for hundreds of steps and this run took "
-                f"{steps} at lr {cfg.lr} ({cfg.lr_schedule}); give it more steps (--epochs, a smaller --batch-size), "
-                f"a constant --lr of 0.2 to 0.5 (--lr-schedule constant)")
+                f"{steps} at lr {cfg.lr} ({cfg.lr_schedule}); give it {' or '.join(tips)}")
     return (f"{head} after {steps} steps at lr {cfg.lr} ({cfg.lr_schedule}): try more --epochs or another --lr "
             f"(train loss {final['train_loss']:.3f}; ln 10 = 2.303 is the loss of a uniform guess)")
 
 
-def describe_training_error(error: ray.train.TrainingFailedError) -> str:
+class RunFailed(RuntimeError):
+    """Training failed for good: one line, with where Ray's errors are."""
+
+
+def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
+    """result.json for a run that failed (its config, the error, the recovery record); the one-line reason."""
+    logs = local_run_dir(cfg)
+    recovery = recovery_summary(os.path.join(logs, "recovery.json"))
+    failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
+    node_ips = {int(rank): ip for rank, ip in (failed[-1]["node_ips"] if failed else {}).items()}
+    reason = describe_training_error(error, node_ips)
+    write_json(os.path.join(cfg.run_dir, "result.json"), {"config": asdict(cfg), "error": reason, "recovery": recovery})
+    return f"{reason}; the full errors are in {os.path.join(logs, 'ray.log')}"
+
+
+def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict) -> str:
     """One line for a run that failed for good (Ray's own message is the ranks' tracebacks)."""
     controller = getattr(error, "controller_failure", None)
-    return describe_worker_failures(getattr(error, "worker_failures", {}), {}) or first_line(controller or error)
+    return describe_worker_failures(getattr(error, "worker_failures", {}), node_ips) or first_line(controller or error)
 
 
 def interrupted(command: str, cfg: Optional[Config]) -> str:
     """Ctrl-C: what was kept, and the command line that continues."""
+    if command == "compare" and cfg:
+        return f"interrupted; the same command with --name {cfg.name} resumes the rows (finished ones are kept)"
     latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
     if latest is None:
         return "interrupted; nothing was saved"
@@ -1913,15 +2006,19 @@ def format_summary(summary: dict, launcher: str = "") -> str:
     return line
 
 
-def run(cfg: Config) -> dict:
-    sizes = check_data(cfg)
+def run(cfg: Config, typed: Optional[set] = None, sizes: Optional[tuple] = None) -> dict:
+    sizes = sizes or check_data(cfg)
     if under_torchrun():
-        return run_under_torchrun(cfg, sizes)
-    check_run_dir(cfg)
+        return run_under_torchrun(cfg, sizes, typed)
+    cfg, last_epoch = check_run_dir(cfg, typed)
     cfg = connect(cfg)
     start_fresh(cfg)
     print(describe(cfg, sizes), flush=True)
-    summary = summarize(cfg, fit(cfg))
+    try:
+        result = fit(cfg, last_epoch=last_epoch)
+    except ray.train.TrainingFailedError as exc:
+        raise RunFailed(record_failure(cfg, exc)) from None
+    summary = summarize(cfg, result)
     print(format_summary(summary), flush=True)
     if (advice := near_chance(cfg, summary)):
         print(f"note: {advice}", flush=True)
@@ -1959,7 +2056,6 @@ def run_eval(cfg: Config) -> dict:
 
 def write_predictions(path: str, labels: list, predictions: list) -> None:
     import csv
-    import io
     text = io.StringIO()
     writer = csv.writer(text)
     writer.writerow(["index", "label", "predicted", "probability"])
@@ -1979,12 +2075,13 @@ def format_eval(metrics: dict, per_class: list, out: dict) -> str:
     return "\n".join(lines)
 
 
-def run_under_torchrun(cfg: Config, sizes: tuple[int, int]) -> Optional[dict]:
+def run_under_torchrun(cfg: Config, sizes: tuple[int, int], typed: Optional[set] = None) -> Optional[dict]:
     """`torchrun --nproc_per_node N ray_dp.py ...`: torchrun's processes are the workers; rank 0 reports."""
     is_main = os.environ["RANK"] == "0"
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # local mode logs every report at INFO
+    with contextlib.redirect_stdout(sys.stdout if is_main else io.StringIO()):  # rank 0 speaks
+        cfg, _ = check_run_dir(cfg, typed)  # every rank: they all train with what a rerun adopts
     if is_main:
-        check_run_dir(cfg)
         start_fresh(cfg)  # before the other ranks can look for checkpoints: they wait for rank 0 to join
         print(describe(cfg, sizes).replace("ray-dp:", "ray-dp (torchrun):"), flush=True)
     result = fit(cfg)
@@ -2007,14 +2104,14 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
     rows = [("ddp", "library", 1), ("ddp", "library", n), ("scratch", "naive", 1)]
     rows += [("scratch", algorithm, n) for algorithm in ALLREDUCE_ALGORITHMS]
     configs = []
-    for mode, algorithm, workers in dict.fromkeys(rows if n > 1 else rows[::2]):
+    for mode, algorithm, workers in dict.fromkeys(rows if n > 1 else rows[:1] + rows[2:3]):
         # --scale-lr: the lesson's way of adding GPUs (same per-GPU batch, so a bigger global batch),
         # with the learning rate scaled linearly along; without it, every row trains the same global batch.
         factor = workers if scale_lr else 1
         label = f"{mode}-{algorithm}-{workers}w" if mode == "scratch" else f"{mode}-{workers}w"
         configs.append(replace(base, mode=mode, allreduce=algorithm, workers=workers, name=label,
                                storage_path=base.run_dir, logdir=os.path.join(base.logdir, base.name),
-                               batch_size=base.batch_size * factor, lr=base.lr * factor))
+                               batch_size=base.batch_size * factor, lr=round(base.lr * factor, 10)))
     return configs
 
 
@@ -2119,9 +2216,11 @@ def main(argv=None) -> int:
     except (ConfigError, DataError) as exc:
         print(f"ray_dp.py: error: {exc}", file=sys.stderr)
         return 2
-    except ray.train.TrainingFailedError as exc:
-        print(f"ray_dp.py: training failed: {describe_training_error(exc)}; the full errors are in "
-              f"{os.path.join(local_run_dir(cfg), 'ray.log')}", file=sys.stderr)
+    except RunFailed as exc:
+        print(f"ray_dp.py: training failed: {exc}", file=sys.stderr)
+        return 1
+    except ray.train.TrainingFailedError as exc:  # --eval-only's workers
+        print(f"ray_dp.py: evaluation failed: {describe_training_error(exc, {})}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"ray_dp.py: {interrupted(command, cfg)}", file=sys.stderr)

@@ -61,6 +61,7 @@ BAD_INPUTS = [
     (["--epochs", "0"], "--epochs must be at least 1"),
     (["--accum-steps", "0"], "--accum-steps must be at least 1"),
     (["--batch-size", "10", "--workers", "3"], "--batch-size 10 must divide by workers x accum-steps = 3"),
+    (["--batch-size", "32", "--workers", "3"], "micro-batches; e.g. 30 or 33)"),
     (["--batch-size", "64", "--workers", "2", "--accum-steps", "3"], "must divide by workers x accum-steps = 6"),
     (["--lr", "0"], "--lr must be a positive number"),
     (["--lr", "-0.1"], "--lr must be a positive number"),
@@ -268,7 +269,28 @@ def summary(mode_loss_acc):
 def test_a_run_that_ends_at_chance_says_why_and_what_to_try():
     scratch = ray_dp.Config(mode="scratch", batch_size=64, lr=0.05, lr_schedule="cosine")
     note = ray_dp.near_chance(scratch, summary((2.3026, 0.09)))
-    assert note.startswith("test acc 0.09 is chance (1/10): the lesson's init (randn * 0.01) sits at chance")
-    assert "this run took 220 at lr 0.05 (cosine)" in note and "--lr-schedule constant" in note
+    assert note.startswith("test acc 0.09 is near chance (1/10 = 0.10): the lesson's init (randn * 0.01) sits")
+    assert "this run took 220 at lr 0.05 (cosine)" in note and "or a constant lr of 0.2 to 0.3" in note
+    lesson = ray_dp.Config(mode="scratch", batch_size=32, lr=0.2, lr_schedule="constant")
+    assert ray_dp.near_chance(lesson, summary((2.3026, 0.09))).endswith(
+        "give it more steps (more --epochs, or a smaller --batch-size)")
+    assert ray_dp.near_chance(ray_dp.Config(dataset="synthetic"), summary((2.3, 0.1))) is None  # random labels
     assert "lr 5.0 is too large" in ray_dp.near_chance(ray_dp.Config(lr=5.0), summary((float("nan"), 0.1)))
     assert ray_dp.near_chance(ray_dp.Config(), summary((0.1, 0.97))) is None
+
+
+def test_compare_on_one_worker_trains_one_row_per_mode():
+    rows = ray_dp.compare_configs(ray_dp.parse_command(["compare", "--workers", "1"])[1], scale_lr=False)
+    assert [c.name for c in rows] == ["ddp-1w", "scratch-naive-1w"]
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5", "ray://127.0.0.1:10001"])
+def test_an_address_without_a_port_is_one_line(address, no_cluster, capsys):
+    assert ray_dp.main(["--address", address, "--dataset", "digits"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give 'auto' or host:port" in err, err
+
+
+def test_more_workers_than_ray_can_give_a_share_of_the_cores_is_one_line():
+    with pytest.raises(ray_dp.ConfigError, match="30000 workers cannot share 2 cores"):
+        ray_dp.settle_device(ray_dp.Config(workers=30000, batch_size=30000), ray_dp.Cluster({"CPU": 2}, None, True))

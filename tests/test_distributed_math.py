@@ -192,6 +192,11 @@ def test_unwrap_strips_compile_and_ddp_wrappers_for_checkpoints():
     assert list(ray_dp.unwrap(torch.compile(model)).state_dict()) == ["1.weight", "1.bias", "3.weight", "3.bias"]
 
 
+def upstream_gradient(x_full):
+    """A random gradient from above (the gradient of a plain sum through BatchNorm is ~0: it tests nothing)."""
+    return torch.randn(x_full.shape, generator=torch.Generator().manual_seed(9))
+
+
 def sync_bn_uneven(x_full, sizes, amp):
     """SyncBatchNormCPU on this rank's share of x_full (ranks get `sizes` samples each), under bf16 autocast
     after a conv when amp (the conv is what hands BatchNorm bf16 inputs)."""
@@ -201,7 +206,7 @@ def sync_bn_uneven(x_full, sizes, amp):
     x = x_full.split(sizes)[rank].clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
         out = bn(conv(x))
-    out.float().sum().backward()
+    out.float().backward(upstream_gradient(x_full).split(sizes)[rank])
     return {"out": out.detach().float(), "x_grad": x.grad, "running_mean": bn.running_mean,
             "running_var": bn.running_var}
 
@@ -212,7 +217,7 @@ def full_batch_bn(x_full, amp):
     x = x_full.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
         out = bn(conv(x))
-    out.float().sum().backward()
+    out.float().backward(upstream_gradient(x_full))
     return {"out": out.detach().float(), "x_grad": x.grad, "running_mean": bn.running_mean,
             "running_var": bn.running_var}
 

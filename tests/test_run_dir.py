@@ -18,11 +18,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = ["--dataset", "digits"]
 
 
-def save_run(run_dir, epochs=(0,), **config):
+def save_run(run_dir, saved=(0,), **config):
     """A run directory as torchrun leaves it (checkpoint_epoch_NNN/checkpoint.pt, no Ray snapshot)."""
     cfg = ray_dp.Config(dataset="digits", name=run_dir.name, storage_path=str(run_dir.parent), **config)
     model = ray_dp.build_model(cfg.model, (1, 28, 28))
-    for epoch in epochs:
+    for epoch in saved:
         path = run_dir / ray_dp.checkpoint_dir_name(epoch) / ray_dp.CHECKPOINT_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(ray_dp.checkpoint_state(model.state_dict(), {}, epoch, cfg, []), path)
@@ -102,7 +102,7 @@ CHANGED = [
                                             "--batch-size 32, --seed 1"),
     (["--mode", "scratch", "--batch-size", "64", "--lr", "0.05", "--lr-schedule", "cosine", "--momentum", "0.9"],
      "was trained with --mode ddp; this command says --mode scratch"),
-    (["--amp"], "was trained with --no-amp; this command says --amp"),
+    (["--amp"], "was trained with no --amp; this command says --amp"),
     (["--model", "mlp"], "was trained with --model lenet; this command says --model mlp"),
     (["--dataset", "synthetic"], "--dataset digits; this command says --dataset synthetic"),
 ]
@@ -119,7 +119,7 @@ def test_resuming_with_a_different_training_config_names_each_difference(flags, 
 
 
 def test_resuming_may_extend_epochs_and_change_workers_and_says_where_the_cosine_lr_goes(tmp_path, capsys):
-    save_run(tmp_path / "runs" / "exp", epochs=range(10))
+    save_run(tmp_path / "runs" / "exp", saved=range(10))
     _, cfg, _ = ray_dp.parse_command(["--storage-path", str(tmp_path / "runs"), "--name", "exp", *DIGITS,
                                       "--epochs", "20", "--workers", "1", "--max-failures", "2", "--quiet"])
     ray_dp.check_run_dir(cfg)  # no error
@@ -129,8 +129,20 @@ def test_resuming_may_extend_epochs_and_change_workers_and_says_where_the_cosine
     assert lr == pytest.approx(0.025)  # half the peak: the cosine restarts its second half
 
 
+def test_a_rerun_takes_what_it_does_not_type_from_the_run_it_resumes(tmp_path, capsys):
+    # Trained with other values than today's defaults: the shortest command that names the run resumes it.
+    save_run(tmp_path / "runs" / "exp", saved=range(3), lr=0.1, batch_size=32, epochs=5, seed=7)
+    argv = ["--storage-path", str(tmp_path / "runs"), "--name", "exp", *DIGITS]
+    command, cfg, options = ray_dp.parse_command(argv)
+    resumed, last_epoch = ray_dp.check_run_dir(cfg, options["typed"])
+    assert (resumed.lr, resumed.batch_size, resumed.epochs, resumed.seed, last_epoch) == (0.1, 32, 5, 7, 2)
+    assert "note: run 'exp' resumes with its own --epochs 5, --batch-size 32, --lr 0.1, --seed 7" in capsys.readouterr().out
+    _, typed_cfg, options = ray_dp.parse_command([*argv, "--epochs", "8"])  # typed: kept (it may change)
+    assert ray_dp.check_run_dir(typed_cfg, options["typed"])[0].epochs == 8
+
+
 def test_checkpoints_are_ordered_by_epoch_number_not_as_text(tmp_path):
-    run = save_run(tmp_path / "run", epochs=[2, 999, 1000])
+    run = save_run(tmp_path / "run", saved=[2, 999, 1000])
     assert [p.parent.name for p in ray_dp.epoch_checkpoints(run)] == [
         "checkpoint_epoch_002", "checkpoint_epoch_999", "checkpoint_epoch_1000"]
     assert ray_dp.find_checkpoint(str(run)).endswith("checkpoint_epoch_1000/checkpoint.pt")
@@ -138,7 +150,7 @@ def test_checkpoints_are_ordered_by_epoch_number_not_as_text(tmp_path):
 
 
 def test_latest_committed_follows_rays_snapshot_over_orphan_directories(tmp_path):
-    run = save_run(tmp_path / "run", epochs=[0, 1])  # epoch 1 written but never committed
+    run = save_run(tmp_path / "run", saved=[0, 1])  # epoch 1 written but never committed
     (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(
         {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_000"}]}))
     assert ray_dp.latest_committed(str(run)).endswith("checkpoint_epoch_000/checkpoint.pt")
@@ -285,3 +297,66 @@ def test_ray_trains_placement_group_cleaner_waits_one_second_per_question():
     ray_dp.shorten_placement_group_cleaner_waits()
     callback = PlacementGroupCleanerCallback()
     assert (callback._check_interval_s, callback._get_actor_timeout_s, callback._stop_timeout) == (1.0, 1.0, 3.0)
+
+
+# ---- The recovery log: what Ray Train's controller tells it, as the console and result.json tell it ----
+
+def controller_state(kind, **fields):
+    """A stand-in for Ray Train's controller states, which the log reads by class name and fields."""
+    return type(kind, (), fields)()
+
+
+def recovery_log(tmp_path, **cfg):
+    log = ray_dp.RecoveryLog(ray_dp.Config(**cfg), str(tmp_path / "recovery.json"))
+    log.node_ips = {0: "10.0.0.1", 1: "10.0.0.2"}
+    return log
+
+
+def lost_rank_1():
+    from ray.train import WorkerGroupError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+    dead = WorkerHealthCheckFailedError("A worker health check failed.", RuntimeError("node_ip='10.0.0.2'"))
+    return WorkerGroupError("rank 1 died", {0: RuntimeError("Connection reset by peer"), 1: dead})
+
+
+def test_a_lost_worker_is_failure_k_of_max_failures_and_the_epochs_redone_are_recorded(tmp_path, capsys):
+    log = recovery_log(tmp_path, max_failures=3)
+    log.after_report(None, [{"epoch": 0}])
+    log.after_controller_state_update(None, controller_state("RestartingState", training_failed_error=lost_rank_1()))
+    log.after_report(None, [{"epoch": 1}])  # resumed at epoch 2 (index 1) and reported it
+    assert capsys.readouterr().out == (
+        "ray-dp: lost worker rank 1 on 10.0.0.2 (its process or node died) during epoch 2; failure 1 "
+        "(--max-failures: 3 allowed): restarting the workers from the last checkpoint\n")
+    record = ray_dp.recovery_summary(str(tmp_path / "recovery.json"))
+    assert (record["failures"], record["epochs_redone"]) == (1, [2])
+
+
+def test_errors_ray_does_not_charge_to_max_failures_are_not_counted_against_it(tmp_path, capsys):
+    from ray.train import ControllerError
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    log = recovery_log(tmp_path, max_failures=1)
+    timeout = ControllerError(WorkerGroupStartupTimeoutError(2))
+    log.after_controller_state_update(None, controller_state("ReschedulingState", training_failed_error=timeout))
+    other = ControllerError(RuntimeError("boom"))
+    log.after_controller_state_update(None, controller_state("ReschedulingState", training_failed_error=other))
+    errored = controller_state("ErroredState", training_failed_error=ControllerError(RuntimeError("fatal")))
+    log.after_controller_state_update(None, controller_state("ShuttingDownState", next_state=errored))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "ray-dp: the workers did not all start within 60 s; trying again"  # fixed size
+    assert lines[1].endswith("RuntimeError: boom during epoch 1; Ray retries it (not counted against --max-failures)")
+    assert lines[2].endswith("RuntimeError: fatal during epoch 1; stopping (Ray does not retry this error)")
+    assert log.failures == 0 and len(lines) == 3
+
+
+def test_a_resumed_run_numbers_its_failures_from_the_epoch_it_resumed_after(tmp_path, capsys):
+    log = ray_dp.RecoveryLog(ray_dp.Config(max_failures=1), str(tmp_path / "recovery.json"), last_epoch=4)
+    log.after_controller_state_update(None, controller_state("RestartingState", training_failed_error=lost_rank_1()))
+    assert "during epoch 6;" in capsys.readouterr().out
+
+
+def test_a_recovery_record_that_cannot_be_written_does_not_stop_training(tmp_path, capsys):
+    (tmp_path / "recovery.json").mkdir()  # in the way
+    log = recovery_log(tmp_path)
+    log.after_controller_state_update(None, controller_state("RestartingState", training_failed_error=lost_rank_1()))
+    log.after_report(None, [{"epoch": 0}])
+    assert capsys.readouterr().out.count("cannot write") == 1
