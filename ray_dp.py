@@ -44,7 +44,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -59,22 +59,38 @@ import ray.train.torch
 from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-# ============================================================================
-# Config: every field is a command-line flag (--field-name), with its help.
-# ============================================================================
+
+# ==================================================================================================
+# Config: every field is a command-line flag (--field-name), with its help; validated before anything starts.
+# ==================================================================================================
+
 
 MODES = ("ddp", "scratch", "dp")
+
+
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "library")
+
+
 MODELS = ("lenet", "resnet18", "mlp")
+
+
 DATASETS = ("fashion-mnist", "cifar10", "digits", "synthetic")
+
+
 NUM_CLASSES = 10
+
+
+DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
+
+
+MAX_SECONDS = 7 * 24 * 3600  # a week: longer timeouts are "never", which is what hangs look like
 
 
 def option(default, help, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
-@dataclass
+@dataclass(frozen=True)  # resolved once on the driver (parse_command, then connect): a value from then on
 class Config:
     mode: str = option("ddp", "ddp: DistributedDataParallel, one process per worker; scratch: the d2l lesson's "
                        "functional LeNet with hand-written all-reduce and SGD; dp: nn.DataParallel over "
@@ -154,6 +170,11 @@ class Config:
         return self.batch_size // (self.processes * self.accum_steps)
 
     @property
+    def threads(self) -> int:
+        """Intra-op threads per worker: its whole cores (at least one)."""
+        return max(1, int(self.cpus_per_worker or 1))
+
+    @property
     def run_dir(self) -> str:
         return os.path.join(self.storage_path, self.name)
 
@@ -182,8 +203,8 @@ class _WorkersAction(argparse.Action):
             namespace.workers, namespace.min_workers = (int(high), int(low)) if colon else (int(low), 0)
         except ValueError:  # also "3:" and ":3": half a range is no range
             raise ConfigError(f"--workers takes N or MIN:MAX in whole numbers, got {text!r}") from None
-        if colon and namespace.min_workers < 1:  # 0 would silently mean "not elastic"
-            raise ConfigError(f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {text}")
+        if colon and namespace.min_workers < 1:
+            namespace.min_workers = -1  # 0 would mean "not elastic": validate() says why MIN must be >= 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -225,96 +246,8 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
     return parser
 
 
-def parse_command(argv) -> tuple[str, Config, dict]:
-    """(command, config, command options): `ray_dp.py [flags]` trains; `ray_dp.py compare [flags]` compares."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = "compare" if argv[:1] == ["compare"] else "train"
-    parser, flags = build_parser(command), argv[1:] if command == "compare" else argv
-    args = vars(parser.parse_args(flags))
-    # argparse fills in defaults only for attributes the namespace lacks: what keeps NOT_TYPED was not typed.
-    typed = {k for k, v in vars(parser.parse_args(flags, argparse.Namespace(**dict.fromkeys(args, NOT_TYPED)))).items()
-             if v is not NOT_TYPED}
-    options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
-    if command == "compare" or args["mode"] == "scratch":
-        args.update({k: v for k, v in LESSON_DEFAULTS.items() if k not in typed})
-    if under_torchrun():
-        args = torchrun_launch(args, typed)
-    cfg = with_absolute_paths(Config(**args))
-    validate(cfg)
-    if cfg.eval_only:
-        command, cfg = "eval", eval_config(cfg, typed)
-    elif command == "train":
-        options["typed"] = typed  # a rerun takes what the command line leaves unsaid from the run it resumes
-    return command, replace(cfg, name=cfg.name or default_run_name(command, cfg)), options
-
-
-def with_absolute_paths(cfg: Config) -> Config:
-    """Ray's workers run in directories of their own: every local path they are handed is absolute."""
-    paths = {name: os.path.abspath(getattr(cfg, name)) for name in ("data_dir", "logdir", "storage_path", "predict_out")
-             if getattr(cfg, name) and not is_uri(getattr(cfg, name))}
-    return replace(cfg, **paths)
-
-
-MAX_SECONDS = 7 * 24 * 3600  # a week: longer timeouts are "never", which is what hangs look like
-
-
 def is_uri(path: str) -> bool:
     return "://" in path  # s3://bucket/path and the like: storage that pyarrow reaches, not a local path
-
-
-def default_run_name(command: str, cfg: Config) -> str:
-    """mode-model-dataset-date-time-pid: the pid keeps two runs started in the same second apart."""
-    prefix = {"compare": "compare", "eval": f"eval-{cfg.model}-{cfg.dataset}"}.get(
-        command, f"{cfg.mode}-{cfg.model}-{cfg.dataset}")
-    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-
-
-def torchrun_launch(args: dict, typed: set) -> dict:
-    """Under torchrun, torchrun decides the worker count (WORLD_SIZE) and the device (CUDA if the machine has
-    it): the config states what will really run, so that it is validated like any other."""
-    world = os.environ["WORLD_SIZE"]
-    if not world.isdigit() or int(world) < 1:
-        raise ConfigError(f"torchrun's WORLD_SIZE must be a positive whole number, got {world!r}")
-    world = int(world)
-    if args["mode"] == "dp":
-        raise ConfigError("--mode dp is one process driving every GPU; under torchrun use --mode ddp")
-    if "workers" in typed and (args["workers"], args.get("min_workers", 0)) != (world, 0):
-        raise ConfigError(f"torchrun starts {world} processes (WORLD_SIZE={world}) and they are the workers: "
-                          f"drop --workers (or change --nproc_per_node)")
-    cuda = torch.cuda.is_available()
-    if args.get("gpu") is not None and args["gpu"] != cuda:  # absent: --gpu / --cpu not typed
-        raise ConfigError(f"under torchrun the workers use {'CUDA' if cuda else 'the CPU'} when the machine "
-                          f"{'has' if cuda else 'has no'} GPUs: drop --{'cpu' if cuda else 'gpu'}")
-    if is_uri(args["storage_path"]):
-        raise ConfigError("under torchrun, rank 0 writes the checkpoints itself: --storage-path must be a "
-                          "directory (a shared file system for several machines), not a URI")
-    return {**args, "workers": world, "min_workers": 0, "gpu": cuda}
-
-
-NOT_TYPED = object()
-# What a checkpoint fixes (its config says) and what only training uses: with --eval-only, typing a
-# contradicting value of the first or any of the second is an error rather than silently ignored.
-MODEL_FIELDS = ("model", "dataset")
-TRAINING_FIELDS = ("mode", "epochs", "batch_size", "lr", "lr_schedule", "momentum", "accum_steps", "allreduce",
-                   "sync_bn", "seed", "loader_workers", "compile", "fresh")
-
-
-def eval_config(cfg: Config, typed: set) -> Config:
-    """The config for evaluating --eval-only's checkpoint: model and data set from the checkpoint."""
-    path = find_checkpoint(cfg.eval_only)
-    trained = read_checkpoint(path)["config"]
-    for name in sorted(typed & set(TRAINING_FIELDS)):
-        raise ConfigError(f"--{name.replace('_', '-')} is a training flag and has no effect with --eval-only")
-    for name in MODEL_FIELDS:
-        if name in typed and getattr(cfg, name) != trained[name]:
-            raise ConfigError(f"the checkpoint holds a {trained['model']} trained on {trained['dataset']}; "
-                              f"--{name} {getattr(cfg, name)} contradicts it")
-    if cfg.predict_out == path:
-        raise ConfigError(f"--predict-out {cfg.predict_out} is the checkpoint being evaluated")
-    # A scratch-mode checkpoint is a LeNet state_dict too, so every checkpoint is evaluated the ddp way;
-    # bf16 autocast as in training, unless --amp says otherwise.
-    amp = cfg.amp if "amp" in typed else trained.get("amp", False)
-    return replace(cfg, model=trained["model"], dataset=trained["dataset"], mode="ddp", eval_only=path, amp=amp)
 
 
 def is_run_name(name: str) -> bool:
@@ -353,7 +286,7 @@ def validate(cfg: Config) -> None:
     checks = [
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
         (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
-         f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {cfg.min_workers}:{cfg.workers}"),
+         f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {max(cfg.min_workers, 0)}:{cfg.workers}"),
         (not (cfg.min_workers and cfg.mode == "dp"), "--mode dp runs one worker; it cannot be elastic"),
         (cpus is None or (math.isfinite(cpus) and cpus > 0),
          f"--cpus-per-worker must be a positive number, got {cpus}"),
@@ -384,7 +317,7 @@ def validate(cfg: Config) -> None:
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
-        (not (cfg.mode == "dp" and cfg.gpu is False), "--mode dp needs GPUs; drop --cpu or use --mode ddp"),
+        (not (cfg.mode == "dp" and cfg.gpu is False), f"{DP_NEEDS_GPUS}; drop --cpu, or use --mode ddp"),
         (not (cfg.sync_bn and cfg.model != "resnet18"),
          f"--sync-bn needs a model with BatchNorm (resnet18); {cfg.model} has none"),
         (not cfg.predict_out or cfg.eval_only, "--predict-out needs --eval-only PATH (predictions of a saved model)"),
@@ -414,9 +347,57 @@ def validate(cfg: Config) -> None:
                               f"(the global batch is split evenly into per-worker micro-batches{near})")
 
 
-# ============================================================================
-# Data: whole data sets as tensors in memory (all four fit easily).
-# ============================================================================
+NOT_TYPED = object()
+
+
+def with_absolute_paths(cfg: Config) -> Config:
+    """Ray's workers run in directories of their own: every local path they are handed is absolute."""
+    paths = {name: os.path.abspath(getattr(cfg, name)) for name in ("data_dir", "logdir", "storage_path", "predict_out")
+             if getattr(cfg, name) and not is_uri(getattr(cfg, name))}
+    return replace(cfg, **paths)
+
+
+def default_run_name(command: str, cfg: Config) -> str:
+    """mode-model-dataset-date-time-pid: the pid keeps two runs started in the same second apart."""
+    prefix = {"compare": "compare", "eval": f"eval-{cfg.model}-{cfg.dataset}"}.get(
+        command, f"{cfg.mode}-{cfg.model}-{cfg.dataset}")
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def under_torchrun() -> bool:
+    """The driver was started by torchrun (the DDP tutorial's launcher), not by hand: Ray Train's local mode
+    then runs the loop in each torchrun process, and ray_dp keeps the checkpoints itself. Only the driver
+    asks: Ray's own workers have RANK, WORLD_SIZE, ... too, but not torchrun's run id."""
+    from ray.train.v2._internal.execution.local_mode.torch import has_torchrun_env
+    return "TORCHELASTIC_RUN_ID" in os.environ and has_torchrun_env()  # what makes Ray's local mode join it
+
+
+def torchrun_launch(args: dict, typed: set) -> dict:
+    """Under torchrun, torchrun decides the worker count (WORLD_SIZE) and the device (CUDA if the machine has
+    it): the config states what will really run, so that it is validated like any other."""
+    world = os.environ["WORLD_SIZE"]
+    if not world.isdigit() or int(world) < 1:
+        raise ConfigError(f"torchrun's WORLD_SIZE must be a positive whole number, got {world!r}")
+    world = int(world)
+    if args["mode"] == "dp":
+        raise ConfigError("--mode dp is one process driving every GPU; under torchrun use --mode ddp")
+    if "workers" in typed and (args["workers"], args.get("min_workers", 0)) != (world, 0):
+        raise ConfigError(f"torchrun starts {world} processes (WORLD_SIZE={world}) and they are the workers: "
+                          f"drop --workers (or change --nproc_per_node)")
+    cuda = torch.cuda.is_available()
+    if args.get("gpu") is not None and args["gpu"] != cuda:  # absent: --gpu / --cpu not typed
+        raise ConfigError(f"under torchrun the workers use {'CUDA' if cuda else 'the CPU'} when the machine "
+                          f"{'has' if cuda else 'has no'} GPUs: drop --{'cpu' if cuda else 'gpu'}")
+    if is_uri(args["storage_path"]):
+        raise ConfigError("under torchrun, rank 0 writes the checkpoints itself: --storage-path must be a "
+                          "directory (a shared file system for several machines), not a URI")
+    return {**args, "workers": world, "min_workers": 0, "gpu": cuda}
+
+
+# ==================================================================================================
+# Data: whole data sets as tensors in memory (all four fit easily), loaded and checked on the driver first.
+# ==================================================================================================
+
 
 def load_dataset(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
     """(train, test) as float images in [0, 1] of shape (N, C, H, W) and int64 labels."""
@@ -476,9 +457,27 @@ def images_to_tensors(split) -> TensorDataset:
     return TensorDataset(images.float().div(255), torch.as_tensor(split.targets, dtype=torch.int64))
 
 
-# ============================================================================
+def check_data(cfg: Config) -> tuple[int, int]:
+    """Load (downloading if needed) on the driver, so a missing data set fails before any worker starts."""
+    train_set, test_set = load_dataset(cfg)
+    if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} training samples "
+                          f"of {cfg.dataset} allow for one step")
+    return len(train_set), len(test_set)
+
+
+def samples_per_epoch(cfg: Config, train_size: int) -> int:
+    """Samples trained per epoch: whole global batches. (ddp: each worker's equal shard, cut to whole steps.)"""
+    if cfg.mode == "scratch":
+        return train_size // cfg.batch_size * cfg.batch_size
+    steps = train_size // cfg.processes // (cfg.micro_batch * cfg.accum_steps)
+    return steps * cfg.batch_size
+
+
+# ==================================================================================================
 # Models: the lessons' LeNet and ResNet-18, and a small MLP.
-# ============================================================================
+# ==================================================================================================
+
 
 class LeNet(nn.Module):
     """d2l's LeNet: conv 3x3 -> avgpool -> conv 5x5 -> avgpool -> 128 -> 10 (800 features on 28x28)."""
@@ -530,9 +529,36 @@ def build_model(name: str, sample_shape: tuple[int, ...]) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 256), nn.ReLU(), nn.Linear(256, NUM_CLASSES))
 
 
-# ============================================================================
-# Distributed helpers
-# ============================================================================
+# ==================================================================================================
+# Distributed helpers: who this worker is, the collectives, SyncBatchNorm on CPU, the samplers.
+# ==================================================================================================
+
+
+@dataclass
+class Worker:
+    """Who and where this process is."""
+    rank: int
+    world: int
+    device: torch.device
+    node_rank: int = 0  # which machine: Ray numbers nodes by IP address
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0  # the one rank that prints and writes
+
+    @classmethod
+    def from_ray(cls, cfg: Config) -> "Worker":
+        torch.set_num_threads(cfg.threads)  # Ray sets OMP_NUM_THREADS=1 in workers
+        ctx = ray.train.get_context()
+        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), ctx.get_node_rank())
+
+
+def bound_collectives(seconds: float) -> None:
+    """--timeout for every collective. Ray's TorchConfig sets it when it makes the process group; Ray's
+    local mode (torchrun) makes it with torch's default, so set it again here, the same on both."""
+    if dist.is_available() and dist.is_initialized():
+        dist.set_timeout(timedelta(seconds=seconds))
+
 
 def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
@@ -545,6 +571,30 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if rank_and_world()[1] > 1:
         dist.all_reduce(tensor)
     return tensor
+
+
+def node_ranks(worker: Worker) -> list:
+    """Every worker's node rank, in world-rank order (a collective: all ranks call it)."""
+    ranks = torch.zeros(worker.world, dtype=torch.int64, device=worker.device)
+    ranks[worker.rank] = worker.node_rank
+    return all_reduce_sum(ranks).tolist()
+
+
+class SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward pass all-reduces the gradient too: each rank's output depends on
+    every rank's input, so each input's gradient is the sum over ranks of the outputs' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
 
 
 class SyncBatchNormCPU(nn.BatchNorm2d):
@@ -575,23 +625,6 @@ class SyncBatchNormCPU(nn.BatchNorm2d):
             self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)  # unbiased, as BatchNorm keeps it
         x_hat = (x32 - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         return (x_hat * self.weight.view(shape) + self.bias.view(shape)).to(x.dtype)
-
-
-class SumOverRanks(torch.autograd.Function):
-    """All-reduce (sum) whose backward pass all-reduces the gradient too: each rank's output depends on
-    every rank's input, so each input's gradient is the sum over ranks of the outputs' gradients."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        x = x.clone()
-        dist.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad
 
 
 def rank_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -690,9 +723,10 @@ def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
     return torch.arange(min(rank, n), n, world)
 
 
-# ============================================================================
-# Train and evaluate (run on every worker)
-# ============================================================================
+# ==================================================================================================
+# Train & evaluate (on every worker): one epoch, exact evaluation.
+# ==================================================================================================
+
 
 def autocast(cfg: Config, device: torch.device):
     """--amp: bf16 autocast for the forward pass and loss (the backward pass follows the same casts)."""
@@ -738,7 +772,7 @@ class StepLog:
 
 
 def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, epoch: int,
-                progress: bool = False, after_step=None) -> dict:
+                progress: bool = False) -> dict:
     """One pass over this worker's shard (`train_batches`); returns the train loss averaged over ALL
     workers' samples."""
     model.train()
@@ -767,15 +801,21 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
         optimizer.zero_grad(set_to_none=True)
         loss_sum += step_loss
         log.step(step, step_loss, cfg.micro_batch * cfg.accum_steps)
-        if after_step:
-            after_step(epoch, step)
     seconds = time.perf_counter() - start
     local_samples = torch.tensor(steps * cfg.accum_steps * cfg.micro_batch, dtype=torch.float64, device=device)
     totals = all_reduce_sum(torch.stack([loss_sum, local_samples]))
-    samples = int(totals[1].item())
-    return {"train_loss": (totals[0] / totals[1]).item(), "lr": optimizer.param_groups[0]["lr"],
-            "train_samples": samples, "epoch_seconds": seconds,
-            "samples_per_second": samples / seconds, "data_seconds": data_seconds, "step_log": log.close()}
+    return epoch_metrics(totals[0].item(), int(totals[1].item()), optimizer.param_groups[0]["lr"], seconds,
+                         data_seconds, log)
+
+
+def epoch_metrics(loss_sum: float, samples: int, lr: float, seconds: float, data_seconds: float, log: StepLog,
+                  **more) -> dict:
+    """An epoch's training metrics, the same keys in both modes: the loss averaged over all workers'
+    samples, the learning rate, the samples trained, the time, throughput, time waiting for data, and the
+    per-step losses for TensorBoard."""
+    return {"train_loss": loss_sum / samples, "lr": lr, "train_samples": samples, "epoch_seconds": seconds,
+            "samples_per_second": samples / seconds, "data_seconds": data_seconds, "step_log": log.close(),
+            **more}
 
 
 @torch.no_grad()
@@ -830,11 +870,31 @@ def inference(model: nn.Module):
         net.train()
 
 
-# ============================================================================
-# Checkpoints: rank 0 saves the unwrapped model; Ray copies it to storage.
-# ============================================================================
+def cuda_fast_paths(cfg: Config, model: nn.Module, train_set: TensorDataset, test_set: TensorDataset,
+                    device: torch.device) -> tuple[nn.Module, TensorDataset, TensorDataset]:
+    # Fixed input shapes: let cuDNN pick its fastest kernels. (Imported by name: run as a script, this
+    # function travels to the workers by value, and cloudpickle cannot ship torch.backends.cudnn.)
+    importlib.import_module("torch.backends.cudnn").benchmark = True
+    # The whole (small) data set on the GPU once: batches are then indexed there, no host copies.
+    # (Not the training set that loader processes read: they need it in host memory.)
+    test_set = TensorDataset(*(t.to(device) for t in test_set.tensors))
+    if not cfg.loader_workers:
+        train_set = TensorDataset(*(t.to(device) for t in train_set.tensors))
+    if cfg.model == "resnet18":  # NHWC lets tensor-core convolutions skip layout transposes
+        model = model.to(memory_format=torch.channels_last)
+    return model, train_set, test_set
+
+
+# ==================================================================================================
+# Checkpoints: rank 0 saves the unwrapped model; a run directory and what a rerun may change.
+# ==================================================================================================
+
 
 CHECKPOINT_FILE = "checkpoint.pt"
+
+
+def checkpoint_dir_name(epoch: int) -> str:
+    return f"checkpoint_epoch_{epoch:03d}"
 
 
 def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config, history: list) -> dict:
@@ -843,17 +903,26 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
 
 
 def load_checkpoint(path: str) -> dict:
-    """A checkpoint file, local or in cloud storage (s3://...)."""
-    if is_uri(str(path)):
-        from pyarrow import fs
-        storage, key = fs.FileSystem.from_uri(str(path))
-        with storage.open_input_stream(key) as f:
-            path = io.BytesIO(f.read())
-    # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """The one reader of checkpoint files, local or in cloud storage (s3://...): one clear sentence for a
+    file that is not a readable ray-dp checkpoint."""
+    try:
+        source = path
+        if is_uri(str(path)):
+            from pyarrow import fs
+            storage, key = fs.FileSystem.from_uri(str(path))
+            with storage.open_input_stream(key) as f:
+                source = io.BytesIO(f.read())
+        # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
+        state = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many kinds for truncated, corrupt or foreign files
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path} is not a readable checkpoint ({reason[:200]})") from None
+    if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
+        raise ConfigError(f"{path} is not a ray-dp checkpoint (it has no model and config)")
+    return state
 
 
-def find_checkpoint(path: str) -> str:
+def checkpoint_file(path: str) -> str:
     """The checkpoint file that PATH means: the file itself, DIR/checkpoint.pt, or a run's last epoch."""
     if not os.path.exists(path):
         raise ConfigError(f"--eval-only {path} does not exist")
@@ -877,102 +946,150 @@ def epoch_checkpoints(run_dir: str) -> list[Path]:
     return [found[epoch] for epoch in sorted(found)]
 
 
-def read_checkpoint(path: str) -> dict:
-    """load_checkpoint, with one clear sentence for a file that is not a readable ray-dp checkpoint."""
+def latest_committed(run_dir: str) -> Optional[str]:
+    """The checkpoint file a rerun resumes from: the last one Ray committed (its snapshot lists them, in
+    order), or under torchrun, which keeps no snapshot, the highest epoch written (atomically)."""
+    from pyarrow import fs
+    storage, path = fs.FileSystem.from_uri(run_dir)
+    snapshot = f"{path}/checkpoint_manager_snapshot.json"
+    if storage.get_file_info(snapshot).type != fs.FileType.NotFound:
+        try:
+            with storage.open_input_stream(snapshot) as f:
+                committed = json.loads(f.read())["checkpoint_results"]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{run_dir}/checkpoint_manager_snapshot.json is not Ray's list of checkpoints; "
+                              f"rerun with --fresh to start over") from None
+        return f"{run_dir}/{committed[-1]['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if committed else None
+    files = [] if is_uri(run_dir) else epoch_checkpoints(run_dir)
+    return str(files[-1]) if files else None
+
+
+def write_json(path: str, data: dict) -> None:
+    """result.json beside the run's checkpoints, in cloud storage too."""
+    text = json.dumps(data, indent=2)
+    if is_uri(path):  # an object store writes the whole object or nothing
+        from pyarrow import fs
+        storage, key = fs.FileSystem.from_uri(path)
+        storage.create_dir(os.path.dirname(key), recursive=True)
+        with storage.open_output_stream(key) as f:
+            f.write(text.encode())
+        return
+    write_atomically(path, text)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Never a half-written file: write beside it, then rename over it."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w", newline="") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json")
+
+
+def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, int]:
+    """Before any cluster starts. --fresh: the directory it will delete must be this run's and nothing
+    else. A rerun: the checkpoint it will resume from must load (a corrupt one is one sentence here, not
+    a failure on every worker) and must have been trained the way this command says; what the command
+    does not say (flags not typed, when `typed` is given) it takes from that checkpoint.
+    Returns the config to run and the epoch the run resumes after (-1: from the start)."""
+    from pyarrow import fs
+    storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
+    kind = storage.get_file_info(run_dir).type
+    if kind == fs.FileType.NotFound:
+        return cfg, -1
+    if kind != fs.FileType.Directory:
+        raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
+    if cfg.fresh:
+        check_deletable(cfg, storage, run_dir)
+        return cfg, -1
+    latest = latest_committed(cfg.run_dir)
+    if latest is None:
+        return cfg, -1
     try:
-        state = load_checkpoint(path)
-    except Exception as exc:  # torch raises many kinds for truncated, corrupt or foreign files
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{path} is not a readable checkpoint ({reason[:200]})") from None
-    if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
-        raise ConfigError(f"{path} is not a ray-dp checkpoint (it has no model and config)")
-    return state
+        state = load_checkpoint(latest)
+    except ConfigError as exc:
+        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start over, or "
+                          f"--eval-only an earlier checkpoint_epoch_* directory") from None
+    cfg = follow_stored(cfg, state["config"], typed)
+    check_same_training(cfg, state["config"])
+    if cfg.lr_schedule == "cosine" and state["config"].get("epochs") != cfg.epochs and state["epoch"] + 1 < cfg.epochs:
+        print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was {state['config']['epochs']}): "
+              f"epoch {state['epoch'] + 2} trains at lr {learning_rate(cfg, state['epoch'] + 1):.4g}", flush=True)
+    return cfg, state["epoch"]
 
 
-def under_torchrun() -> bool:
-    """The driver was started by torchrun (the DDP tutorial's launcher), not by hand: Ray Train's local mode
-    then runs the loop in each torchrun process, and ray_dp keeps the checkpoints itself. Only the driver
-    asks: Ray's own workers have RANK, WORLD_SIZE, ... too, but not torchrun's run id."""
-    from ray.train.v2._internal.execution.local_mode.torch import has_torchrun_env
-    return "TORCHELASTIC_RUN_ID" in os.environ and has_torchrun_env()  # what makes Ray's local mode join it
+def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
+    """A rerun's untyped training settings and --epochs come from the run it resumes (so the shortest
+    command that names the run resumes it as it was, whatever today's defaults are)."""
+    if typed is None:
+        return cfg
+    adopt = {name: stored[name] for name in asdict(cfg) if name in stored and name not in typed
+             and (name not in RESUMABLE_FIELDS or name == "epochs") and stored[name] != getattr(cfg, name)}
+    if adopt:
+        print(f"note: run '{cfg.name}' resumes with its own {', '.join(as_flag(k, v) for k, v in adopt.items())}",
+              flush=True)
+    return replace(cfg, **adopt)
 
 
-def latest_checkpoint(cfg: Config, worker: "Worker") -> Optional[dict]:
-    """This run's newest checkpoint (Ray finds it in storage when a run with this name ran before), or None."""
-    if worker.torchrun:
-        files = epoch_checkpoints(cfg.run_dir)
-        return load_checkpoint(files[-1]) if files else None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as directory:
-        return load_checkpoint(os.path.join(directory, CHECKPOINT_FILE))
+# What a rerun of a run may change: how long it trains, on how many workers of what kind, where it
+# reads and writes, what it logs. Anything else would silently train a different model.
+RESUMABLE_FIELDS = {"epochs", "workers", "min_workers", "cpus_per_worker", "gpu", "max_failures", "timeout",
+                    "start_timeout",
+                    "fresh", "address", "storage_path", "name", "logdir", "log_every", "quiet", "data_dir",
+                    "download", "loader_workers", "compile", "eval_only", "predict_out"}
 
 
-def checkpoint_dir_name(epoch: int) -> str:
-    return f"checkpoint_epoch_{epoch:03d}"
+def check_same_training(cfg: Config, stored: dict) -> None:
+    now = asdict(cfg)
+    ignored = RESUMABLE_FIELDS | ({"momentum"} if cfg.mode == "scratch" else set())  # scratch: plain SGD
+    changed = [name for name in now if name not in ignored and name in stored and stored[name] != now[name]]
+    if changed:
+        was = ", ".join(as_flag(name, stored[name]) for name in changed)
+        says = ", ".join(as_flag(name, now[name]) for name in changed)
+        raise ConfigError(f"run '{cfg.name}' was trained with {was}; this command says {says}: rerun it with "
+                          f"its values to resume it, or start over with --fresh or a new --name")
 
 
-def report_epoch(metrics: dict, state: Optional[dict], epoch: int, cfg: Config, worker: "Worker") -> None:
-    """Every rank calls report (it is a barrier); only rank 0 passes a checkpoint (state)."""
-    dir_name = checkpoint_dir_name(epoch)
-    if worker.torchrun:  # Ray's local mode keeps no checkpoints: write it where Ray would have
-        if state is not None:
-            path = os.path.join(cfg.run_dir, dir_name, CHECKPOINT_FILE)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save(state, path + ".tmp")
-            os.replace(path + ".tmp", path)  # atomic: a crash mid-write leaves no half checkpoint
-        ray.train.report(metrics)
+def as_flag(name: str, value) -> str:
+    """How a config value is typed: --lr 0.05, --amp; 'no --amp' for a switch that was off."""
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"no --{flag}"
+    return f"--{flag} {value}"
+
+
+def check_deletable(cfg: Config, storage, run_dir: str) -> None:
+    """--fresh deletes <storage-path>/<name>/ only if it is a ray-dp run, inside --storage-path, and holds
+    neither --logdir nor --data-dir (./runs/tensorboard is a directory of ./runs too)."""
+    from pyarrow import fs
+    names = {Path(info.path).name for info in storage.get_file_info(fs.FileSelector(run_dir))}
+    if not (names & set(RUN_MARKERS) or any(re.fullmatch(r"checkpoint_epoch_\d+", n) for n in names)):
+        raise ConfigError(f"--fresh: {cfg.run_dir} is not a ray-dp run (no checkpoints, no result.json); "
+                          f"not deleting it")
+    if is_uri(cfg.run_dir):
         return
-    if state is None:
-        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=dir_name)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=dir_name)
+    target = os.path.realpath(cfg.run_dir)  # a run directory that is a link may point anywhere
+    if os.path.dirname(target) != os.path.realpath(cfg.storage_path):
+        raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target}, outside --storage-path; not deleting it")
+    for flag, path in [("logdir", cfg.logdir), ("data-dir", cfg.data_dir)]:
+        if Path(os.path.realpath(path)).is_relative_to(target):
+            raise ConfigError(f"--fresh: {cfg.run_dir} holds --{flag} {path}; not deleting it")
 
 
-# ============================================================================
-# The worker loops (Ray runs one copy per worker)
-# ============================================================================
-
-@dataclass
-class Worker:
-    """Who and where this process is."""
-    rank: int
-    world: int
-    device: torch.device
-    node_rank: int = 0  # which machine: Ray numbers nodes by IP address
-    torchrun: bool = False  # launched by torchrun (Ray Train's local mode), not by a Ray cluster
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0  # the one rank that prints and writes
-
-    @classmethod
-    def from_ray(cls, cfg: Config, torchrun: bool = False) -> "Worker":
-        torch.set_num_threads(max(1, int(cfg.cpus_per_worker or 1)))  # Ray sets OMP_NUM_THREADS=1 in workers
-        ctx = ray.train.get_context()
-        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), ctx.get_node_rank(),
-                   torchrun)
+def start_fresh(cfg: Config) -> None:
+    """--fresh, once every check has passed: delete the run's directory (check_run_dir vetted it)."""
+    from pyarrow import fs
+    storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
+    if cfg.fresh and storage.get_file_info(run_dir).type == fs.FileType.Directory:
+        storage.delete_dir(run_dir)
+        print(f"--fresh: deleted {cfg.run_dir}; starting run '{cfg.name}' over", flush=True)
 
 
-def worker_setup(config: dict) -> tuple[Config, "Worker", dict]:
-    """The train loop's dict split into the Config, this Worker, and the driver's extras (progress bar,
-    launcher, test hooks, weights to evaluate)."""
-    names = {f.name for f in fields(Config)}
-    cfg = Config(**{k: v for k, v in config.items() if k in names})
-    extras = {k: v for k, v in config.items() if k not in names}
-    worker = Worker.from_ray(cfg, extras.get("torchrun", False))
-    bound_collectives(cfg.timeout)
-    return cfg, worker, extras
-
-
-def bound_collectives(seconds: float) -> None:
-    """--timeout for every collective. Ray's TorchConfig sets it when it makes the process group; Ray's
-    local mode (torchrun) makes it with torch's default, so set it again here, the same on both."""
-    if dist.is_available() and dist.is_initialized():
-        dist.set_timeout(timedelta(seconds=seconds))
+# ==================================================================================================
+# Monitoring: the console (one line per epoch and per event), TensorBoard, the recovery record, ray.log.
+# ==================================================================================================
 
 
 def plural(count: int, noun: str) -> str:
@@ -984,327 +1101,37 @@ def format_epoch(m: dict, epochs: int) -> str:
             f"test acc {m['test_acc']:.4f}, {m['epoch_seconds']:.1f} s, {m['samples_per_second']:.0f} samples/s")
 
 
-def run_epochs(cfg: Config, worker: Worker, start_epoch: int, history: list, train_fn, eval_fn, state_fn) -> dict:
-    """The epoch loop both modes share: train, evaluate, print (rank 0), report + checkpoint (rank 0's)."""
-    tensorboard = TensorBoardLogger(cfg) if worker.torchrun and worker.is_main else None  # no Ray controller
-    if worker.is_main and start_epoch >= cfg.epochs:
-        print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train", flush=True)
-    elif worker.is_main and start_epoch:
-        print(f"ray-dp: resuming at epoch {start_epoch + 1} of {cfg.epochs} with {plural(worker.world, 'worker')}, "
-              f"from the checkpoint of epoch {start_epoch}", flush=True)
-    first_step_at = time.time()  # wall clock, for the benchmark's "seconds to the first step"
-    for epoch in range(start_epoch, cfg.epochs):
-        # ended_at (wall clock): the time between two epochs' ends counts evaluation and reporting too.
-        metrics = {"epoch": epoch, **train_fn(epoch), **eval_fn(), "ended_at": time.time()}
-        history.append(metrics)
-        if worker.is_main:
-            print(format_epoch(metrics, cfg.epochs), flush=True)
-        report_epoch(metrics, state_fn(epoch, history) if worker.is_main else None, epoch, cfg, worker)
-        if tensorboard:
-            tensorboard.after_report(None, [metrics], None)
-    return {"history": history, "world_size": worker.world, "device": worker.device.type,
-            "started_at_epoch": start_epoch, "first_step_at": first_step_at, "node_ranks": node_ranks(worker)}
+def format_summary(summary: dict, launcher: str = "") -> str:
+    """The lessons' closing line: `test acc: 0.97, 0.3 sec/epoch on 2 workers (cpu)`, and what it survived."""
+    world = summary["world_size"]
+    line = (f"test acc: {summary['final']['test_acc']:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch "
+            f"on {plural(world, 'worker')} ({summary['device']}{launcher})")
+    recovery = summary.get("recovery") or {}
+    if recovery.get("failures"):
+        sizes = [size for _, size in recovery["world_sizes"]]
+        redone = ", ".join(map(str, recovery["epochs_redone"])) or "none"
+        line += (f"; survived {plural(recovery['failures'], 'failure')}, {plural(recovery['restarts'], 'restart')} "
+                 f"(workers {' -> '.join(map(str, sizes))}), epochs redone: {redone}")
+    return line
 
 
-def node_ranks(worker: Worker) -> list:
-    """Every worker's node rank, in world-rank order (a collective: all ranks call it)."""
-    ranks = torch.zeros(worker.world, dtype=torch.int64, device=worker.device)
-    ranks[worker.rank] = worker.node_rank
-    return all_reduce_sum(ranks).tolist()
-
-
-def crash_once_hook(spec: Optional[str], worker: Worker):
-    """Tests only (RAY_DP_TEST_CRASH_ONCE="MARKER:EPOCH:STEP" on the driver): rank 1 dies at that step,
-    once; the marker file, at an absolute path, makes the restarted attempt run through."""
-    if not spec or worker.rank != 1:
-        return lambda epoch, step: None
-    marker, at_epoch, at_step = spec.rsplit(":", 2)
-
-    def maybe_crash(epoch: int, step: int) -> None:
-        if (epoch, step) == (int(at_epoch), int(at_step)) and not os.path.exists(marker):
-            Path(marker).touch()
-            os._exit(1)  # as a killed process: no exception, no cleanup
-    return maybe_crash
-
-
-def cuda_fast_paths(cfg: Config, model: nn.Module, train_set: TensorDataset, test_set: TensorDataset,
-                    device: torch.device) -> tuple[nn.Module, TensorDataset, TensorDataset]:
-    # Fixed input shapes: let cuDNN pick its fastest kernels. (Imported by name: run as a script, this
-    # function travels to the workers by value, and cloudpickle cannot ship torch.backends.cudnn.)
-    importlib.import_module("torch.backends.cudnn").benchmark = True
-    # The whole (small) data set on the GPU once: batches are then indexed there, no host copies.
-    # (Not the training set that loader processes read: they need it in host memory.)
-    test_set = TensorDataset(*(t.to(device) for t in test_set.tensors))
-    if not cfg.loader_workers:
-        train_set = TensorDataset(*(t.to(device) for t in train_set.tensors))
-    if cfg.model == "resnet18":  # NHWC lets tensor-core convolutions skip layout transposes
-        model = model.to(memory_format=torch.channels_last)
-    return model, train_set, test_set
-
-
-def train_loop_per_worker(config: dict) -> dict:
-    """--mode ddp (and dp): the DDP tutorial's loop."""
-    cfg, worker, extras = worker_setup(config)
-    if cfg.min_workers:  # elastic: the same global batch, split over the workers there are now
-        cfg = replace(cfg, workers=worker.world)
-    train_set, test_set = load_dataset(cfg)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
-    model = build_model(cfg.model, train_set.tensors[0].shape[1:])
-    if cfg.sync_bn:
-        model = convert_sync_bn(model, worker.device)  # before DDP, which must see the final modules
-    if worker.device.type == "cuda":
-        model, train_set, test_set = cuda_fast_paths(cfg, model, train_set, test_set, worker.device)
-    model = wrap_model(model.to(worker.device), worker.device, cfg.mode)
-    if cfg.compile:
-        model = torch.compile(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # created once
-    start_epoch, history = 0, []
-    if (state := latest_checkpoint(cfg, worker)) is not None:
-        unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_epoch, history = state["epoch"] + 1, state["history"]
-    batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
-
-    return run_epochs(
-        cfg, worker, start_epoch, history,
-        train_fn=lambda epoch: train_epoch(model, optimizer, batches, cfg, worker.device, epoch,
-                                           extras["progress"] and worker.is_main,
-                                           crash_once_hook(extras["crash_once"], worker)),
-        eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device),
-        state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(),
-                                                      epoch, cfg, hist))
-
-
-# ============================================================================
-# Teaching mode (--mode scratch): d2l's "multi-GPU from scratch", one Ray worker per GPU of the lesson.
-# Everything DDP does for us is written out by hand here, on purpose.
-# ============================================================================
-
-def init_lenet_params(seed: int, in_channels: int = 1, image_size: int = 28) -> list[torch.Tensor]:
-    """The lesson's parameters: W ~ randn * 0.01, zero biases; the seed makes every worker's copy identical."""
-    gen = torch.Generator().manual_seed(seed)
-    side = ((image_size - 2) // 2 - 4) // 2  # 4 on 28x28: 50 x 4 x 4 = 800 features
-    shapes = [(20, in_channels, 3, 3), (20,), (50, 20, 5, 5), (50,), (50 * side * side, 128), (128,), (128, 10), (10,)]
-    return [torch.randn(s, generator=gen) * 0.01 if len(s) > 1 else torch.zeros(s) for s in shapes]
-
-
-def lenet(X: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    """The lesson's functional LeNet: conv 3x3, relu, avg-pool; conv 5x5, relu, avg-pool; 2 dense layers."""
-    h1 = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), kernel_size=2, stride=2)
-    h2 = F.avg_pool2d(F.relu(F.conv2d(h1, params[2], params[3])), kernel_size=2, stride=2)
-    h3 = F.relu(h2.reshape(h2.shape[0], -1) @ params[4] + params[5])
-    return h3 @ params[6] + params[7]
-
-
-def get_params(params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Copy the parameters to this worker's device and track their gradients."""
-    return [p.clone().to(device).requires_grad_() for p in params]
-
-
-def split_batch(X: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This worker's slice of the global mini-batch (the lesson hands slice i to GPU i)."""
-    return X.chunk(world)[rank], y.chunk(world)[rank]
-
-
-def allreduce_naive(buffer: torch.Tensor) -> None:
-    """The lesson's algorithm: sum everything into rank 0 ("GPU 0"), then rank 0 sends the sum back to all."""
-    rank, world = rank_and_world()
-    if rank == 0:
-        incoming = torch.empty_like(buffer)
-        for source in range(1, world):
-            dist.recv(incoming, src=source)
-            buffer += incoming
-        for target in range(1, world):
-            dist.send(buffer, dst=target)
-    else:
-        dist.send(buffer, dst=0)
-        dist.recv(buffer, src=0)
-
-
-def _exchange(send: torch.Tensor, receive: torch.Tensor, right: int, left: int) -> None:
-    """Send to the right neighbour while receiving from the left one (blocking both ways would deadlock)."""
-    for request in (dist.isend(send, dst=right), dist.irecv(receive, src=left)):
-        request.wait()
-
-
-def allreduce_ring(buffer: torch.Tensor) -> None:
-    """Ring all-reduce: reduce-scatter, then all-gather. Each rank sends 2(N-1)/N of the buffer in all,
-    whatever N is, instead of rank 0 receiving and sending (N-1) whole buffers."""
-    rank, world = rank_and_world()
-    chunks = buffer.tensor_split(world)  # views into buffer; sizes differ by at most one element
-    right, left = (rank + 1) % world, (rank - 1) % world
-    incoming = torch.empty_like(chunks[0])  # tensor_split puts the larger chunks first
-    for step in range(world - 1):  # after step s, chunk (rank - s - 1) holds s + 2 ranks' contributions
-        target = chunks[(rank - step - 1) % world]
-        _exchange(chunks[(rank - step) % world], incoming[:target.numel()], right, left)
-        target += incoming[:target.numel()]
-    # Now rank r holds the complete sum of chunk (r + 1) % N: pass the complete chunks round the ring.
-    for step in range(world - 1):
-        _exchange(chunks[(rank + 1 - step) % world], chunks[(rank - step) % world], right, left)
-
-
-def allreduce_library(buffer: torch.Tensor) -> None:
-    dist.all_reduce(buffer)  # what DDP calls (in buckets, overlapped with the backward pass)
-
-
-ALLREDUCE = {"naive": allreduce_naive, "ring": allreduce_ring, "library": allreduce_library}
-
-
-def allreduce(grads: list[torch.Tensor], algorithm: str) -> int:
-    """Sum every worker's gradients, in place on every worker; returns the bytes reduced.
-
-    The gradients are flattened into one buffer first: one message per step instead of eight small
-    ones (a ring over tiny tensors is all latency)."""
-    if rank_and_world()[1] == 1:
-        return 0
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    ALLREDUCE[algorithm](flat)
-    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(summed.view_as(g))
-    return flat.numel() * flat.element_size()
-
-
-def sgd(params: list[torch.Tensor], lr: float, batch_size: int) -> None:
-    """The lesson's SGD. The gradients are SUMS over the global batch (sum loss, summed across workers):
-    sum of gradients / global batch = mean gradient, the same step DDP takes with a mean loss."""
-    with torch.no_grad():
-        for p in params:
-            p -= lr * p.grad / batch_size
-            p.grad.zero_()
-
-
-def train_batch(X, y, params, lr: float, algorithm: str, worker: Worker) -> tuple[float, float, int]:
-    """One global mini-batch: forward/backward on this worker's slice, all-reduce, SGD.
-    Returns (sum loss of the slice, all-reduce seconds, bytes reduced)."""
-    X_slice, y_slice = split_batch(X, y, worker.rank, worker.world)
-    loss = F.cross_entropy(lenet(X_slice.to(worker.device), params), y_slice.to(worker.device), reduction="sum")
-    loss.backward()
-    synchronize(worker.device)
-    tic = time.perf_counter()
-    with torch.no_grad():
-        nbytes = allreduce([p.grad for p in params], algorithm)
-    synchronize(worker.device)
-    seconds = time.perf_counter() - tic
-    sgd(params, lr, batch_size=len(y))
-    return loss.item(), seconds, nbytes
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so that a clock read means what it says."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker, epoch: int,
-                        progress: bool = False) -> dict:
-    images, labels = data.tensors
-    # Every worker draws the same global batches (same seed, same order) and keeps its own slice.
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
-    steps = len(labels) // cfg.batch_size
-    loss_sum, comm_seconds, nbytes, start = 0.0, 0.0, 0, time.perf_counter()
-    log = StepLog(cfg, epoch, steps, worker.device, progress)
-    for step in range(steps):
-        index = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
-        loss, seconds, nbytes = train_batch(images[index], labels[index], params, learning_rate(cfg, epoch),
-                                            cfg.allreduce, worker)
-        loss_sum, comm_seconds = loss_sum + loss, comm_seconds + seconds
-        log.step(step, torch.tensor(loss, device=worker.device), cfg.batch_size // worker.world)
-    seconds = time.perf_counter() - start
-    total_loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64, device=worker.device)).item()
-    samples = steps * cfg.batch_size
-    per_step = comm_seconds / max(steps, 1)
-    return {"train_loss": total_loss / samples, "lr": learning_rate(cfg, epoch), "train_samples": samples,
-            "epoch_seconds": seconds, "samples_per_second": samples / seconds, "data_seconds": 0.0,
-            "allreduce_seconds_per_step": per_step, "allreduce_bytes": nbytes, "step_log": log.close(),
-            # NCCL-tests' "bus bandwidth": what each link carried, comparable across worker counts.
-            "allreduce_busbw_gbps": 2 * (worker.world - 1) / worker.world * nbytes / per_step / 1e9 if nbytes else 0.0}
-
-
-# The same numbers as LeNet's state_dict, so checkpoints of both modes load into ray_dp.LeNet.
-LENET_KEYS = ["features.0.weight", "features.0.bias", "features.3.weight", "features.3.bias",
-              "classifier.0.weight", "classifier.0.bias", "classifier.2.weight", "classifier.2.bias"]
-
-
-def params_to_state_dict(params: list[torch.Tensor]) -> dict:
-    # The lesson multiplies X @ W for dense layers; nn.Linear stores W transposed.
-    return {key: (p.detach().T if key.startswith("classifier") and p.ndim == 2 else p.detach()).cpu().clone()
-            for key, p in zip(LENET_KEYS, params)}
-
-
-def state_dict_to_params(state: dict) -> list[torch.Tensor]:
-    return [state[key].T if key.startswith("classifier") and state[key].ndim == 2 else state[key] for key in LENET_KEYS]
-
-
-def scratch_loop_per_worker(config: dict) -> dict:
-    """--mode scratch: the functional LeNet, hand-written all-reduce and SGD, exact distributed evaluation."""
-    cfg, worker, extras = worker_setup(config)
-    train_set, test_set = load_dataset(cfg)
-    channels, size = train_set.tensors[0].shape[1], train_set.tensors[0].shape[-1]
-    initial = init_lenet_params(cfg.seed, channels, size)
-    start_epoch, history = 0, []
-    if (state := latest_checkpoint(cfg, worker)) is not None:
-        initial = state_dict_to_params(state["model"])
-        start_epoch, history = state["epoch"] + 1, state["history"]
-    params = get_params(initial, worker.device)
-    return run_epochs(
-        cfg, worker, start_epoch, history,
-        train_fn=lambda epoch: scratch_train_epoch(params, train_set, cfg, worker, epoch,
-                                                   extras["progress"] and worker.is_main),
-        eval_fn=lambda: evaluate(lambda X: lenet(X, params), test_set, worker.device),
-        state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch, cfg, hist))
-
-
-def eval_loop_per_worker(config: dict) -> dict:
-    """--eval-only: the checkpoint's model scored on this worker's shard of the test set (exactly once each)."""
-    cfg, worker, extras = worker_setup(config)
-    weights = ray.get(extras["weights"])  # put in Ray's object store by the driver: no shared disk needed
-    _, test_set = load_dataset(cfg)
-    model = build_model(cfg.model, test_set.tensors[0].shape[1:])
-    model.load_state_dict(weights)
-    model.to(worker.device).eval()
-    with autocast(cfg, worker.device):
-        metrics = evaluate(model, test_set, worker.device, details=True)
-    return {"metrics": metrics, "world_size": worker.world, "device": worker.device.type}
-
-
-# ============================================================================
-# Ray driver
-# ============================================================================
-
-def quiet_ray_logs():
-    """Runs in every Ray worker process: keep Ray Train's routine chatter off the console."""
-    from ray.train.v2._internal.execution import context
-    # Ray's PlacementGroupCleaner polls the State API, which needs Ray's dashboard (not installed): it logs
-    # harmless errors, and a traceback when it is slow to stop at the end of a run. Training is unaffected.
-    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
-    logging.getLogger("ray.train.v2._internal.callbacks.placement_group_callback").setLevel(logging.CRITICAL)
-    # "Reporting training result ..." per rank per epoch; this logger is named by file path, so
-    # LoggingConfig(log_level) does not reach it.
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
-class QuietControllerLogs(ray.train.UserCallback):
-    """quiet_ray_logs() in Ray Train's controller, which the job's worker_process_setup_hook does not reach
-    (the controller is an actor with a runtime environment of its own)."""
-
-    def after_report(self, run_context, metrics: list, checkpoint) -> None:
-        quiet_ray_logs()
-
-
-def shorten_placement_group_cleaner_waits() -> None:
-    """Ray Train's PlacementGroupCleaner asks the State API (served by Ray's dashboard, which requirements.txt
-    does not install) whether the controller still lives, waiting up to 10 s for each answer, and at the
-    end of every run its stop waits for the question in flight: ~10 s added to every run. One second per
-    question keeps its job (removing a dead controller's placement group) and ends runs that much sooner.
-    (Ray builds the callback itself: its defaults are the only handle. Pinned Ray 2.60: the signature is
-    (check_interval_s=1.0, get_actor_timeout_s=10, stop_timeout=None).)"""
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    PlacementGroupCleanerCallback.__init__.__defaults__ = (1.0, 1.0, None)
-
-
-# PRINT_PATCH=0: rank 0's epoch lines reach the console once, not once as print and again as a log record.
-RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
-               "worker_process_setup_hook": quiet_ray_logs}
+def near_chance(cfg: Config, summary: dict) -> Optional[str]:
+    """When a run ended where guessing would (10 classes: 0.10), what most likely happened and what to try."""
+    final, acc = summary["final"], summary["final"]["test_acc"]
+    if acc > 1.5 / NUM_CLASSES or cfg.dataset == "synthetic":  # synthetic labels are random: chance is right
+        return None
+    steps = sum(m["train_samples"] for m in summary["epochs"]) // cfg.batch_size
+    head = f"test acc {acc:.2f} is near chance (1/{NUM_CLASSES} = {1 / NUM_CLASSES:.2f})"
+    if not math.isfinite(final["train_loss"]) or final["train_loss"] > 3 * math.log(NUM_CLASSES):
+        return f"{head}: the loss grew to {final['train_loss']:.3g}, so lr {cfg.lr} is too large; try --lr {cfg.lr / 5:g}"
+    if cfg.mode == "scratch":
+        tips = ["more steps (more --epochs, or a smaller --batch-size)"]
+        if cfg.lr_schedule != "constant" or cfg.lr < 0.2:
+            tips.append("a constant lr of 0.2 to 0.3 (--lr 0.2 --lr-schedule constant)")
+        return (f"{head}: the lesson's init (randn * 0.01) sits at chance for hundreds of steps and this run took "
+                f"{steps} at lr {cfg.lr} ({cfg.lr_schedule}); give it {' or '.join(tips)}")
+    return (f"{head} after {steps} steps at lr {cfg.lr} ({cfg.lr_schedule}): try more --epochs or another --lr "
+            f"(train loss {final['train_loss']:.3f}; ln 10 = 2.303 is the loss of a uniform guess)")
 
 
 EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "test_loss", "test/acc": "test_acc",
@@ -1313,24 +1140,20 @@ EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "tes
                  "comm/allreduce_busbw_gbps": "allreduce_busbw_gbps"}
 
 
-class TensorBoardLogger(ray.train.UserCallback):
-    """Writes rank 0's reports as TensorBoard events in LOGDIR/<name>/.
-
-    Why here: Ray Train runs this callback in its controller, which Ray places on the driver's node, so
-    the events land where the user started the run (and runs TensorBoard) even when rank 0 is on another
-    node, with no shared file system needed. Per-step losses ride along in the per-epoch report.
-    """
+class TensorBoardWriter:
+    """An epoch's metrics (rank 0's report) as TensorBoard events in LOGDIR/<name>/: the per-step losses
+    that ride along in it, the epoch's scalars, and at the last epoch the hyperparameters."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.writer = None
 
-    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+    def write(self, m: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
-        m = metrics[0]  # rank 0's: the values are all-reduced, the same on every rank
         if self.writer is None:
             self.writer = SummaryWriter(os.path.join(self.cfg.logdir, self.cfg.name))
-            self.writer.add_text("config", "    " + json.dumps(asdict(self.cfg), indent=2).replace("\n", "\n    "))
+            config = json.dumps(asdict(self.cfg), indent=2).replace("\n", "\n    ")
+            self.writer.add_text("config", "    " + config)
         for step, loss in m["step_log"]:
             self.writer.add_scalar("train/loss_step", loss, step)
         for tag, key in EPOCH_SCALARS.items():
@@ -1340,8 +1163,20 @@ class TensorBoardLogger(ray.train.UserCallback):
             hparams = {k: v for k, v in asdict(self.cfg).items() if isinstance(v, (int, float, str, bool))}
             final = {"hparam/test_acc": m["test_acc"], "hparam/test_loss": m["test_loss"],
                      "hparam/train_loss": m["train_loss"]}
-            self.writer.add_hparams(hparams, final, run_name=".")  # "." keeps them in this run's directory
+            self.writer.add_hparams(hparams, final, run_name=".")  # ".": in this run's directory
         self.writer.flush()
+
+
+class TensorBoardLogger(ray.train.UserCallback):
+    """TensorBoardWriter in Ray Train's controller, which Ray places on the driver's node: the events land
+    where the user started the run (and runs TensorBoard) even when rank 0 is on another node, with no
+    shared file system needed."""
+
+    def __init__(self, cfg: Config):
+        self.tensorboard = TensorBoardWriter(cfg)
+
+    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        self.tensorboard.write(metrics[0])  # rank 0's: the values are all-reduced, the same on every rank
 
 
 from ray.train.v2._internal.execution.callback import (  # noqa: E402 (Ray Train's controller hooks)
@@ -1485,6 +1320,12 @@ def recovery_summary(record_path: str) -> dict:
             "epochs_redone": [epoch for e in events for epoch in e.get("redone", [])], "events": events}
 
 
+def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict) -> str:
+    """One line for a run that failed for good (Ray's own message is the ranks' tracebacks)."""
+    controller = getattr(error, "controller_failure", None)
+    return describe_worker_failures(getattr(error, "worker_failures", {}), node_ips) or first_line(controller or error)
+
+
 class RayOutput:
     """What Ray forwards to this console from its processes. ray_dp's own lines (the training workers'
     and the controller's stdout) stay; Ray's and the libraries' chatter (every stderr line: tracebacks,
@@ -1542,9 +1383,401 @@ def local_run_dir(cfg: Config) -> str:
     return os.path.join(cfg.logdir, cfg.name) if is_uri(cfg.run_dir) else cfg.run_dir
 
 
-def resources_per_worker(cfg: Config) -> dict:
-    gpus = cfg.workers if cfg.mode == "dp" else 1  # dp: one process holds all of the run's GPUs
-    return {"CPU": cfg.cpus_per_worker or 1.0, **({"GPU": gpus} if cfg.gpu else {})}
+def quiet_ray_logs():
+    """Runs in every Ray worker process: keep Ray Train's routine chatter off the console."""
+    from ray.train.v2._internal.execution import context
+    # Ray's PlacementGroupCleaner polls the State API, which needs Ray's dashboard (not installed): it logs
+    # harmless errors, and a traceback when it is slow to stop at the end of a run. Training is unaffected.
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    logging.getLogger("ray.train.v2._internal.callbacks.placement_group_callback").setLevel(logging.CRITICAL)
+    # "Reporting training result ..." per rank per epoch; this logger is named by file path, so
+    # LoggingConfig(log_level) does not reach it.
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+class QuietControllerLogs(ray.train.UserCallback):
+    """quiet_ray_logs() in Ray Train's controller, which the job's worker_process_setup_hook does not reach
+    (the controller is an actor with a runtime environment of its own)."""
+
+    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        quiet_ray_logs()
+
+
+# ==================================================================================================
+# Teaching mode (--mode scratch): d2l's "multi-GPU from scratch", one Ray worker per GPU of the lesson.
+# Everything DDP does for us is written out by hand here, on purpose.
+# ==================================================================================================
+
+
+def init_lenet_params(seed: int, in_channels: int = 1, image_size: int = 28) -> list[torch.Tensor]:
+    """The lesson's parameters: W ~ randn * 0.01, zero biases; the seed makes every worker's copy identical."""
+    gen = torch.Generator().manual_seed(seed)
+    side = ((image_size - 2) // 2 - 4) // 2  # 4 on 28x28: 50 x 4 x 4 = 800 features
+    shapes = [(20, in_channels, 3, 3), (20,), (50, 20, 5, 5), (50,), (50 * side * side, 128), (128,), (128, 10), (10,)]
+    return [torch.randn(s, generator=gen) * 0.01 if len(s) > 1 else torch.zeros(s) for s in shapes]
+
+
+def lenet(X: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """The lesson's functional LeNet: conv 3x3, relu, avg-pool; conv 5x5, relu, avg-pool; 2 dense layers."""
+    h1 = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), kernel_size=2, stride=2)
+    h2 = F.avg_pool2d(F.relu(F.conv2d(h1, params[2], params[3])), kernel_size=2, stride=2)
+    h3 = F.relu(h2.reshape(h2.shape[0], -1) @ params[4] + params[5])
+    return h3 @ params[6] + params[7]
+
+
+def get_params(params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copy the parameters to this worker's device and track their gradients."""
+    return [p.clone().to(device).requires_grad_() for p in params]
+
+
+def split_batch(X: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This worker's slice of the global mini-batch (the lesson hands slice i to GPU i)."""
+    return X.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def allreduce_naive(buffer: torch.Tensor) -> None:
+    """The lesson's algorithm: sum everything into rank 0 ("GPU 0"), then rank 0 sends the sum back to all."""
+    rank, world = rank_and_world()
+    if rank == 0:
+        incoming = torch.empty_like(buffer)
+        for source in range(1, world):
+            dist.recv(incoming, src=source)
+            buffer += incoming
+        for target in range(1, world):
+            dist.send(buffer, dst=target)
+    else:
+        dist.send(buffer, dst=0)
+        dist.recv(buffer, src=0)
+
+
+def _exchange(send: torch.Tensor, receive: torch.Tensor, right: int, left: int) -> None:
+    """Send to the right neighbour while receiving from the left one (blocking both ways would deadlock)."""
+    for request in (dist.isend(send, dst=right), dist.irecv(receive, src=left)):
+        request.wait()
+
+
+def allreduce_ring(buffer: torch.Tensor) -> None:
+    """Ring all-reduce: reduce-scatter, then all-gather. Each rank sends 2(N-1)/N of the buffer in all,
+    whatever N is, instead of rank 0 receiving and sending (N-1) whole buffers."""
+    rank, world = rank_and_world()
+    chunks = buffer.tensor_split(world)  # views into buffer; sizes differ by at most one element
+    right, left = (rank + 1) % world, (rank - 1) % world
+    incoming = torch.empty_like(chunks[0])  # tensor_split puts the larger chunks first
+    for step in range(world - 1):  # after step s, chunk (rank - s - 1) holds s + 2 ranks' contributions
+        target = chunks[(rank - step - 1) % world]
+        _exchange(chunks[(rank - step) % world], incoming[:target.numel()], right, left)
+        target += incoming[:target.numel()]
+    # Now rank r holds the complete sum of chunk (r + 1) % N: pass the complete chunks round the ring.
+    for step in range(world - 1):
+        _exchange(chunks[(rank + 1 - step) % world], chunks[(rank - step) % world], right, left)
+
+
+def allreduce_library(buffer: torch.Tensor) -> None:
+    dist.all_reduce(buffer)  # what DDP calls (in buckets, overlapped with the backward pass)
+
+
+ALLREDUCE = {"naive": allreduce_naive, "ring": allreduce_ring, "library": allreduce_library}
+
+
+def allreduce(grads: list[torch.Tensor], algorithm: str) -> int:
+    """Sum every worker's gradients, in place on every worker; returns the bytes reduced.
+
+    The gradients are flattened into one buffer first: one message per step instead of eight small
+    ones (a ring over tiny tensors is all latency)."""
+    if rank_and_world()[1] == 1:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    ALLREDUCE[algorithm](flat)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))
+    return flat.numel() * flat.element_size()
+
+
+def sgd(params: list[torch.Tensor], lr: float, batch_size: int) -> None:
+    """The lesson's SGD. The gradients are SUMS over the global batch (sum loss, summed across workers):
+    sum of gradients / global batch = mean gradient, the same step DDP takes with a mean loss."""
+    with torch.no_grad():
+        for p in params:
+            p -= lr * p.grad / batch_size
+            p.grad.zero_()
+
+
+def train_batch(X, y, params, lr: float, algorithm: str, worker: Worker) -> tuple[float, float, int]:
+    """One global mini-batch: forward/backward on this worker's slice, all-reduce, SGD.
+    Returns (sum loss of the slice, all-reduce seconds, bytes reduced)."""
+    X_slice, y_slice = split_batch(X, y, worker.rank, worker.world)
+    loss = F.cross_entropy(lenet(X_slice.to(worker.device), params), y_slice.to(worker.device), reduction="sum")
+    loss.backward()
+    synchronize(worker.device)
+    tic = time.perf_counter()
+    with torch.no_grad():
+        nbytes = allreduce([p.grad for p in params], algorithm)
+    synchronize(worker.device)
+    seconds = time.perf_counter() - tic
+    sgd(params, lr, batch_size=len(y))
+    return loss.item(), seconds, nbytes
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that a clock read means what it says."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker, epoch: int,
+                        progress: bool = False) -> dict:
+    images, labels = data.tensors
+    # Every worker draws the same global batches (same seed, same order) and keeps its own slice.
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+    steps = len(labels) // cfg.batch_size
+    loss_sum, comm_seconds, nbytes, start = 0.0, 0.0, 0, time.perf_counter()
+    log = StepLog(cfg, epoch, steps, worker.device, progress)
+    for step in range(steps):
+        index = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        loss, seconds, nbytes = train_batch(images[index], labels[index], params, learning_rate(cfg, epoch),
+                                            cfg.allreduce, worker)
+        loss_sum, comm_seconds = loss_sum + loss, comm_seconds + seconds
+        log.step(step, torch.tensor(loss, device=worker.device), cfg.batch_size // worker.world)
+    seconds = time.perf_counter() - start
+    total_loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64, device=worker.device)).item()
+    per_step = comm_seconds / max(steps, 1)
+    # NCCL-tests' "bus bandwidth": what each link carried, comparable across worker counts.
+    busbw = 2 * (worker.world - 1) / worker.world * nbytes / per_step / 1e9 if nbytes else 0.0
+    return epoch_metrics(total_loss, steps * cfg.batch_size, learning_rate(cfg, epoch), seconds, 0.0, log,
+                         allreduce_seconds_per_step=per_step, allreduce_bytes=nbytes, allreduce_busbw_gbps=busbw)
+
+
+# The same numbers as LeNet's state_dict, so checkpoints of both modes load into ray_dp.LeNet.
+LENET_KEYS = ["features.0.weight", "features.0.bias", "features.3.weight", "features.3.bias",
+              "classifier.0.weight", "classifier.0.bias", "classifier.2.weight", "classifier.2.bias"]
+
+
+def params_to_state_dict(params: list[torch.Tensor]) -> dict:
+    # The lesson multiplies X @ W for dense layers; nn.Linear stores W transposed.
+    return {key: (p.detach().T if key.startswith("classifier") and p.ndim == 2 else p.detach()).cpu().clone()
+            for key, p in zip(LENET_KEYS, params)}
+
+
+def state_dict_to_params(state: dict) -> list[torch.Tensor]:
+    return [state[key].T if key.startswith("classifier") and state[key].ndim == 2 else state[key] for key in LENET_KEYS]
+
+
+# ==================================================================================================
+# Inference (--eval-only): a saved model scored exactly on N workers, per class, with each prediction.
+# ==================================================================================================
+
+
+# What a checkpoint fixes (its config says) and what only training uses: with --eval-only, typing a
+# contradicting value of the first or any of the second is an error rather than silently ignored.
+MODEL_FIELDS = ("model", "dataset")
+TRAINING_FIELDS = ("mode", "epochs", "batch_size", "lr", "lr_schedule", "momentum", "accum_steps", "allreduce",
+                   "sync_bn", "seed", "loader_workers", "compile", "fresh")
+
+
+def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
+    """The config for evaluating --eval-only's checkpoint (model and data set from the checkpoint), and
+    the checkpoint."""
+    path = checkpoint_file(cfg.eval_only)
+    checkpoint = load_checkpoint(path)
+    trained = checkpoint["config"]
+    for name in sorted(typed & set(TRAINING_FIELDS)):
+        raise ConfigError(f"--{name.replace('_', '-')} is a training flag and has no effect with --eval-only")
+    for name in MODEL_FIELDS:
+        if name in typed and getattr(cfg, name) != trained[name]:
+            raise ConfigError(f"the checkpoint holds a {trained['model']} trained on {trained['dataset']}; "
+                              f"--{name} {getattr(cfg, name)} contradicts it")
+    if cfg.predict_out == path:
+        raise ConfigError(f"--predict-out {cfg.predict_out} is the checkpoint being evaluated")
+    # A scratch-mode checkpoint is a LeNet state_dict too, so every checkpoint is evaluated the ddp way;
+    # bf16 autocast as in training, unless --amp says otherwise.
+    amp = cfg.amp if "amp" in typed else trained.get("amp", False)
+    evaluated = replace(cfg, model=trained["model"], dataset=trained["dataset"], mode="ddp", eval_only=path, amp=amp)
+    return evaluated, checkpoint
+
+
+def write_predictions(path: str, labels: list, predictions: list) -> None:
+    import csv
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["index", "label", "predicted", "probability"])
+    writer.writerows([i, label, int(predicted), f"{probability:.6f}"]
+                     for i, (label, (predicted, probability)) in enumerate(zip(labels, predictions)))
+    write_atomically(path, text.getvalue())
+
+
+def format_eval(metrics: dict, per_class: list, out: dict) -> str:
+    lines = [f"test loss {metrics['test_loss']:.4f}, test acc {metrics['test_acc']:.4f} "
+             f"({sum(c['correct'] for c in per_class)}/{metrics['test_count']}) on {out['world_size']} workers "
+             f"({out['device']})", "", "class  count  correct  acc"]
+    lines += [f"{c['class']:>5}  {c['count']:>5}  {c['correct']:>7}  {c['acc']:.4f}" for c in per_class]
+    lines += ["", "confusion matrix (rows: true class, columns: predicted class)",
+              "      " + "".join(f"{c:>6}" for c in range(NUM_CLASSES))]
+    lines += [f"{c:>6}" + "".join(f"{n:>6}" for n in row) for c, row in enumerate(metrics["confusion"])]
+    return "\n".join(lines)
+
+
+# ==================================================================================================
+# Launch, the workers' side: one seam (a launcher) for Ray and torchrun, and what each worker runs.
+# ==================================================================================================
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """What the driver hands every worker besides the config."""
+    progress: bool = False  # draw rank 0's progress bar: someone watches this terminal
+    torchrun: bool = False  # the workers are torchrun's processes (Ray Train's local mode), not Ray's
+    weights: Optional[object] = None  # --eval-only: the model's weights, in Ray's object store
+
+
+class RayLauncher:
+    """Workers that Ray Train started: Ray finds the run's latest checkpoint in storage, and its controller
+    collects every report, commits rank 0's checkpoint and writes the TensorBoard events (TensorBoardLogger)."""
+
+    def __init__(self, cfg: Config, worker: Worker):
+        self.cfg = cfg
+
+    def latest_checkpoint(self) -> Optional[dict]:
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as directory:
+            return load_checkpoint(os.path.join(directory, CHECKPOINT_FILE))
+
+    def report(self, metrics: dict, state: Optional[dict], epoch: int) -> None:
+        """Every rank reports (a barrier); only rank 0 passes a checkpoint (state)."""
+        dir_name = checkpoint_dir_name(epoch)
+        if state is None:
+            ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=dir_name)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=dir_name)
+
+
+class TorchrunLauncher:
+    """torchrun's processes (Ray Train's local mode): there is no controller, so rank 0 keeps the
+    checkpoints in the run directory itself, where Ray would have, and writes the TensorBoard events."""
+
+    def __init__(self, cfg: Config, worker: Worker):
+        self.cfg = cfg
+        self.tensorboard = TensorBoardWriter(cfg) if worker.is_main else None
+
+    def latest_checkpoint(self) -> Optional[dict]:
+        files = epoch_checkpoints(self.cfg.run_dir)
+        return load_checkpoint(str(files[-1])) if files else None
+
+    def report(self, metrics: dict, state: Optional[dict], epoch: int) -> None:
+        if state is not None:
+            path = os.path.join(self.cfg.run_dir, checkpoint_dir_name(epoch), CHECKPOINT_FILE)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # atomic: a crash mid-write leaves no half checkpoint
+        ray.train.report(metrics)  # local mode keeps the last metrics for the Result
+        if self.tensorboard:
+            self.tensorboard.write(metrics)
+
+
+Launcher = Union[RayLauncher, TorchrunLauncher]
+
+
+def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOptions]:
+    """Who this worker is, and the launcher that knows where its checkpoints are and where reports go."""
+    cfg, options = loop_config["config"], loop_config["options"]
+    worker = Worker.from_ray(cfg)
+    bound_collectives(cfg.timeout)
+    launcher = (TorchrunLauncher if options.torchrun else RayLauncher)(cfg, worker)
+    return cfg, worker, launcher, options
+
+
+def resume(launcher: "Launcher") -> tuple[int, list, Optional[dict]]:
+    """(epoch to start at, the metrics history so far, the checkpoint's state or None): both modes'."""
+    state = launcher.latest_checkpoint()
+    return (0, [], None) if state is None else (state["epoch"] + 1, state["history"], state)
+
+
+def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: int, history: list,
+               train_fn, eval_fn, state_fn) -> dict:
+    """The epoch loop both modes share: train, evaluate, print (rank 0), report + checkpoint (rank 0's)."""
+    if worker.is_main and start_epoch >= cfg.epochs:
+        print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train", flush=True)
+    elif worker.is_main and start_epoch:
+        print(f"ray-dp: resuming at epoch {start_epoch + 1} of {cfg.epochs} with {plural(worker.world, 'worker')}, "
+              f"from the checkpoint of epoch {start_epoch}", flush=True)
+    first_step_at = time.time()  # wall clock, for the benchmark's "seconds to the first step"
+    for epoch in range(start_epoch, cfg.epochs):
+        # ended_at (wall clock): the time between two epochs' ends counts evaluation and reporting too.
+        metrics = {"epoch": epoch, **train_fn(epoch), **eval_fn(), "ended_at": time.time()}
+        history.append(metrics)
+        if worker.is_main:
+            print(format_epoch(metrics, cfg.epochs), flush=True)
+        launcher.report(metrics, state_fn(epoch, history) if worker.is_main else None, epoch)
+    return {"history": history, "world_size": worker.world, "device": worker.device.type,
+            "started_at_epoch": start_epoch, "first_step_at": first_step_at, "node_ranks": node_ranks(worker)}
+
+
+def train_loop_per_worker(config: dict) -> dict:
+    """--mode ddp (and dp): the DDP tutorial's loop."""
+    cfg, worker, launcher, options = worker_setup(config)
+    if cfg.min_workers:  # elastic: the same global batch, split over the workers there are now
+        cfg = replace(cfg, workers=worker.world)
+    train_set, test_set = load_dataset(cfg)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
+    model = build_model(cfg.model, train_set.tensors[0].shape[1:])
+    if cfg.sync_bn:
+        model = convert_sync_bn(model, worker.device)  # before DDP, which must see the final modules
+    if worker.device.type == "cuda":
+        model, train_set, test_set = cuda_fast_paths(cfg, model, train_set, test_set, worker.device)
+    model = wrap_model(model.to(worker.device), worker.device, cfg.mode)
+    if cfg.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # created once
+    start_epoch, history, state = resume(launcher)
+    if state is not None:
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
+    return run_epochs(
+        cfg, worker, launcher, start_epoch, history,
+        train_fn=lambda epoch: train_epoch(model, optimizer, batches, cfg, worker.device, epoch,
+                                           options.progress and worker.is_main),
+        eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device),
+        state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(),
+                                                      epoch, cfg, hist))
+
+
+def scratch_loop_per_worker(config: dict) -> dict:
+    """--mode scratch: the functional LeNet, hand-written all-reduce and SGD, exact distributed evaluation."""
+    cfg, worker, launcher, options = worker_setup(config)
+    train_set, test_set = load_dataset(cfg)
+    start_epoch, history, state = resume(launcher)
+    channels, size = train_set.tensors[0].shape[1], train_set.tensors[0].shape[-1]
+    initial = init_lenet_params(cfg.seed, channels, size) if state is None else state_dict_to_params(state["model"])
+    params = get_params(initial, worker.device)
+    return run_epochs(
+        cfg, worker, launcher, start_epoch, history,
+        train_fn=lambda epoch: scratch_train_epoch(params, train_set, cfg, worker, epoch,
+                                                   options.progress and worker.is_main),
+        eval_fn=lambda: evaluate(lambda X: lenet(X, params), test_set, worker.device),
+        state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch, cfg, hist))
+
+
+def eval_loop_per_worker(config: dict) -> dict:
+    """--eval-only: the checkpoint's model scored on this worker's shard of the test set (exactly once each)."""
+    cfg, worker, _, options = worker_setup(config)
+    weights = ray.get(options.weights)  # put in Ray's object store by the driver: no shared disk needed
+    _, test_set = load_dataset(cfg)
+    model = build_model(cfg.model, test_set.tensors[0].shape[1:])
+    model.load_state_dict(weights)
+    model.to(worker.device).eval()
+    with autocast(cfg, worker.device):
+        metrics = evaluate(model, test_set, worker.device, details=True)
+    return {"metrics": metrics, "world_size": worker.world, "device": worker.device.type}
+
+
+# ==================================================================================================
+# Launch, the driver's side: the cluster (GPU or CPU, does it fit), Ray Train's TorchTrainer, the commands.
+# ==================================================================================================
 
 
 @dataclass(frozen=True)
@@ -1570,6 +1803,11 @@ class Cluster:
     def hosts(self, per_worker: dict) -> bool:
         """Some node type can hold one worker (a worker never spans nodes)."""
         return any(count and fits(per_worker, resources) for resources, count in self.node_types or [])
+
+
+def resources_per_worker(cfg: Config) -> dict:
+    gpus = cfg.workers if cfg.mode == "dp" else 1  # dp: one process holds all of the run's GPUs
+    return {"CPU": cfg.cpus_per_worker or 1.0, **({"GPU": gpus} if cfg.gpu else {})}
 
 
 def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
@@ -1598,7 +1836,7 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
         return cfg
     have = f"{cluster.now.get('CPU', 0):g} CPUs and {cluster.now.get('GPU', 0):g} GPUs"
     if cluster.local and cfg.mode == "dp" and not cluster.now.get("GPU"):
-        raise ConfigError("--mode dp needs CUDA GPUs (it is nn.DataParallel) and this machine has none; use --mode ddp")
+        raise ConfigError(f"{DP_NEEDS_GPUS} and this machine has none; use --mode ddp")
     if cluster.local and cfg.gpu and not cluster.now.get("GPU"):
         raise ConfigError("--gpu was given but this machine has no GPU (use --cpu)")
     if cluster.local or cluster.most is None or not fits(need, cluster.most):
@@ -1709,23 +1947,63 @@ def connect(cfg: Config) -> Config:
                                       local=not attached))
 
 
-def check_data(cfg: Config) -> tuple[int, int]:
-    """Load (downloading if needed) on the driver, so a missing data set fails before any worker starts."""
-    train_set, test_set = load_dataset(cfg)
-    if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} training samples "
-                          f"of {cfg.dataset} allow for one step")
-    return len(train_set), len(test_set)
+def shorten_placement_group_cleaner_waits() -> None:
+    """Ray Train's PlacementGroupCleaner asks the State API (served by Ray's dashboard, which requirements.txt
+    does not install) whether the controller still lives, waiting up to 10 s for each answer, and at the
+    end of every run its stop waits for the question in flight: ~10 s added to every run. One second per
+    question keeps its job (removing a dead controller's placement group) and ends runs that much sooner.
+    (Ray builds the callback itself: its defaults are the only handle. Pinned Ray 2.60: the signature is
+    (check_interval_s=1.0, get_actor_timeout_s=10, stop_timeout=None).)"""
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    PlacementGroupCleanerCallback.__init__.__defaults__ = (1.0, 1.0, None)
 
 
-def describe(cfg: Config, sizes: tuple[int, int]) -> str:
+# PRINT_PATCH=0: rank 0's epoch lines reach the console once, not once as print and again as a log record.
+RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
+               "worker_process_setup_hook": quiet_ray_logs}
+
+
+def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.train.Result:
+    """Run `loop` on the run's workers (Ray's, or under torchrun this very process) and wait for it."""
+    training = loop is not eval_loop_per_worker
+    # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by default:
+    # with short epochs every report would wait for it, and a crash right after one would lose it.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)  # Ray hands it on
+    shorten_placement_group_cleaner_waits()
+    logs = local_run_dir(cfg)
+    send_ray_output_to(os.path.join(logs, "ray.log"))
+    callbacks = [QuietControllerLogs(), RecoveryLog(cfg, os.path.join(logs, "recovery.json"), last_epoch)]
+    # num_workers=0 under torchrun: Ray Train's local mode runs the loop in this very process.
+    workers = 0 if options.torchrun else (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes
+    trainer = TorchTrainer(
+        loop,
+        train_loop_config={"config": cfg, "options": options},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=cfg.gpu,
+                                     resources_per_worker=resources_per_worker(cfg)),
+        run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
+                             checkpoint_config=CheckpointConfig(num_to_keep=None),
+                             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # no INFO per report
+                             callbacks=callbacks + ([TensorBoardLogger(cfg)] if training else []),
+                             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
+        torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)),
+    )
+    try:
+        return trainer.fit()
+    except SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, aborts the run and exits
+        raise KeyboardInterrupt from None
+
+
+def describe(cfg: Config, sizes: tuple[int, int], torchrun: bool = False) -> str:
     workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp"
                else f"{cfg.min_workers or cfg.workers}{f'-{cfg.workers}' if cfg.min_workers else ''} "
                     f"{'GPU' if cfg.gpu else 'CPU'} workers{' (elastic)' if cfg.min_workers else ''}")
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
     dropped = sizes[0] - samples_per_epoch(cfg, sizes[0])
     left_out = f" ({dropped} train samples left out per epoch: whole global batches only)" if dropped else ""
-    return (f"ray-dp: {cfg.mode} {cfg.model} on {cfg.dataset} ({sizes[0]} train / {sizes[1]} test), {workers}{extra}, "
+    launcher = " (torchrun)" if torchrun else ""
+    return (f"ray-dp{launcher}: {cfg.mode} {cfg.model} on {cfg.dataset} ({sizes[0]} train / {sizes[1]} test), "
+            f"{workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x {cfg.processes} workers x "
             f"{cfg.accum_steps} accum{left_out}, lr {cfg.lr} ({cfg.lr_schedule}), {optimizer_name(cfg)}, "
             f"{cfg.epochs} epochs, "
@@ -1736,47 +2014,11 @@ def optimizer_name(cfg: Config) -> str:
     return "plain SGD" if cfg.mode == "scratch" or not cfg.momentum else f"SGD momentum {cfg.momentum}"
 
 
-def samples_per_epoch(cfg: Config, train_size: int) -> int:
-    """Samples trained per epoch: whole global batches. (ddp: each worker's equal shard, cut to whole steps.)"""
-    if cfg.mode == "scratch":
-        return train_size // cfg.batch_size * cfg.batch_size
-    steps = train_size // cfg.processes // (cfg.micro_batch * cfg.accum_steps)
-    return steps * cfg.batch_size
-
-
-def fit(cfg: Config, loop=None, last_epoch: int = -1, **loop_extras) -> ray.train.Result:
-    training = loop is None
-    if training:  # a bar only where someone watches: Ray's tqdm draws rank 0's bar on this terminal
-        loop_extras["progress"] = sys.stdout.isatty() and not cfg.quiet
-        loop_extras["crash_once"] = os.environ.get("RAY_DP_TEST_CRASH_ONCE")
-        loop_extras["torchrun"] = under_torchrun()
-    # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by default:
-    # with short epochs every report would wait for it, and a crash right after one would lose it.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    shorten_placement_group_cleaner_waits()
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)  # Ray hands it to the controller
-    logs = local_run_dir(cfg)
-    send_ray_output_to(os.path.join(logs, "ray.log"))
-    recovery = RecoveryLog(cfg, os.path.join(logs, "recovery.json"), last_epoch)
-    trainer = TorchTrainer(
-        loop or (scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker),
-        train_loop_config={**asdict(cfg), **loop_extras},
-        # num_workers=0 under torchrun: Ray Train's local mode runs the loop in this very process.
-        scaling_config=ScalingConfig(num_workers=0 if under_torchrun() else
-                                     (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes,
-                                     use_gpu=cfg.gpu,
-                                     resources_per_worker=resources_per_worker(cfg)),
-        run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
-                             checkpoint_config=CheckpointConfig(num_to_keep=None),
-                             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # no per-report INFO lines
-                             callbacks=[QuietControllerLogs(), recovery] + ([TensorBoardLogger(cfg)] if training else []),
-                             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
-        torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)),
-    )
-    try:
-        return trainer.fit()
-    except SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, aborts the run and exits
-        raise KeyboardInterrupt from None
+def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Optional[str], **more) -> dict:
+    """result.json, for training and evaluation alike: the config, the final metrics, who computed them
+    (world size, device) and with which checkpoint file; then what the command adds."""
+    return {"config": asdict(cfg), "final": final, "world_size": out.get("world_size"),
+            "device": out.get("device"), "checkpoint": checkpoint, **more}
 
 
 def summarize(cfg: Config, result: ray.train.Result) -> dict:
@@ -1784,178 +2026,16 @@ def summarize(cfg: Config, result: ray.train.Result) -> dict:
     history = out["history"]
     # Medians, leaving out epoch 1 (warm-up) when there are more: a shared machine's stalls skew means.
     timed = history[1:] or history
-    summary = {
-        "config": asdict(cfg), "epochs": history, "final": history[-1],
-        "sec_per_epoch": statistics.median(m["epoch_seconds"] for m in timed),
-        "samples_per_second": statistics.median(m["samples_per_second"] for m in timed),
-        "world_size": out["world_size"], "device": out["device"], "started_at_epoch": out["started_at_epoch"],
-        "node_ranks": out["node_ranks"], "first_step_at": out["first_step_at"],
-        # Named by epoch, so known without asking Ray (whose Result may lack it when its state API is slow).
-        "checkpoint": os.path.join(cfg.run_dir, checkpoint_dir_name(history[-1]["epoch"])),
-        "recovery": recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json")),
-    }
+    # Named by epoch, so known without asking Ray (whose Result may lack it when its state API is slow).
+    checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(history[-1]["epoch"]), CHECKPOINT_FILE)
+    summary = run_record(
+        cfg, history[-1], out, checkpoint, epochs=history,
+        sec_per_epoch=statistics.median(m["epoch_seconds"] for m in timed),
+        samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
+        started_at_epoch=out["started_at_epoch"], node_ranks=out["node_ranks"], first_step_at=out["first_step_at"],
+        recovery=recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json")))
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
-
-
-def write_json(path: str, data: dict) -> None:
-    """result.json beside the run's checkpoints, in cloud storage too."""
-    text = json.dumps(data, indent=2)
-    if is_uri(path):  # an object store writes the whole object or nothing
-        from pyarrow import fs
-        storage, key = fs.FileSystem.from_uri(path)
-        storage.create_dir(os.path.dirname(key), recursive=True)
-        with storage.open_output_stream(key) as f:
-            f.write(text.encode())
-        return
-    write_atomically(path, text)
-
-
-def write_atomically(path: str, text: str) -> None:
-    """Never a half-written file: write beside it, then rename over it."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w", newline="") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, int]:
-    """Before any cluster starts. --fresh: the directory it will delete must be this run's and nothing
-    else. A rerun: the checkpoint it will resume from must load (a corrupt one is one sentence here, not
-    a failure on every worker) and must have been trained the way this command says; what the command
-    does not say (flags not typed, when `typed` is given) it takes from that checkpoint.
-    Returns the config to run and the epoch the run resumes after (-1: from the start)."""
-    from pyarrow import fs
-    storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
-    kind = storage.get_file_info(run_dir).type
-    if kind == fs.FileType.NotFound:
-        return cfg, -1
-    if kind != fs.FileType.Directory:
-        raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
-    if cfg.fresh:
-        check_deletable(cfg, storage, run_dir)
-        return cfg, -1
-    latest = latest_committed(cfg.run_dir)
-    if latest is None:
-        return cfg, -1
-    try:
-        state = read_checkpoint(latest)
-    except ConfigError as exc:
-        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start over, or "
-                          f"--eval-only an earlier checkpoint_epoch_* directory") from None
-    cfg = follow_stored(cfg, state["config"], typed)
-    check_same_training(cfg, state["config"])
-    if cfg.lr_schedule == "cosine" and state["config"].get("epochs") != cfg.epochs and state["epoch"] + 1 < cfg.epochs:
-        print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was {state['config']['epochs']}): "
-              f"epoch {state['epoch'] + 2} trains at lr {learning_rate(cfg, state['epoch'] + 1):.4g}", flush=True)
-    return cfg, state["epoch"]
-
-
-def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
-    """A rerun's untyped training settings and --epochs come from the run it resumes (so the shortest
-    command that names the run resumes it as it was, whatever today's defaults are)."""
-    if typed is None:
-        return cfg
-    adopt = {name: stored[name] for name in asdict(cfg) if name in stored and name not in typed
-             and (name not in RESUMABLE_FIELDS or name == "epochs") and stored[name] != getattr(cfg, name)}
-    if adopt:
-        print(f"note: run '{cfg.name}' resumes with its own {', '.join(as_flag(k, v) for k, v in adopt.items())}",
-              flush=True)
-    return replace(cfg, **adopt)
-
-
-RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json")
-
-
-def check_deletable(cfg: Config, storage, run_dir: str) -> None:
-    """--fresh deletes <storage-path>/<name>/ only if it is a ray-dp run, inside --storage-path, and holds
-    neither --logdir nor --data-dir (./runs/tensorboard is a directory of ./runs too)."""
-    from pyarrow import fs
-    names = {Path(info.path).name for info in storage.get_file_info(fs.FileSelector(run_dir))}
-    if not (names & set(RUN_MARKERS) or any(re.fullmatch(r"checkpoint_epoch_\d+", n) for n in names)):
-        raise ConfigError(f"--fresh: {cfg.run_dir} is not a ray-dp run (no checkpoints, no result.json); "
-                          f"not deleting it")
-    if is_uri(cfg.run_dir):
-        return
-    target = os.path.realpath(cfg.run_dir)  # a run directory that is a link may point anywhere
-    if os.path.dirname(target) != os.path.realpath(cfg.storage_path):
-        raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target}, outside --storage-path; not deleting it")
-    for flag, path in [("logdir", cfg.logdir), ("data-dir", cfg.data_dir)]:
-        if Path(os.path.realpath(path)).is_relative_to(target):
-            raise ConfigError(f"--fresh: {cfg.run_dir} holds --{flag} {path}; not deleting it")
-
-
-def start_fresh(cfg: Config) -> None:
-    """--fresh, once every check has passed: delete the run's directory (check_run_dir vetted it)."""
-    from pyarrow import fs
-    storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
-    if cfg.fresh and storage.get_file_info(run_dir).type == fs.FileType.Directory:
-        storage.delete_dir(run_dir)
-        print(f"--fresh: deleted {cfg.run_dir}; starting run '{cfg.name}' over", flush=True)
-
-
-# What a rerun of a run may change: how long it trains, on how many workers of what kind, where it
-# reads and writes, what it logs. Anything else would silently train a different model.
-RESUMABLE_FIELDS = {"epochs", "workers", "min_workers", "cpus_per_worker", "gpu", "max_failures", "timeout",
-                    "start_timeout",
-                    "fresh", "address", "storage_path", "name", "logdir", "log_every", "quiet", "data_dir",
-                    "download", "loader_workers", "compile", "eval_only", "predict_out"}
-
-
-def check_same_training(cfg: Config, stored: dict) -> None:
-    now = asdict(cfg)
-    ignored = RESUMABLE_FIELDS | ({"momentum"} if cfg.mode == "scratch" else set())  # scratch: plain SGD
-    changed = [name for name in now if name not in ignored and name in stored and stored[name] != now[name]]
-    if changed:
-        was = ", ".join(as_flag(name, stored[name]) for name in changed)
-        says = ", ".join(as_flag(name, now[name]) for name in changed)
-        raise ConfigError(f"run '{cfg.name}' was trained with {was}; this command says {says}: rerun it with "
-                          f"its values to resume it, or start over with --fresh or a new --name")
-
-
-def as_flag(name: str, value) -> str:
-    """How a config value is typed: --lr 0.05, --amp; 'no --amp' for a switch that was off."""
-    flag = name.replace("_", "-")
-    if isinstance(value, bool):
-        return f"--{flag}" if value else f"no --{flag}"
-    return f"--{flag} {value}"
-
-
-def latest_committed(run_dir: str) -> Optional[str]:
-    """The checkpoint file a rerun resumes from: the last one Ray committed (its snapshot lists them, in
-    order), or under torchrun, which keeps no snapshot, the highest epoch written (atomically)."""
-    from pyarrow import fs
-    storage, path = fs.FileSystem.from_uri(run_dir)
-    snapshot = f"{path}/checkpoint_manager_snapshot.json"
-    if storage.get_file_info(snapshot).type != fs.FileType.NotFound:
-        try:
-            with storage.open_input_stream(snapshot) as f:
-                committed = json.loads(f.read())["checkpoint_results"]
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{run_dir}/checkpoint_manager_snapshot.json is not Ray's list of checkpoints; "
-                              f"rerun with --fresh to start over") from None
-        return f"{run_dir}/{committed[-1]['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if committed else None
-    files = [] if is_uri(run_dir) else epoch_checkpoints(run_dir)
-    return str(files[-1]) if files else None
-
-
-def near_chance(cfg: Config, summary: dict) -> Optional[str]:
-    """When a run ended where guessing would (10 classes: 0.10), what most likely happened and what to try."""
-    final, acc = summary["final"], summary["final"]["test_acc"]
-    if acc > 1.5 / NUM_CLASSES or cfg.dataset == "synthetic":  # synthetic labels are random: chance is right
-        return None
-    steps = sum(m["train_samples"] for m in summary["epochs"]) // cfg.batch_size
-    head = f"test acc {acc:.2f} is near chance (1/{NUM_CLASSES} = {1 / NUM_CLASSES:.2f})"
-    if not math.isfinite(final["train_loss"]) or final["train_loss"] > 3 * math.log(NUM_CLASSES):
-        return f"{head}: the loss grew to {final['train_loss']:.3g}, so lr {cfg.lr} is too large; try --lr {cfg.lr / 5:g}"
-    if cfg.mode == "scratch":
-        tips = ["more steps (more --epochs, or a smaller --batch-size)"]
-        if cfg.lr_schedule != "constant" or cfg.lr < 0.2:
-            tips.append("a constant lr of 0.2 to 0.3 (--lr 0.2 --lr-schedule constant)")
-        return (f"{head}: the lesson's init (randn * 0.01) sits at chance for hundreds of steps and this run took "
-                f"{steps} at lr {cfg.lr} ({cfg.lr_schedule}); give it {' or '.join(tips)}")
-    return (f"{head} after {steps} steps at lr {cfg.lr} ({cfg.lr_schedule}): try more --epochs or another --lr "
-            f"(train loss {final['train_loss']:.3f}; ln 10 = 2.303 is the loss of a uniform guess)")
 
 
 class RunFailed(RuntimeError):
@@ -1969,57 +2049,35 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
     failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
     node_ips = {int(rank): ip for rank, ip in (failed[-1]["node_ips"] if failed else {}).items()}
     reason = describe_training_error(error, node_ips)
-    write_json(os.path.join(cfg.run_dir, "result.json"), {"config": asdict(cfg), "error": reason, "recovery": recovery})
+    write_json(os.path.join(cfg.run_dir, "result.json"), run_record(cfg, None, {}, None, error=reason,
+                                                                    recovery=recovery))
     return f"{reason}; the full errors are in {os.path.join(logs, 'ray.log')}"
 
 
-def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict) -> str:
-    """One line for a run that failed for good (Ray's own message is the ranks' tracebacks)."""
-    controller = getattr(error, "controller_failure", None)
-    return describe_worker_failures(getattr(error, "worker_failures", {}), node_ips) or first_line(controller or error)
-
-
-def interrupted(command: str, cfg: Optional[Config]) -> str:
-    """Ctrl-C: what was kept, and the command line that continues."""
-    if command == "compare" and cfg:
-        return f"interrupted; the same command with --name {cfg.name} resumes the rows (finished ones are kept)"
-    latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
-    if latest is None:
-        return "interrupted; nothing was saved"
-    epoch = int(Path(latest).parent.name.rpartition("_")[2]) + 1  # checkpoint_epoch_NNN, 0-based
-    same = "the same command without --fresh" if cfg.fresh else "the same command"
-    return (f"interrupted after epoch {epoch} of {cfg.epochs} (saved in {cfg.run_dir}); "
-            f"{same} with --name {cfg.name} resumes it")
-
-
-def format_summary(summary: dict, launcher: str = "") -> str:
-    """The lessons' closing line: `test acc: 0.97, 0.3 sec/epoch on 2 workers (cpu)`, and what it survived."""
-    world = summary["world_size"]
-    line = (f"test acc: {summary['final']['test_acc']:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch "
-            f"on {plural(world, 'worker')} ({summary['device']}{launcher})")
-    recovery = summary.get("recovery") or {}
-    if recovery.get("failures"):
-        sizes = [size for _, size in recovery["world_sizes"]]
-        redone = ", ".join(map(str, recovery["epochs_redone"])) or "none"
-        line += (f"; survived {plural(recovery['failures'], 'failure')}, {plural(recovery['restarts'], 'restart')} "
-                 f"(workers {' -> '.join(map(str, sizes))}), epochs redone: {redone}")
-    return line
-
-
-def run(cfg: Config, typed: Optional[set] = None, sizes: Optional[tuple] = None) -> dict:
-    sizes = sizes or check_data(cfg)
-    if under_torchrun():
-        return run_under_torchrun(cfg, sizes, typed)
-    cfg, last_epoch = check_run_dir(cfg, typed)
-    cfg = connect(cfg)
-    start_fresh(cfg)
-    print(describe(cfg, sizes), flush=True)
+def run(cfg: Config, typed: Optional[set] = None, sizes: Optional[tuple] = None) -> Optional[dict]:
+    """Train: check everything, start (or attach to) Ray, train, summarize. Under torchrun each of its
+    processes runs this; rank 0 alone speaks and writes."""
+    torchrun = under_torchrun()
+    speaks = not torchrun or os.environ["RANK"] == "0"
+    with contextlib.redirect_stdout(sys.stdout if speaks else io.StringIO()):
+        sizes = sizes or check_data(cfg)
+        cfg, last_epoch = check_run_dir(cfg, typed)  # every rank: they all train what a rerun adopts
+        cfg = cfg if torchrun else connect(cfg)
+        if speaks:
+            start_fresh(cfg)  # under torchrun before the other ranks look for checkpoints: they wait for rank 0
+        print(describe(cfg, sizes, torchrun), flush=True)
+    loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
+    options = LoopOptions(progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun)
+    if torchrun:
+        logging.getLogger("ray.train").setLevel(logging.WARNING)  # local mode logs every report at INFO
     try:
-        result = fit(cfg, last_epoch=last_epoch)
+        result = fit(cfg, loop, options, last_epoch)
     except ray.train.TrainingFailedError as exc:
         raise RunFailed(record_failure(cfg, exc)) from None
+    if not speaks:
+        return None
     summary = summarize(cfg, result)
-    print(format_summary(summary), flush=True)
+    print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
     if (advice := near_chance(cfg, summary)):
         print(f"note: {advice}", flush=True)
     if cfg.mode == "dp":
@@ -2028,7 +2086,7 @@ def run(cfg: Config, typed: Optional[set] = None, sizes: Optional[tuple] = None)
     return summary
 
 
-def run_eval(cfg: Config) -> dict:
+def run_eval(cfg: Config, checkpoint: dict) -> dict:
     """--eval-only: the same test metrics as training, plus per-class accuracy and the confusion matrix."""
     _, test_set = load_dataset(cfg)
     if os.path.isfile(cfg.run_dir):
@@ -2039,64 +2097,24 @@ def run_eval(cfg: Config) -> dict:
     cfg = connect(cfg)
     print(f"ray-dp: evaluating {cfg.eval_only} ({cfg.model} on {cfg.dataset}, {len(test_set)} test samples) "
           f"on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers", flush=True)
-    weights = ray.put(read_checkpoint(cfg.eval_only)["model"])
-    out = fit(cfg, eval_loop_per_worker, weights=weights).return_value
+    options = LoopOptions(weights=ray.put(checkpoint["model"]))  # the workers need no shared disk
+    out = fit(cfg, eval_loop_per_worker, options).return_value
     metrics = out["metrics"]
     predictions, confusion = metrics.pop("predictions"), metrics["confusion"]
     per_class = [{"class": c, "count": sum(confusion[c]), "correct": confusion[c][c],
                   "acc": confusion[c][c] / max(sum(confusion[c]), 1)} for c in range(NUM_CLASSES)]
     write_json(os.path.join(cfg.run_dir, "result.json"),
-               {"config": asdict(cfg), "checkpoint": cfg.eval_only, "final": metrics, "per_class": per_class,
-                "world_size": out["world_size"], "device": out["device"]})
+               run_record(cfg, metrics, out, cfg.eval_only, per_class=per_class))
     if cfg.predict_out:
         write_predictions(cfg.predict_out, test_set.tensors[1].tolist(), predictions)
     print(format_eval(metrics, per_class, out), flush=True)
     return metrics
 
 
-def write_predictions(path: str, labels: list, predictions: list) -> None:
-    import csv
-    text = io.StringIO()
-    writer = csv.writer(text)
-    writer.writerow(["index", "label", "predicted", "probability"])
-    writer.writerows([i, label, int(predicted), f"{probability:.6f}"]
-                     for i, (label, (predicted, probability)) in enumerate(zip(labels, predictions)))
-    write_atomically(path, text.getvalue())
+# ==================================================================================================
+# compare: the lesson's table, measured side by side.
+# ==================================================================================================
 
-
-def format_eval(metrics: dict, per_class: list, out: dict) -> str:
-    lines = [f"test loss {metrics['test_loss']:.4f}, test acc {metrics['test_acc']:.4f} "
-             f"({sum(c['correct'] for c in per_class)}/{metrics['test_count']}) on {out['world_size']} workers "
-             f"({out['device']})", "", "class  count  correct  acc"]
-    lines += [f"{c['class']:>5}  {c['count']:>5}  {c['correct']:>7}  {c['acc']:.4f}" for c in per_class]
-    lines += ["", "confusion matrix (rows: true class, columns: predicted class)",
-              "      " + "".join(f"{c:>6}" for c in range(NUM_CLASSES))]
-    lines += [f"{c:>6}" + "".join(f"{n:>6}" for n in row) for c, row in enumerate(metrics["confusion"])]
-    return "\n".join(lines)
-
-
-def run_under_torchrun(cfg: Config, sizes: tuple[int, int], typed: Optional[set] = None) -> Optional[dict]:
-    """`torchrun --nproc_per_node N ray_dp.py ...`: torchrun's processes are the workers; rank 0 reports."""
-    is_main = os.environ["RANK"] == "0"
-    logging.getLogger("ray.train").setLevel(logging.WARNING)  # local mode logs every report at INFO
-    with contextlib.redirect_stdout(sys.stdout if is_main else io.StringIO()):  # rank 0 speaks
-        cfg, _ = check_run_dir(cfg, typed)  # every rank: they all train with what a rerun adopts
-    if is_main:
-        start_fresh(cfg)  # before the other ranks can look for checkpoints: they wait for rank 0 to join
-        print(describe(cfg, sizes).replace("ray-dp:", "ray-dp (torchrun):"), flush=True)
-    result = fit(cfg)
-    if not is_main:
-        return None
-    summary = summarize(cfg, result)
-    print(format_summary(summary, ", torchrun"), flush=True)
-    if (advice := near_chance(cfg, summary)):
-        print(f"note: {advice}", flush=True)
-    return summary
-
-
-# ============================================================================
-# compare: the lesson's table, measured side by side
-# ============================================================================
 
 def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
     """ddp and scratch LeNet at 1 worker and at --workers N (scratch with each all-reduce at N)."""
@@ -2193,20 +2211,59 @@ def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> No
 
 def compare(base: Config, scale_lr: bool) -> list[dict]:
     configs = compare_configs(base, scale_lr)
+    sizes = []
     for cfg in configs:  # every row's input is checked before any cluster starts
         validate(cfg)
-        check_data(cfg)
+        sizes.append(check_data(cfg))
     connect(max(configs, key=lambda c: c.workers))
-    summaries = [run(cfg) for cfg in configs]
+    summaries = [run(cfg, sizes=row_sizes) for cfg, row_sizes in zip(configs, sizes)]
     rows = compare_rows(configs, summaries)
     print(write_compare(base.run_dir, rows, [s["epochs"] for s in summaries]))
     print(f"wrote compare.csv, compare.md and compare.png to {base.run_dir}", flush=True)
     return rows
 
 
-# ============================================================================
-# main
-# ============================================================================
+# ==================================================================================================
+# main: the command line, one command, one line for every way it can end.
+# ==================================================================================================
+
+
+def parse_command(argv) -> tuple[str, Config, dict]:
+    """(command, config, command options): `ray_dp.py [flags]` trains; `ray_dp.py compare [flags]` compares."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "compare" if argv[:1] == ["compare"] else "train"
+    parser, flags = build_parser(command), argv[1:] if command == "compare" else argv
+    args = vars(parser.parse_args(flags))
+    # argparse fills in defaults only for attributes the namespace lacks: what keeps NOT_TYPED was not typed.
+    typed = {k for k, v in vars(parser.parse_args(flags, argparse.Namespace(**dict.fromkeys(args, NOT_TYPED)))).items()
+             if v is not NOT_TYPED}
+    options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
+    if command == "compare" or args["mode"] == "scratch":
+        args.update({k: v for k, v in LESSON_DEFAULTS.items() if k not in typed})
+    if under_torchrun():
+        args = torchrun_launch(args, typed)
+    cfg = with_absolute_paths(Config(**args))
+    validate(cfg)
+    if cfg.eval_only:
+        cfg, options["checkpoint"] = eval_config(cfg, typed)
+        command = "eval"
+    elif command == "train":
+        options["typed"] = typed  # a rerun takes what the command line leaves unsaid from the run it resumes
+    return command, replace(cfg, name=cfg.name or default_run_name(command, cfg)), options
+
+
+def interrupted(command: str, cfg: Optional[Config]) -> str:
+    """Ctrl-C: what was kept, and the command line that continues."""
+    if command == "compare" and cfg:
+        return f"interrupted; the same command with --name {cfg.name} resumes the rows (finished ones are kept)"
+    latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
+    if latest is None:
+        return "interrupted; nothing was saved"
+    epoch = int(Path(latest).parent.name.rpartition("_")[2]) + 1  # checkpoint_epoch_NNN, 0-based
+    same = "the same command without --fresh" if cfg.fresh else "the same command"
+    return (f"interrupted after epoch {epoch} of {cfg.epochs} (saved in {cfg.run_dir}); "
+            f"{same} with --name {cfg.name} resumes it")
+
 
 def main(argv=None) -> int:
     command, cfg = "train", None

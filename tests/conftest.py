@@ -6,7 +6,7 @@ import urllib.error
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, REPO)  # tests import ray_dp (and helpers, beside them) by name
 # Ray workers import ray_dp by name when the tests pass them its functions.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import ray_dp
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
 
 
 def a_file(tmp_path):
@@ -78,7 +77,7 @@ BAD_INPUTS = [
     (["--dataset", "cifar10", "--data-dir", "{tmp}", "--no-download"], "could not be loaded (--no-download)"),
     (["--data-dir", "{file}"], "is a file, not a directory"),
     (["--mode", "dp", "--dataset", "digits"], "--mode dp needs CUDA GPUs"),
-    (["--mode", "dp", "--cpu"], "--mode dp needs GPUs; drop --cpu"),
+    (["--mode", "dp", "--cpu"], "--mode dp needs CUDA GPUs (it is nn.DataParallel); drop --cpu"),
     (["--mode", "dp", "--model", "resnet18", "--sync-bn"], "nn.DataParallel keeps BatchNorm statistics per GPU"),
     (["--mode", "scratch", "--sync-bn"], "--sync-bn needs --mode ddp"),
     (["--mode", "scratch", "--model", "resnet18"], "--mode scratch trains the lesson's functional LeNet"),

@@ -6,15 +6,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ray_dp
-from distributed import run_distributed
+from helpers import random_images, run_distributed
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.timeout(240)
-
-
-def random_images(n, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return ray_dp.TensorDataset(torch.rand(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen))
 
 
 def new_model_and_optimizer(cfg):

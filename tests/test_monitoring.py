@@ -13,9 +13,9 @@ import pytest
 import ray
 
 import ray_dp
+from helpers import REPO
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("ray_cluster")]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_cluster")]
 
 
 def free_port():

@@ -11,13 +11,12 @@ import tempfile
 import time
 
 import pytest
-import torch
 import yaml
 
 import ray_dp
+from helpers import REPO, assert_bitwise_equal, final_weights
 
 pytestmark = [pytest.mark.timeout(600)]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 # Batch 8: epochs long enough (179 steps) to lose a node in the middle of one.
 RUN = ["--workers", "2", "--dataset", "digits", "--epochs", "2", "--seed", "3", "--batch-size", "8"]
@@ -49,14 +48,6 @@ def test_cluster_yaml_passes_rays_own_validation_and_a_broken_copy_fails():
     broken["head_node_type"] = "no_such_type"
     with pytest.raises(ValueError, match="head_node_type"):
         validate(broken)
-
-
-def final_weights(result):
-    return ray_dp.load_checkpoint(os.path.join(result["checkpoint"], ray_dp.CHECKPOINT_FILE))["model"]
-
-
-def assert_same_weights(a, b):
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +159,7 @@ def ray_nodes_alive(address, env):
     return int(out.stdout.strip() or 0)
 
 
+@pytest.mark.ray
 def test_a_lost_node_is_replaced_and_the_run_resumes_exactly_with_one_line_per_event(tmp_path, two_nodes,
                                                                                     single_node_result):
     def kill_and_replace(nodes):
@@ -192,13 +184,14 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_exactly_with_one_line_per_e
     # The same training as without the failure: rank 0 on the head, rank 1 on the (new) other node.
     assert result["node_ranks"] == [0, 1]
     assert result["final"]["test_acc"] == single_node_result["final"]["test_acc"]
-    assert_same_weights(final_weights(result), final_weights(single_node_result))
+    assert_bitwise_equal(final_weights(result), final_weights(single_node_result))
     # Where the README says: checkpoints under --storage-path/--name, events under --logdir/--name.
     assert sorted(p.name for p in (tmp_path / "runs" / "two-nodes").glob("checkpoint_epoch_*")) == [
         "checkpoint_epoch_000", "checkpoint_epoch_001"]
     assert list((tmp_path / "tb" / "two-nodes").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.ray
 def test_an_elastic_run_that_loses_a_node_waits_then_goes_on_with_the_workers_left(tmp_path, two_nodes):
     stdout, result = train_on(two_nodes, tmp_path, "elastic", "--workers", "1:2", "--start-timeout", "10",
                               "--max-failures", "3", during_epoch_2=TwoNodes.kill_worker_node)
@@ -211,6 +204,7 @@ def test_an_elastic_run_that_loses_a_node_waits_then_goes_on_with_the_workers_le
     assert stdout.strip().splitlines()[-1].endswith("(workers 2 -> 1), epochs redone: 2")
 
 
+@pytest.mark.ray
 def test_torchrun_runs_the_same_loop_with_the_same_result(tmp_path, single_node_result):
     proc = subprocess.run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "ray_dp.py", *RUN,
                            "--storage-path", str(tmp_path), "--name", "torchrun", "--logdir", str(tmp_path / "tb")],
@@ -219,7 +213,7 @@ def test_torchrun_runs_the_same_loop_with_the_same_result(tmp_path, single_node_
     result = json.loads((tmp_path / "torchrun" / "result.json").read_text())
     assert result["world_size"] == 2 and result["node_ranks"] == [0, 0]
     assert [m["test_acc"] for m in result["epochs"]] == [m["test_acc"] for m in single_node_result["epochs"]]
-    assert_same_weights(final_weights(result), final_weights(single_node_result))
+    assert_bitwise_equal(final_weights(result), final_weights(single_node_result))
     assert proc.stdout.count("epoch 1/2:") == 1  # rank 0 prints, the other process does not
     assert list((tmp_path / "tb" / "torchrun").glob("events.out.tfevents.*"))
 
@@ -317,6 +311,7 @@ def processes_naming(*words):
     return pids
 
 
+@pytest.mark.ray
 def test_ray_up_with_the_shipped_config_trains_on_two_nodes(tmp_path, sshd, single_node_result):
     config_path = tmp_path / "local-cluster.yaml"
     config_path.write_text(yaml.safe_dump(local_cluster_config(sshd)))
@@ -339,7 +334,7 @@ def test_ray_up_with_the_shipped_config_trains_on_two_nodes(tmp_path, sshd, sing
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         result = json.loads((tmp_path / "runs" / "via-ray-up" / "result.json").read_text())
         assert result["node_ranks"] == [0, 1] and result["device"] == "cpu"
-        assert_same_weights(final_weights(result), final_weights(single_node_result))
+        assert_bitwise_equal(final_weights(result), final_weights(single_node_result))
     finally:
         stop_cluster_processes()  # never `ray down`: it runs a bare `ray stop` on the head
         if not had_bootstrap and os.path.exists(bootstrap):

@@ -1,22 +1,16 @@
 """End to end through Ray Train on one shared local cluster: the README quick start, checkpoints, resume."""
 import json
-import os
 
 import pytest
 import torch
 
 import ray_dp
+from helpers import train
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("ray_cluster")]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_cluster")]
 
 # The README's quick start states this accuracy; measured 0.9722 (digits, 2 workers, defaults, seed 0).
 QUICK_START_ACC = 0.95
-
-
-def train(tmp_path, name, *flags):
-    assert ray_dp.main(["--storage-path", str(tmp_path), "--name", name, *flags]) == 0
-    with open(tmp_path / name / "result.json") as f:
-        return json.load(f)
 
 
 def checkpoint_files(run_dir):
@@ -45,7 +39,7 @@ def test_readme_quick_start_learns_digits_and_checkpoints_each_epoch(tmp_path):
     single = ray_dp.evaluate(model, test, torch.device("cpu"))
     assert (single["test_acc"], single["test_count"]) == (epochs[-1]["test_acc"], 360)
     assert single["test_loss"] == pytest.approx(epochs[-1]["test_loss"], rel=1e-6)  # float32 sums, other order
-    assert result["checkpoint"].endswith("checkpoint_epoch_009")
+    assert result["checkpoint"].endswith("checkpoint_epoch_009/checkpoint.pt")
 
     # The same command with a larger --epochs extends the finished run: epochs 1-10 come from the
     # checkpoint unchanged (their timings too); only epoch 11 is trained.

@@ -9,29 +9,42 @@ import time
 
 import pytest
 import ray
-import torch
 
+import helpers
 import ray_dp
+from helpers import REPO, assert_bitwise_equal, final_weights
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("ray_cluster")]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_cluster")]
 # Small steps (4 samples per worker) so that an epoch lasts long enough to be interrupted in.
 RUN = ["--workers", "2", "--dataset", "digits", "--batch-size", "8", "--epochs", "3", "--seed", "5"]
 
 
 def train(tmp_path, name, *flags):
-    assert ray_dp.main([*RUN, "--storage-path", str(tmp_path), "--name", name,
-                        "--logdir", str(tmp_path / "tb"), *flags]) == 0
-    return json.loads((tmp_path / name / "result.json").read_text())
+    return helpers.train(tmp_path, name, *RUN, *flags)
 
 
-def final_weights(result):
-    return ray_dp.load_checkpoint(result["checkpoint"] + "/" + ray_dp.CHECKPOINT_FILE)["model"]
+def crash_once(marker, at_epoch, at_step):
+    """ray_dp's training function, except that rank 1 dies at this step of this epoch as a killed process
+    would (os._exit: no exception, no cleanup), once: the marker file, at an absolute path, lets the
+    restarted group run through. The driver hands it to Ray in place of ray_dp.train_loop_per_worker."""
+    def train_loop_per_worker(config):
+        import os
 
+        import ray
 
-def assert_bitwise_equal(a, b):
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), "parameters differ"
+        import ray_dp
+        if ray.train.get_context().get_world_rank() == 1 and not os.path.exists(marker):
+            batches = ray_dp.InMemoryBatches.__iter__
+
+            def dying(self):
+                for step, batch in enumerate(batches(self)):
+                    if (self.sampler.epoch, step) == (at_epoch, at_step):
+                        open(marker, "w").close()
+                        os._exit(1)
+                    yield batch
+            ray_dp.InMemoryBatches.__iter__ = dying
+        return ray_dp.train_loop_per_worker(config)
+    return train_loop_per_worker
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +67,7 @@ def test_a_second_run_with_the_same_seed_ends_identical_even_through_dataloader_
 
 def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_and_ends_identical(tmp_path, monkeypatch, reference):
     marker = tmp_path / "crashed"
-    monkeypatch.setenv("RAY_DP_TEST_CRASH_ONCE", f"{marker}:2:50")  # rank 1 dies at epoch 3, step 51
+    monkeypatch.setattr(ray_dp, "train_loop_per_worker", crash_once(str(marker), 2, 50))  # epoch 3, step 51
     result = train(tmp_path, "crash", "--max-failures", "1")
     assert marker.exists()  # it did die
     assert result["started_at_epoch"] >= 1  # the restarted group resumed from a checkpoint
@@ -63,7 +76,7 @@ def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_and_ends_identic
 
 
 def test_a_worker_death_without_max_failures_fails_with_a_message(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("RAY_DP_TEST_CRASH_ONCE", f"{tmp_path / 'crashed'}:0:3")
+    monkeypatch.setattr(ray_dp, "train_loop_per_worker", crash_once(str(tmp_path / "crashed"), 0, 3))
     assert ray_dp.main([*RUN, "--storage-path", str(tmp_path), "--name", "dies", "--logdir", str(tmp_path)]) == 1
     assert "ray_dp.py: training failed:" in capsys.readouterr().err
 

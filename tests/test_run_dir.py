@@ -12,9 +12,8 @@ import torch.distributed as dist
 import yaml
 
 import ray_dp
-from distributed import run_distributed
+from helpers import REPO, run_distributed
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = ["--dataset", "digits"]
 
 
@@ -145,7 +144,7 @@ def test_checkpoints_are_ordered_by_epoch_number_not_as_text(tmp_path):
     run = save_run(tmp_path / "run", saved=[2, 999, 1000])
     assert [p.parent.name for p in ray_dp.epoch_checkpoints(run)] == [
         "checkpoint_epoch_002", "checkpoint_epoch_999", "checkpoint_epoch_1000"]
-    assert ray_dp.find_checkpoint(str(run)).endswith("checkpoint_epoch_1000/checkpoint.pt")
+    assert ray_dp.checkpoint_file(str(run)).endswith("checkpoint_epoch_1000/checkpoint.pt")
     assert ray_dp.latest_committed(str(run)).endswith("checkpoint_epoch_1000/checkpoint.pt")
 
 

@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ray_dp
-from distributed import run_distributed
+from helpers import random_images, run_distributed
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.timeout(240)
@@ -63,11 +63,6 @@ def scratch_steps(cfg_fields, data, steps):
             assert all(torch.equal(g, gathered[0]) for g in gathered), f"ranks differ after step {step}"
     epoch = ray_dp.scratch_train_epoch(params, data, cfg, worker, epoch=0)  # plus one full epoch of batches
     return {"params": [p.detach().clone() for p in params], "epoch": epoch}
-
-
-def random_images(n, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return ray_dp.TensorDataset(torch.rand(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen))
 
 
 @pytest.mark.parametrize("algorithm", ray_dp.ALLREDUCE_ALGORITHMS)

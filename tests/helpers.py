@@ -1,0 +1,50 @@
+"""What several test files share: the repository's path, small random data, a gloo process-group
+launcher for exact maths tests (no Ray), and a training run through ray_dp.main with its result."""
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ray_dp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def random_images(n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return ray_dp.TensorDataset(torch.rand(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+
+
+def _entry(rank, world, fn, args, workdir):
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        torch.save(fn(*args), os.path.join(workdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world, *args):
+    """fn(*args) on `world` local processes joined in a gloo process group; their return values, in rank order."""
+    with tempfile.TemporaryDirectory() as workdir:
+        mp.spawn(_entry, args=(world, fn, args, workdir), nprocs=world, join=True)
+        return [torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def train(tmp_path, name, *flags):
+    """ray_dp.py's main with these flags (runs and events under tmp_path); the run's result.json."""
+    assert ray_dp.main(["--storage-path", str(tmp_path), "--name", name, "--logdir", str(tmp_path / "tb"),
+                        *flags]) == 0
+    return json.loads((tmp_path / name / "result.json").read_text())
+
+
+def final_weights(result):
+    return ray_dp.load_checkpoint(result["checkpoint"])["model"]
+
+
+def assert_bitwise_equal(a, b):
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "parameters differ"
