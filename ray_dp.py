@@ -8,18 +8,22 @@ on N workers by Ray Train's TorchTrainer: GPU workers (nccl) when the cluster
 has GPUs, CPU workers (gloo) otherwise.
 
 Run it:
-    python ray_dp.py --workers 2 --dataset digits        # offline quick start (CPU)
-    python ray_dp.py --workers 8 --dataset digits        # 8 workers share a 2-core laptop's cores
-    python ray_dp.py --workers 8 --model resnet18        # Fashion-MNIST, downloaded to ./data
+    python ray_dp.py --workers 2 --dataset digits    # offline quick start (CPU)
+    python ray_dp.py --workers 8 --dataset digits    # 8 workers share a 2-core laptop's cores
+    python ray_dp.py --workers 8 --model resnet18    # Fashion-MNIST, downloaded to ./data
     python ray_dp.py --dataset cifar10 --model resnet18 --sync-bn --accum-steps 2
-    python ray_dp.py --name myrun ...                    # run it again with the same name to resume
-    python ray_dp.py --address auto --gpu ...            # on a running cluster (ray up cluster.yaml)
-    python ray_dp.py --mode scratch --dataset digits     # the d2l lesson: hand-written all-reduce LeNet
-    python ray_dp.py --mode dp --workers 4 --model resnet18  # nn.DataParallel over 4 GPUs of one worker
-    python ray_dp.py compare --workers 2 --dataset digits    # ddp vs scratch, 1 vs N workers: the table
-    python ray_dp.py --eval-only runs/myrun --workers 3 --predict-out preds.csv  # multi-worker inference
-    tensorboard --logdir runs/tensorboard                # watch every run
-    python ray_dp.py --help                              # every flag, with units and defaults
+    python ray_dp.py --name myrun ...                # run it again with the same name to resume
+    python ray_dp.py --address auto --gpu ...        # on a running cluster (ray up cluster.yaml)
+    python ray_dp.py --mode scratch --dataset digits
+                                                     # the d2l lesson: hand-written all-reduce LeNet
+    python ray_dp.py --mode dp --workers 4 --model resnet18
+                                                     # nn.DataParallel over 4 GPUs of one worker
+    python ray_dp.py compare --workers 2 --dataset digits
+                                                     # ddp vs scratch, 1 vs N workers: the table
+    python ray_dp.py --eval-only runs/myrun --workers 3 --predict-out preds.csv
+                                                     # multi-worker inference
+    tensorboard --logdir runs/tensorboard            # watch every run
+    python ray_dp.py --help                          # every flag, with units and defaults
 
 Outputs go to <storage-path>/<name>/: one checkpoint_epoch_NNN/ per epoch and result.json.
 """
@@ -61,7 +65,8 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 
 # ==================================================================================================
-# Config: every field is a command-line flag (--field-name), with its help; validated before anything starts.
+# Config: every field is a command-line flag (--field-name),
+# with its help; validated before anything starts.
 # ==================================================================================================
 
 
@@ -90,83 +95,103 @@ def option(default, help, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
-@dataclass(frozen=True)  # resolved once on the driver (parse_command, then connect): a value from then on
+# resolved once on the driver (parse_command, then connect): a value from then on
+@dataclass(frozen=True)
 class Config:
-    mode: str = option("ddp", "ddp: DistributedDataParallel, one process per worker; scratch: the d2l lesson's "
-                       "functional LeNet with hand-written all-reduce and SGD; dp: nn.DataParallel over "
-                       "--workers GPUs driven by one process (CUDA only)", choices=MODES)
-    workers: int = option(2, "number of training workers (processes); each gets one GPU on a GPU cluster. "
-                          "MIN:MAX makes the run elastic: it starts with as many as fit, at least MIN, and "
-                          "continues from the last checkpoint when workers come or go", metavar="N|MIN:MAX")
+    mode: str = option("ddp", "ddp: DistributedDataParallel, one process per worker; scratch: "
+                       "the d2l lesson's functional LeNet with hand-written all-reduce and SGD; "
+                       "dp: nn.DataParallel over --workers GPUs driven by one process (CUDA only)",
+                       choices=MODES)
+    workers: int = option(2, "number of training workers (processes); each gets one GPU on a GPU "
+                          "cluster. MIN:MAX makes the run elastic: it starts with as many as fit, "
+                          "at least MIN, and continues from the last checkpoint when workers come "
+                          "or go", metavar="N|MIN:MAX")
     # Set by --workers MIN:MAX (0: a fixed --workers); not a flag of its own.
     min_workers: int = option(0, "", cli=False)
     cpus_per_worker: Optional[float] = option(
-        None, "CPU cores reserved per worker; fractions allowed (default: 1; on a machine ray_dp starts Ray on "
-              "itself, more workers than cores share the cores evenly)", type=float, metavar="CPUS")
+        None, "CPU cores reserved per worker; fractions allowed (default: 1; on a machine ray_dp "
+              "starts Ray on itself, more workers than cores share the cores evenly)",
+        type=float, metavar="CPUS")
     gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)")
-    epochs: int = option(10, "number of passes over the training set (--mode scratch and compare: 20)",
-                         metavar="N")
+    epochs: int = option(10, "number of passes over the training set (--mode scratch and "
+                         "compare: 20)", metavar="N")
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step summed over all workers "
-                             "(per-worker micro-batch = batch-size / (workers x accum-steps); --mode scratch "
-                             "and compare: 32, the lesson's)", metavar="N")
-    amp: bool = option(False, "mixed precision: forward passes under bf16 autocast (GPU; runs on CPU too); "
-                       "bf16 keeps fp32's range, so no GradScaler is needed")
+                             "(per-worker micro-batch = batch-size / (workers x accum-steps); "
+                             "--mode scratch and compare: 32, the lesson's)", metavar="N")
+    amp: bool = option(False, "mixed precision: forward passes under bf16 autocast (GPU; runs on "
+                       "CPU too); bf16 keeps fp32's range, so no GradScaler is needed")
     compile: bool = option(False, "torch.compile the model (the first epoch pays for compiling)")
-    lr: float = option(0.05, "SGD learning rate (peak, at epoch 1; --mode scratch and compare: 0.2)", metavar="LR")
-    lr_schedule: str = option("cosine", "learning rate over epochs: cosine decay to 0 over --epochs (extending a run "
-                              "stretches it), or constant (--mode scratch and compare: constant)",
+    lr: float = option(0.05, "SGD learning rate (peak, at epoch 1; "
+                       "--mode scratch and compare: 0.2)", metavar="LR")
+    lr_schedule: str = option("cosine", "learning rate over epochs: cosine decay to 0 over "
+                              "--epochs (extending a run stretches it), or constant "
+                              "(--mode scratch and compare: constant)",
                               choices=("cosine", "constant"))
-    momentum: float = option(0.9, "SGD momentum (compare: 0, like the lesson's plain SGD, which --mode scratch "
-                             "always uses)", metavar="M")
-    accum_steps: int = option(1, "micro-batches accumulated per optimizer step (gradients synced only on the last)",
-                              metavar="K")
-    allreduce: str = option("naive", "--mode scratch: how gradients are summed: naive (the lesson: all into "
-                            "rank 0, then back), ring (reduce-scatter + all-gather), library (dist.all_reduce)",
-                            choices=ALLREDUCE_ALGORITHMS)
-    sync_bn: bool = option(False, "synchronise BatchNorm statistics across workers (models with BatchNorm only)")
+    momentum: float = option(0.9, "SGD momentum (compare: 0, like the lesson's plain SGD, which "
+                             "--mode scratch always uses)", metavar="M")
+    accum_steps: int = option(1, "micro-batches accumulated per optimizer step (gradients synced "
+                              "only on the last)", metavar="K")
+    allreduce: str = option("naive", "--mode scratch: how gradients are summed: naive (the lesson: "
+                            "all into rank 0, then back), ring (reduce-scatter + all-gather), "
+                            "library (dist.all_reduce)", choices=ALLREDUCE_ALGORITHMS)
+    sync_bn: bool = option(False, "synchronise BatchNorm statistics across workers (models with "
+                           "BatchNorm only)")
     model: str = option("lenet", "network", choices=MODELS)
-    loader_workers: int = option(0, "0: the in-memory fast path (the data set as tensors on the worker's device, "
-                                 "batches indexed by the sampler); N: a torch DataLoader with N loader processes "
-                                 "per worker (persistent; pinned memory on GPU), for data that must be read per sample",
+    loader_workers: int = option(0, "0: the in-memory fast path (the data set as tensors on the "
+                                 "worker's device, batches indexed by the sampler); N: a torch "
+                                 "DataLoader with N loader processes per worker (persistent; "
+                                 "pinned memory on GPU), for data that must be read per sample",
                                  metavar="N")
-    synthetic_size: int = option(512, "--dataset synthetic: training images (the test set has 100)", metavar="N")
-    dataset: str = option("fashion-mnist", "data set; digits (1,797 real digits from scikit-learn) needs no download",
-                          choices=DATASETS)
-    data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory)", metavar="DIR")
+    synthetic_size: int = option(512, "--dataset synthetic: training images "
+                                 "(the test set has 100)", metavar="N")
+    dataset: str = option("fashion-mnist", "data set; digits (1,797 real digits from scikit-learn) "
+                          "needs no download", choices=DATASETS)
+    data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory)",
+                           metavar="DIR")
     download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir")
-    seed: int = option(0, "random seed for model init and data order (the same on every worker)", metavar="N")
-    storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for checkpoints and "
-                               "result.json", metavar="PATH")
+    seed: int = option(0, "random seed for model init and data order (the same on every worker)",
+                       metavar="N")
+    storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for "
+                               "checkpoints and result.json", metavar="PATH")
     name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume "
                        "(default: mode-model-dataset-date-time-pid)", metavar="NAME")
-    logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/, one sub-run per run: "
-                         "watch with tensorboard --logdir LOGDIR", metavar="LOGDIR")
-    log_every: int = option(10, "log the train loss (averaged over workers) to TensorBoard every this many steps",
-                            metavar="STEPS")
-    quiet: bool = option(False, "no progress bar (there is none anyway when the output is not a terminal)")
-    max_failures: int = option(0, "restart the worker group this many times after a worker dies, from the last "
-                               "checkpoint (-1: without limit)", metavar="K")
-    timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before the run fails "
-                            "(torch.distributed's process-group timeout)", metavar="SECONDS")
-    start_timeout: float = option(60.0, "seconds to wait for the workers to start (at the start, and after a "
-                                  "failure or resize) before Ray tries again with what fits", metavar="SECONDS")
-    fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of resuming it")
-    address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a fresh local one)",
-                          metavar="ADDRESS")
-    eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of training: a run directory "
-                            "(its last checkpoint), a checkpoint_epoch_NNN directory, or a checkpoint.pt file",
+    logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/, "
+                         "one sub-run per run: watch with tensorboard --logdir LOGDIR",
+                         metavar="LOGDIR")
+    log_every: int = option(10, "log the train loss (averaged over workers) to TensorBoard every "
+                            "this many steps", metavar="STEPS")
+    quiet: bool = option(False, "no progress bar (there is none anyway when the output is "
+                         "not a terminal)")
+    max_failures: int = option(0, "restart the worker group this many times after a worker dies, "
+                               "from the last checkpoint (-1: without limit)", metavar="K")
+    timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before "
+                            "the run fails (torch.distributed's process-group timeout)",
+                            metavar="SECONDS")
+    start_timeout: float = option(60.0, "seconds to wait for the workers to start (at the "
+                                  "start, and after a failure or resize) before Ray tries again "
+                                  "with what fits", metavar="SECONDS")
+    fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of "
+                         "resuming it")
+    address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a "
+                          "fresh local one)", metavar="ADDRESS")
+    eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of "
+                            "training: a run directory (its last checkpoint), "
+                            "a checkpoint_epoch_NNN directory, or a checkpoint.pt file",
                             metavar="PATH")
-    predict_out: str = option("", "with --eval-only: write each test sample's index, label, predicted class and "
-                              "probability to this CSV file", metavar="FILE.csv")
+    predict_out: str = option("", "with --eval-only: write each test sample's index, label, "
+                              "predicted class and probability to this CSV file",
+                              metavar="FILE.csv")
 
     @property
     def processes(self) -> int:
-        """Ray workers: one per --workers, except --mode dp, where one process drives --workers GPUs."""
+        """Ray workers: one per --workers, except --mode dp,
+        where one process drives --workers GPUs."""
         return 1 if self.mode == "dp" else self.workers
 
     @property
     def micro_batch(self) -> int:
-        """Samples per process per forward/backward pass (nn.DataParallel splits it further over GPUs)."""
+        """Samples per process per forward/backward pass
+        (nn.DataParallel splits it further over GPUs)."""
         return self.batch_size // (self.processes * self.accum_steps)
 
     @property
@@ -188,10 +213,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default in ("", None) else super()._get_help_string(action)
 
 
-# --mode scratch and compare, for what the command line leaves unsaid: the lesson's recipe, plain SGD at a
-# constant learning rate, large enough and long enough to leave the plateau where the lesson's init
-# (randn * 0.01) sits at chance for hundreds of steps (measured on digits: README, Teaching).
-LESSON_DEFAULTS = {"batch_size": 32, "lr": 0.2, "lr_schedule": "constant", "epochs": 20, "momentum": 0.0}
+# --mode scratch and compare, for what the command line leaves unsaid: the lesson's recipe, plain
+# SGD at a constant learning rate, large enough and long enough to leave the plateau where the
+# lesson's init (randn * 0.01) sits at chance for hundreds of steps (measured on digits: README,
+# Teaching).
+LESSON_DEFAULTS = {"batch_size": 32, "lr": 0.2, "lr_schedule": "constant", "epochs": 20,
+                   "momentum": 0.0}
 
 
 class _WorkersAction(argparse.Action):
@@ -200,11 +227,14 @@ class _WorkersAction(argparse.Action):
     def __call__(self, parser, namespace, text, option_string=None):
         low, colon, high = text.partition(":")
         try:
-            namespace.workers, namespace.min_workers = (int(high), int(low)) if colon else (int(low), 0)
+            namespace.workers, namespace.min_workers = ((int(high), int(low)) if colon
+                                                        else (int(low), 0))
         except ValueError:  # also "3:" and ":3": half a range is no range
-            raise ConfigError(f"--workers takes N or MIN:MAX in whole numbers, got {text!r}") from None
+            raise ConfigError(f"--workers takes N or MIN:MAX in whole numbers, "
+                              f"got {text!r}") from None
         if colon and namespace.min_workers < 1:
-            namespace.min_workers = -1  # 0 would mean "not elastic": validate() says why MIN must be >= 1
+            # 0 would mean "not elastic": validate() says why MIN must be >= 1
+            namespace.min_workers = -1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -214,15 +244,16 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(command: str = "train") -> argparse.ArgumentParser:
     description = (__doc__.split("\n\n")[0] if command == "train" else
-                   "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with each all-reduce), "
-                   "same global batch and seed, and print the lesson's table; writes compare.csv, compare.md and "
-                   "compare.png to <storage-path>/<name>/")
-    parser = _Parser(prog="ray_dp.py" if command == "train" else "ray_dp.py compare", description=description,
-                     formatter_class=_HelpFormatter, allow_abbrev=False)
+                   "compare: train ddp and scratch LeNet at 1 and --workers N workers "
+                   "(scratch with each all-reduce), same global batch and seed, and print the "
+                   "lesson's table; writes compare.csv, compare.md and compare.png to "
+                   "<storage-path>/<name>/")
+    parser = _Parser(prog="ray_dp.py" if command == "train" else "ray_dp.py compare",
+                     description=description, formatter_class=_HelpFormatter, allow_abbrev=False)
     if command == "compare":
         parser.add_argument("--scale-lr", action="store_true",
-                            help="N-worker rows keep the per-worker batch (global batch x N, as the lesson did) "
-                                 "and scale the learning rate by N with it")
+                            help="N-worker rows keep the per-worker batch (global batch x N, as "
+                                 "the lesson did) and scale the learning rate by N with it")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = dict(f.metadata)
@@ -232,12 +263,14 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
             parser.add_argument(flag, action=_WorkersAction, default=f.default, **kwargs)
         elif f.name == "gpu":
             group = parser.add_mutually_exclusive_group()
-            # SUPPRESS: an absent flag leaves Config's None (= decide from the cluster), not a printed default.
-            group.add_argument("--gpu", dest="gpu", action="store_const", const=True, default=argparse.SUPPRESS,
-                               help=kwargs["help"])
-            group.add_argument("--cpu", dest="gpu", action="store_const", const=False, default=argparse.SUPPRESS,
-                               help="use CPU workers (gloo backend)")
-        elif isinstance(f.default, bool):  # a switch; one that is on by default also gets its --no- form
+            # SUPPRESS: an absent flag leaves Config's None
+            # (= decide from the cluster), not a printed default.
+            group.add_argument("--gpu", dest="gpu", action="store_const", const=True,
+                               default=argparse.SUPPRESS, help=kwargs["help"])
+            group.add_argument("--cpu", dest="gpu", action="store_const", const=False,
+                               default=argparse.SUPPRESS, help="use CPU workers (gloo backend)")
+        elif isinstance(f.default, bool):
+            # a switch; one that is on by default also gets its --no- form
             action = argparse.BooleanOptionalAction if f.default else "store_true"
             parser.add_argument(flag, action=action, default=f.default, **kwargs)
         else:
@@ -247,14 +280,15 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
 
 
 def is_uri(path: str) -> bool:
-    return "://" in path  # s3://bucket/path and the like: storage that pyarrow reaches, not a local path
+    # s3://bucket/path and the like: storage that pyarrow reaches, not a local path
+    return "://" in path
 
 
 def is_run_name(name: str) -> bool:
-    """One path component, so that <storage-path>/<name> and <logdir>/<name> stay inside their roots;
-    printable, not blank, and short enough for a file system (255 bytes)."""
-    return (name not in (".", "..") and not any(sep in name for sep in ("/", "\\")) and name.isprintable()
-            and (not name or name.strip()) and len(name.encode()) <= 255)
+    """One path component, so that <storage-path>/<name> and <logdir>/<name> stay inside their
+    roots; printable, not blank, and short enough for a file system (255 bytes)."""
+    return (name not in (".", "..") and not any(sep in name for sep in ("/", "\\"))
+            and name.isprintable() and (not name or name.strip()) and len(name.encode()) <= 255)
 
 
 def not_writable(path: str) -> Optional[str]:
@@ -274,7 +308,8 @@ def check_uri(flag: str, uri: str) -> None:
 
 
 def not_a_directory(path: str) -> Optional[str]:
-    """The first existing part of `path` if it is a file (so no directory can be made there), else None."""
+    """The first existing part of `path` if it is a file
+    (so no directory can be made there), else None."""
     for part in [Path(path), *Path(path).parents]:
         if part.exists():
             return None if part.is_dir() else str(part)
@@ -287,43 +322,54 @@ def validate(cfg: Config) -> None:
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
         (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
          f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {max(cfg.min_workers, 0)}:{cfg.workers}"),
-        (not (cfg.min_workers and cfg.mode == "dp"), "--mode dp runs one worker; it cannot be elastic"),
+        (not (cfg.min_workers and cfg.mode == "dp"),
+         "--mode dp runs one worker; it cannot be elastic"),
         (cpus is None or (math.isfinite(cpus) and cpus > 0),
          f"--cpus-per-worker must be a positive number, got {cpus}"),
         (cpus is None or cpus >= 1 or round(cpus, 4) == cpus,
          f"--cpus-per-worker below 1 must be a multiple of 0.0001 (Ray's resolution), got {cpus}"),
-        (is_run_name(cfg.name), f"--name must be one directory name (printable; no '/', '\\', '.' or '..'; at "
-                                f"most 255 bytes), got {cfg.name!r}"),
-        (all((cfg.storage_path, cfg.logdir, cfg.data_dir)), "--storage-path, --logdir and --data-dir cannot be empty"),
+        (is_run_name(cfg.name),
+         f"--name must be one directory name (printable; no '/', '\\', '.' or '..'; at most 255 "
+         f"bytes), got {cfg.name!r}"),
+        (all((cfg.storage_path, cfg.logdir, cfg.data_dir)),
+         "--storage-path, --logdir and --data-dir cannot be empty"),
         (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
         (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
         (math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}"),
         (cfg.log_every >= 1, f"--log-every must be at least 1, got {cfg.log_every}"),
-        (cfg.max_failures >= -1, f"--max-failures must be -1 (no limit) or more, got {cfg.max_failures}"),
-        (1 <= cfg.timeout <= MAX_SECONDS, f"--timeout must be 1 to {MAX_SECONDS} seconds, got {cfg.timeout}"),
+        (cfg.max_failures >= -1,
+         f"--max-failures must be -1 (no limit) or more, got {cfg.max_failures}"),
+        (1 <= cfg.timeout <= MAX_SECONDS,
+         f"--timeout must be 1 to {MAX_SECONDS} seconds, got {cfg.timeout}"),
         (1 <= cfg.start_timeout <= MAX_SECONDS,
          f"--start-timeout must be 1 to {MAX_SECONDS} seconds, got {cfg.start_timeout}"),
         (0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
         (not (cfg.mode == "scratch" and cfg.model != "lenet"),
          f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
-        (not (cfg.mode == "scratch" and cfg.accum_steps > 1), "--accum-steps needs --mode ddp (scratch mode has none)"),
-        (not (cfg.mode == "scratch" and cfg.sync_bn), "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
+        (not (cfg.mode == "scratch" and cfg.accum_steps > 1),
+         "--accum-steps needs --mode ddp (scratch mode has none)"),
+        (not (cfg.mode == "scratch" and cfg.sync_bn),
+         "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
         (not (cfg.mode == "scratch" and (cfg.amp or cfg.compile)),
          "--amp and --compile need --mode ddp (scratch mode is the lesson's plain fp32 code)"),
-        (cfg.loader_workers >= 0, f"--loader-workers must be 0 (in memory) or more, got {cfg.loader_workers}"),
+        (cfg.loader_workers >= 0,
+         f"--loader-workers must be 0 (in memory) or more, got {cfg.loader_workers}"),
         (not (cfg.mode == "scratch" and cfg.loader_workers),
          "--loader-workers needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
-        (not (cfg.mode == "dp" and cfg.gpu is False), f"{DP_NEEDS_GPUS}; drop --cpu, or use --mode ddp"),
+        (not (cfg.mode == "dp" and cfg.gpu is False),
+         f"{DP_NEEDS_GPUS}; drop --cpu, or use --mode ddp"),
         (not (cfg.sync_bn and cfg.model != "resnet18"),
          f"--sync-bn needs a model with BatchNorm (resnet18); {cfg.model} has none"),
-        (not cfg.predict_out or cfg.eval_only, "--predict-out needs --eval-only PATH (predictions of a saved model)"),
+        (not cfg.predict_out or cfg.eval_only,
+         "--predict-out needs --eval-only PATH (predictions of a saved model)"),
         (not cfg.predict_out or cfg.predict_out.lower().endswith(".csv"),
          f"--predict-out must name a .csv file, got {cfg.predict_out}"),
-        (not os.path.isdir(cfg.predict_out), f"--predict-out {cfg.predict_out} is a directory; name a .csv file"),
+        (not os.path.isdir(cfg.predict_out),
+         f"--predict-out {cfg.predict_out} is a directory; name a .csv file"),
     ]
     for ok, message in checks:
         if not ok:
@@ -338,21 +384,27 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"--{flag} {typed}: {blocker} is a file, not a directory")
         elif path and flag != "data-dir" and (blocker := not_writable(path)):
             raise ConfigError(f"--{flag} {typed}: {blocker} is not writable")
-    for workers in range(cfg.min_workers or cfg.workers, cfg.workers + 1):  # every size an elastic run may have
+    # every size an elastic run may have
+    for workers in range(cfg.min_workers or cfg.workers, cfg.workers + 1):
         per_step = workers * cfg.accum_steps
-        if cfg.batch_size % per_step and not cfg.eval_only:  # evaluation has no global batch to split
-            lower, upper = cfg.batch_size // per_step * per_step, (cfg.batch_size // per_step + 1) * per_step
+        # evaluation has no global batch to split
+        if cfg.batch_size % per_step and not cfg.eval_only:
+            lower, upper = (cfg.batch_size // per_step * per_step,
+                            (cfg.batch_size // per_step + 1) * per_step)
             near = f"; e.g. {lower} or {upper}" if lower else f"; e.g. {upper}"
-            raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = {per_step} "
-                              f"(the global batch is split evenly into per-worker micro-batches{near})")
+            raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x "
+                              f"accum-steps = {per_step} (the global batch is split evenly into "
+                              f"per-worker micro-batches{near})")
 
 
 NOT_TYPED = object()
 
 
 def with_absolute_paths(cfg: Config) -> Config:
-    """Ray's workers run in directories of their own: every local path they are handed is absolute."""
-    paths = {name: os.path.abspath(getattr(cfg, name)) for name in ("data_dir", "logdir", "storage_path", "predict_out")
+    """Ray's workers run in directories of their own:
+    every local path they are handed is absolute."""
+    paths = {name: os.path.abspath(getattr(cfg, name))
+             for name in ("data_dir", "logdir", "storage_path", "predict_out")
              if getattr(cfg, name) and not is_uri(getattr(cfg, name))}
     return replace(cfg, **paths)
 
@@ -365,37 +417,44 @@ def default_run_name(command: str, cfg: Config) -> str:
 
 
 def under_torchrun() -> bool:
-    """The driver was started by torchrun (the DDP tutorial's launcher), not by hand: Ray Train's local mode
-    then runs the loop in each torchrun process, and ray_dp keeps the checkpoints itself. Only the driver
-    asks: Ray's own workers have RANK, WORLD_SIZE, ... too, but not torchrun's run id."""
+    """The driver was started by torchrun (the DDP tutorial's launcher), not by hand: Ray Train's
+    local mode then runs the loop in each torchrun process, and ray_dp keeps the checkpoints itself.
+    Only the driver asks: Ray's own workers have RANK, WORLD_SIZE, ... too, but not torchrun's run
+    id."""
     from ray.train.v2._internal.execution.local_mode.torch import has_torchrun_env
-    return "TORCHELASTIC_RUN_ID" in os.environ and has_torchrun_env()  # what makes Ray's local mode join it
+    # what makes Ray's local mode join it
+    return "TORCHELASTIC_RUN_ID" in os.environ and has_torchrun_env()
 
 
 def torchrun_launch(args: dict, typed: set) -> dict:
-    """Under torchrun, torchrun decides the worker count (WORLD_SIZE) and the device (CUDA if the machine has
-    it): the config states what will really run, so that it is validated like any other."""
+    """Under torchrun, torchrun decides the worker count (WORLD_SIZE) and the device (CUDA if the
+    machine has it): the config states what will really run, so that it is validated like any
+    other."""
     world = os.environ["WORLD_SIZE"]
     if not world.isdigit() or int(world) < 1:
         raise ConfigError(f"torchrun's WORLD_SIZE must be a positive whole number, got {world!r}")
     world = int(world)
     if args["mode"] == "dp":
-        raise ConfigError("--mode dp is one process driving every GPU; under torchrun use --mode ddp")
+        raise ConfigError("--mode dp is one process driving every GPU; "
+                          "under torchrun use --mode ddp")
     if "workers" in typed and (args["workers"], args.get("min_workers", 0)) != (world, 0):
-        raise ConfigError(f"torchrun starts {world} processes (WORLD_SIZE={world}) and they are the workers: "
-                          f"drop --workers (or change --nproc_per_node)")
+        raise ConfigError(f"torchrun starts {world} processes (WORLD_SIZE={world}) and they are "
+                          f"the workers: drop --workers (or change --nproc_per_node)")
     cuda = torch.cuda.is_available()
     if args.get("gpu") is not None and args["gpu"] != cuda:  # absent: --gpu / --cpu not typed
-        raise ConfigError(f"under torchrun the workers use {'CUDA' if cuda else 'the CPU'} when the machine "
-                          f"{'has' if cuda else 'has no'} GPUs: drop --{'cpu' if cuda else 'gpu'}")
+        raise ConfigError(f"under torchrun the workers use {'CUDA' if cuda else 'the CPU'} "
+                          f"when the machine {'has' if cuda else 'has no'} GPUs: "
+                          f"drop --{'cpu' if cuda else 'gpu'}")
     if is_uri(args["storage_path"]):
-        raise ConfigError("under torchrun, rank 0 writes the checkpoints itself: --storage-path must be a "
-                          "directory (a shared file system for several machines), not a URI")
+        raise ConfigError("under torchrun, rank 0 writes the checkpoints itself: --storage-path "
+                          "must be a directory (a shared file system for several machines), "
+                          "not a URI")
     return {**args, "workers": world, "min_workers": 0, "gpu": cuda}
 
 
 # ==================================================================================================
-# Data: whole data sets as tensors in memory (all four fit easily), loaded and checked on the driver first.
+# Data: whole data sets as tensors in memory (all four fit easily),
+# loaded and checked on the driver first.
 # ==================================================================================================
 
 
@@ -423,8 +482,10 @@ def load_digits(test_size: int = 360) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test])
 
 
-def make_synthetic(seed: int, n_train: int = 512, n_test: int = 100) -> tuple[TensorDataset, TensorDataset]:
-    """Random 1x28x28 images and labels: for smoke tests (n_test=100 is deliberately not a multiple of 3)."""
+def make_synthetic(seed: int, n_train: int = 512,
+                   n_test: int = 100) -> tuple[TensorDataset, TensorDataset]:
+    """Random 1x28x28 images and labels: for smoke tests (n_test=100 is deliberately not a
+    multiple of 3)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.rand(n_train + n_test, 1, 28, 28, generator=gen)
     y = torch.randint(0, NUM_CLASSES, (n_train + n_test,), generator=gen)
@@ -435,18 +496,22 @@ class DataError(RuntimeError):
     """The data set is missing and could not be fetched."""
 
 
-def load_torchvision(dataset_class, root: str, download: bool) -> tuple[TensorDataset, TensorDataset]:
+def load_torchvision(dataset_class, root: str,
+                     download: bool) -> tuple[TensorDataset, TensorDataset]:
     from filelock import FileLock
     os.makedirs(root, exist_ok=True)
     # Workers sharing a node would otherwise download and unpack the same files at once.
     with FileLock(os.path.join(root, f".{dataset_class.__name__}.lock")):
         try:
-            splits = [dataset_class(root, train=train, download=download) for train in (True, False)]
-        except (RuntimeError, OSError) as exc:  # not found / corrupt / no network (URLError is an OSError)
+            splits = [dataset_class(root, train=train, download=download)
+                      for train in (True, False)]
+        except (RuntimeError, OSError) as exc:
+            # not found / corrupt / no network (URLError is an OSError)
             reason = " ".join(str(exc).split())  # torchvision's messages run over several lines
             raise DataError(f"{dataset_class.__name__} is not in {root} and could not be "
                             f"{'downloaded' if download else 'loaded (--no-download)'} ({reason}); "
-                            f"put its files there with --data-dir DIR, or use --dataset digits (offline)") from None
+                            f"put its files there with --data-dir DIR, or use --dataset digits "
+                            f"(offline)") from None
     return tuple(images_to_tensors(split) for split in splits)
 
 
@@ -458,16 +523,18 @@ def images_to_tensors(split) -> TensorDataset:
 
 
 def check_data(cfg: Config) -> tuple[int, int]:
-    """Load (downloading if needed) on the driver, so a missing data set fails before any worker starts."""
+    """Load (downloading if needed) on the driver,
+    so a missing data set fails before any worker starts."""
     train_set, test_set = load_dataset(cfg)
     if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} training samples "
-                          f"of {cfg.dataset} allow for one step")
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
+                          f"training samples of {cfg.dataset} allow for one step")
     return len(train_set), len(test_set)
 
 
 def samples_per_epoch(cfg: Config, train_size: int) -> int:
-    """Samples trained per epoch: whole global batches. (ddp: each worker's equal shard, cut to whole steps.)"""
+    """Samples trained per epoch: whole global batches.
+    (ddp: each worker's equal shard, cut to whole steps.)"""
     if cfg.mode == "scratch":
         return train_size // cfg.batch_size * cfg.batch_size
     steps = train_size // cfg.processes // (cfg.micro_batch * cfg.accum_steps)
@@ -480,7 +547,8 @@ def samples_per_epoch(cfg: Config, train_size: int) -> int:
 
 
 class LeNet(nn.Module):
-    """d2l's LeNet: conv 3x3 -> avgpool -> conv 5x5 -> avgpool -> 128 -> 10 (800 features on 28x28)."""
+    """d2l's LeNet: conv 3x3 -> avgpool -> conv 5x5 -> avgpool -> 128 -> 10
+    (800 features on 28x28)."""
 
     def __init__(self, in_channels: int = 1, image_size: int = 28):
         super().__init__()
@@ -488,14 +556,16 @@ class LeNet(nn.Module):
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 20, kernel_size=3), nn.ReLU(), nn.AvgPool2d(2),
             nn.Conv2d(20, 50, kernel_size=5), nn.ReLU(), nn.AvgPool2d(2), nn.Flatten())
-        self.classifier = nn.Sequential(nn.Linear(50 * side * side, 128), nn.ReLU(), nn.Linear(128, NUM_CLASSES))
+        self.classifier = nn.Sequential(nn.Linear(50 * side * side, 128), nn.ReLU(),
+                                        nn.Linear(128, NUM_CLASSES))
 
     def forward(self, x):
         return self.classifier(self.features(x))
 
 
 class Residual(nn.Module):
-    """ResNet basic block: two 3x3 convs with BatchNorm, plus a 1x1 conv shortcut when the shape changes."""
+    """ResNet basic block: two 3x3 convs with BatchNorm,
+    plus a 1x1 conv shortcut when the shape changes."""
 
     def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
         super().__init__()
@@ -511,9 +581,11 @@ class Residual(nn.Module):
 
 
 def resnet18(in_channels: int = 1) -> nn.Sequential:
-    """d2l's small-image ResNet-18: 3x3 stride-1 stem, no max-pool, 4 stages of 2 blocks, global avg pool."""
+    """d2l's small-image ResNet-18:
+    3x3 stride-1 stem, no max-pool, 4 stages of 2 blocks, global avg pool."""
     def stage(c_in, c_out, first):
-        return nn.Sequential(Residual(c_in, c_out, stride=1 if first else 2), Residual(c_out, c_out))
+        return nn.Sequential(Residual(c_in, c_out, stride=1 if first else 2),
+                             Residual(c_out, c_out))
     return nn.Sequential(
         nn.Conv2d(in_channels, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
         stage(64, 64, True), stage(64, 128, False), stage(128, 256, False), stage(256, 512, False),
@@ -526,7 +598,8 @@ def build_model(name: str, sample_shape: tuple[int, ...]) -> nn.Module:
         return LeNet(channels, size)
     if name == "resnet18":
         return resnet18(channels)
-    return nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 256), nn.ReLU(), nn.Linear(256, NUM_CLASSES))
+    return nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 256), nn.ReLU(),
+                         nn.Linear(256, NUM_CLASSES))
 
 
 # ==================================================================================================
@@ -550,12 +623,14 @@ class Worker:
     def from_ray(cls, cfg: Config) -> "Worker":
         torch.set_num_threads(cfg.threads)  # Ray sets OMP_NUM_THREADS=1 in workers
         ctx = ray.train.get_context()
-        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), ctx.get_node_rank())
+        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(),
+                   ctx.get_node_rank())
 
 
 def bound_collectives(seconds: float) -> None:
-    """--timeout for every collective. Ray's TorchConfig sets it when it makes the process group; Ray's
-    local mode (torchrun) makes it with torch's default, so set it again here, the same on both."""
+    """--timeout for every collective. Ray's TorchConfig sets it when it makes the process group;
+    Ray's local mode (torchrun) makes it with torch's default, so set it again here, the same on
+    both."""
     if dist.is_available() and dist.is_initialized():
         dist.set_timeout(timedelta(seconds=seconds))
 
@@ -581,8 +656,9 @@ def node_ranks(worker: Worker) -> list:
 
 
 class SumOverRanks(torch.autograd.Function):
-    """All-reduce (sum) whose backward pass all-reduces the gradient too: each rank's output depends on
-    every rank's input, so each input's gradient is the sum over ranks of the outputs' gradients."""
+    """All-reduce (sum) whose backward pass all-reduces the gradient too: each rank's output
+    depends on every rank's input, so each input's gradient is the sum over ranks of the outputs'
+    gradients."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -598,13 +674,15 @@ class SumOverRanks(torch.autograd.Function):
 
 
 class SyncBatchNormCPU(nn.BatchNorm2d):
-    """BatchNorm whose batch statistics span all workers, for CPU/gloo, where torch's SyncBatchNorm refuses to run.
+    """BatchNorm whose batch statistics span all workers, for CPU/gloo, where torch's SyncBatchNorm
+    refuses to run.
 
-    Each rank computes its own count, mean and sum of squared deviations (M2) per channel, in fp32 even
-    under bf16 autocast; one all-reduce hands every rank all ranks' triples, and Chan's parallel formula
-    combines them. (E[x^2] - mean^2 would cancel catastrophically: at an input mean of 5000, fp32 keeps
-    no digit of a unit variance.) The all-reduce is autograd-aware, so the backward pass also sums the
-    statistics' gradients across workers: the gradients equal BatchNorm's over the whole global batch.
+    Each rank computes its own count, mean and sum of squared deviations (M2) per channel, in fp32
+    even under bf16 autocast; one all-reduce hands every rank all ranks' triples, and Chan's
+    parallel formula combines them. (E[x^2] - mean^2 would cancel catastrophically: at an input
+    mean of 5000, fp32 keeps no digit of a unit variance.) The all-reduce is autograd-aware, so the
+    backward pass also sums the statistics' gradients across workers: the gradients equal
+    BatchNorm's over the whole global batch.
     """
 
     def forward(self, x):
@@ -616,19 +694,22 @@ class SyncBatchNormCPU(nn.BatchNorm2d):
         count, mean, m2 = rank_statistics(x32)
         # Rank r's row holds its [count, mean, M2]; the sum over ranks is then every rank's rows.
         rows = torch.zeros(world, 1 + 2 * x.shape[1], dtype=x32.dtype, device=x.device)
-        rows = rows.index_copy(0, torch.tensor([rank], device=x.device), torch.cat([count, mean, m2]).unsqueeze(0))
+        rows = rows.index_copy(0, torch.tensor([rank], device=x.device),
+                               torch.cat([count, mean, m2]).unsqueeze(0))
         rows = SumOverRanks.apply(rows)
         mean, var, n = combine_statistics(rows[:, 0], *rows[:, 1:].chunk(2, dim=1))
         with torch.no_grad():
             self.num_batches_tracked += 1
             self.running_mean.lerp_(mean.detach(), self.momentum)
-            self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)  # unbiased, as BatchNorm keeps it
+            # unbiased, as BatchNorm keeps it
+            self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)
         x_hat = (x32 - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         return (x_hat * self.weight.view(shape) + self.bias.view(shape)).to(x.dtype)
 
 
 def rank_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's per-channel count, mean and sum of squared deviations from that mean (two passes)."""
+    """This rank's per-channel count, mean and sum of squared deviations from that mean
+    (two passes)."""
     count = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype, device=x.device)
     mean = x.mean((0, 2, 3))
     m2 = (x - mean.view(1, -1, 1, 1)).square().sum((0, 2, 3))
@@ -636,8 +717,9 @@ def rank_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def combine_statistics(counts, means, m2s) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chan et al.'s parallel variance: the global mean, the biased variance and the count, per channel,
-    from each rank's (count, mean, M2). Deviations of means from the global mean, never x^2 sums."""
+    """Chan et al.'s parallel variance: the global mean, the biased variance and the count, per
+    channel, from each rank's (count, mean, M2). Deviations of means from the global mean, never
+    x^2 sums."""
     n = counts.sum()
     mean = (counts[:, None] * means).sum(0) / n
     m2 = m2s.sum(0) + (counts[:, None] * (means - mean).square()).sum(0)
@@ -660,17 +742,21 @@ def convert_sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
 
 def wrap_model(model: nn.Module, device: torch.device, mode: str = "ddp") -> nn.Module:
     """DDP on more than one worker; the bare model on one (nothing to synchronise).
-    --mode dp: nn.DataParallel over every GPU Ray gave this single worker (the lesson's concise version)."""
+    --mode dp: nn.DataParallel over every GPU Ray gave this single worker (the lesson's concise
+    version)."""
     if mode == "dp":
         return nn.DataParallel(model)
     if rank_and_world()[1] == 1:
         return model
-    # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy and its memory.
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets,
+    # saving a copy and its memory.
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+               gradient_as_bucket_view=True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The bare module under torch.compile's and DDP's / DataParallel's wrappers (what checkpoints hold)."""
+    """The bare module under torch.compile's and DDP's / DataParallel's wrappers
+    (what checkpoints hold)."""
     model = getattr(model, "_orig_mod", model)
     return model.module if isinstance(model, (DDP, nn.DataParallel)) else model
 
@@ -683,14 +769,16 @@ def grad_sync(model: nn.Module, sync: bool):
 
 
 def train_sampler(data: TensorDataset, rank: int, world: int, seed: int) -> DistributedSampler:
-    """This rank's shuffled shard. drop_last: every rank gets the same count, so the same number of steps."""
-    return DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    """This rank's shuffled shard.
+    drop_last: every rank gets the same count, so the same number of steps."""
+    return DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed,
+                              drop_last=True)
 
 
 class InMemoryBatches:
-    """The fast path for data sets that fit in memory: the tensors (already on the worker's device) indexed
-    by the sampler's micro-batches, with no loader processes and no per-sample collation. Iterates like a
-    DataLoader: len() steps, a fresh pass per epoch in the sampler's order."""
+    """The fast path for data sets that fit in memory: the tensors (already on the worker's device)
+    indexed by the sampler's micro-batches, with no loader processes and no per-sample collation.
+    Iterates like a DataLoader: len() steps, a fresh pass per epoch in the sampler's order."""
 
     def __init__(self, data: TensorDataset, sampler: DistributedSampler, micro_batch: int):
         self.data, self.sampler = data, sampler
@@ -711,15 +799,17 @@ def train_batches(data: TensorDataset, cfg: Config, rank: int, world: int, devic
     sampler = train_sampler(data, rank, world, cfg.seed)
     if not cfg.loader_workers:
         return InMemoryBatches(data, sampler, cfg.micro_batch)
-    # For data that must be read or decoded per sample: loader processes that live as long as the run
-    # (persistent: not re-forked every epoch), pinned host memory so that copies to the GPU are asynchronous.
+    # For data that must be read or decoded per sample: loader processes that live as long as the
+    # run (persistent: not re-forked every epoch), pinned host memory so that copies to the GPU are
+    # asynchronous.
     return DataLoader(data, batch_size=cfg.micro_batch, sampler=sampler, drop_last=True,
-                      num_workers=cfg.loader_workers, pin_memory=device.type == "cuda", persistent_workers=True)
+                      num_workers=cfg.loader_workers, pin_memory=device.type == "cuda",
+                      persistent_workers=True)
 
 
 def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
-    """Every index exactly once across ranks (no padded duplicates, unlike DistributedSampler); a rank
-    beyond the last sample gets none."""
+    """Every index exactly once across ranks (no padded duplicates, unlike DistributedSampler); a
+    rank beyond the last sample gets none."""
     return torch.arange(min(rank, n), n, world)
 
 
@@ -729,40 +819,46 @@ def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
 
 
 def autocast(cfg: Config, device: torch.device):
-    """--amp: bf16 autocast for the forward pass and loss (the backward pass follows the same casts)."""
+    """--amp: bf16 autocast for the forward pass and loss
+    (the backward pass follows the same casts)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
 
 
 def learning_rate(cfg: Config, epoch: int) -> float:
-    """The epoch's learning rate, a pure function of the epoch (torch's CosineAnnealingLR, per epoch, to 0):
-    nothing to save or restore, so a resumed run continues on exactly the same schedule."""
+    """The epoch's learning rate, a pure function of the epoch (torch's CosineAnnealingLR, per
+    epoch, to 0): nothing to save or restore, so a resumed run continues on exactly the same
+    schedule."""
     if cfg.lr_schedule == "constant":
         return cfg.lr
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * epoch / cfg.epochs))
 
 
 class StepLog:
-    """Per-step train loss for TensorBoard, averaged over workers every cfg.log_every steps, and rank 0's
-    progress bar (Ray's tqdm: drawn by the driver, since a worker's output is not a terminal)."""
+    """Per-step train loss for TensorBoard, averaged over workers every cfg.log_every steps, and
+    rank 0's progress bar (Ray's tqdm: drawn by the driver, since a worker's output is not a
+    terminal)."""
 
     def __init__(self, cfg: Config, epoch: int, steps: int, device: torch.device, progress: bool):
         from ray.experimental.tqdm_ray import tqdm
         self.cfg, self.epoch, self.steps = cfg, epoch, steps
-        self.pending = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, samples] since last log
+        # [loss sum, samples] since last log
+        self.pending = torch.zeros(2, dtype=torch.float64, device=device)
         self.entries = []  # [global step, train loss averaged over all workers' samples]
         self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{cfg.epochs}") if progress else None
         self.start = time.perf_counter()
 
     def step(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
         self.pending += torch.stack([loss_sum.double(), torch.tensor(samples, dtype=torch.float64)])
-        if (step + 1) % self.cfg.log_every == 0:  # the same steps on every rank, so the all-reduces pair up
+        # the same steps on every rank, so the all-reduces pair up
+        if (step + 1) % self.cfg.log_every == 0:
             total = all_reduce_sum(self.pending.clone())
             self.entries.append([self.epoch * self.steps + step + 1, (total[0] / total[1]).item()])
             self.pending.zero_()
         if self.bar:
             rate = (step + 1) * self.cfg.batch_size / (time.perf_counter() - self.start)
             loss = f", loss {self.entries[-1][1]:.4f}" if self.entries else ""
-            self.bar.set_description(f"epoch {self.epoch + 1}/{self.cfg.epochs}{loss}, {rate:.0f} samples/s")
+            self.bar.set_description(f"epoch {self.epoch + 1}/{self.cfg.epochs}{loss}, "
+                                     f"{rate:.0f} samples/s")
             self.bar.update(1)
 
     def close(self) -> list:
@@ -773,13 +869,14 @@ class StepLog:
 
 def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, epoch: int,
                 progress: bool = False) -> dict:
-    """One pass over this worker's shard (`train_batches`); returns the train loss averaged over ALL
-    workers' samples."""
+    """One pass over this worker's shard (`train_batches`);
+    returns the train loss averaged over ALL workers' samples."""
     model.train()
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(cfg, epoch)
     batches.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
-    steps = len(batches) // cfg.accum_steps  # every rank gets the same count: no rank waits on a missing all-reduce
+    # every rank gets the same count: no rank waits on a missing all-reduce
+    steps = len(batches) // cfg.accum_steps
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     log = StepLog(cfg, epoch, steps, device, progress)
     micro_batches = iter(batches)
@@ -794,7 +891,8 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
             last = micro == cfg.accum_steps - 1
             with grad_sync(model, sync=last), autocast(cfg, device):
                 loss = F.cross_entropy(model(x), y)
-                # Dividing by K makes K accumulated micro-batches one mean over the whole step's samples.
+                # Dividing by K makes K accumulated micro-batches one mean over the whole step's
+                # samples.
                 (loss / cfg.accum_steps).backward()
             step_loss += loss.detach() * len(y)
         optimizer.step()
@@ -802,42 +900,49 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
         loss_sum += step_loss
         log.step(step, step_loss, cfg.micro_batch * cfg.accum_steps)
     seconds = time.perf_counter() - start
-    local_samples = torch.tensor(steps * cfg.accum_steps * cfg.micro_batch, dtype=torch.float64, device=device)
+    local_samples = torch.tensor(steps * cfg.accum_steps * cfg.micro_batch, dtype=torch.float64,
+                                 device=device)
     totals = all_reduce_sum(torch.stack([loss_sum, local_samples]))
-    return epoch_metrics(totals[0].item(), int(totals[1].item()), optimizer.param_groups[0]["lr"], seconds,
-                         data_seconds, log)
+    return epoch_metrics(totals[0].item(), int(totals[1].item()), optimizer.param_groups[0]["lr"],
+                         seconds, data_seconds, log)
 
 
-def epoch_metrics(loss_sum: float, samples: int, lr: float, seconds: float, data_seconds: float, log: StepLog,
-                  **more) -> dict:
+def epoch_metrics(loss_sum: float, samples: int, lr: float, seconds: float, data_seconds: float,
+                  log: StepLog, **more) -> dict:
     """An epoch's training metrics, the same keys in both modes: the loss averaged over all workers'
-    samples, the learning rate, the samples trained, the time, throughput, time waiting for data, and the
-    per-step losses for TensorBoard."""
-    return {"train_loss": loss_sum / samples, "lr": lr, "train_samples": samples, "epoch_seconds": seconds,
-            "samples_per_second": samples / seconds, "data_seconds": data_seconds, "step_log": log.close(),
-            **more}
+    samples, the learning rate, the samples trained, the time, throughput, time waiting for data,
+    and the per-step losses for TensorBoard."""
+    return {"train_loss": loss_sum / samples, "lr": lr, "train_samples": samples,
+            "epoch_seconds": seconds, "samples_per_second": samples / seconds,
+            "data_seconds": data_seconds, "step_log": log.close(), **more}
 
 
 @torch.no_grad()
-def evaluate(net, data: TensorDataset, device: torch.device, batch_size: int = 1000, details: bool = False) -> dict:
+def evaluate(net, data: TensorDataset, device: torch.device, batch_size: int = 1000,
+             details: bool = False) -> dict:
     """Exact test metrics: each worker scores its own disjoint shard, then ONE all-reduce adds up
     [loss sum, confusion matrix] (and, with details, every sample's prediction at its own index).
 
-    net maps images to logits: a bare module in eval mode (see `inference`) or the teaching mode's lenet.
+    net maps images to logits: a bare module in eval mode (see `inference`) or the teaching mode's
+    lenet.
     """
     rank, world = rank_and_world()
     images, labels = data.tensors
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.float64, device=device)  # [true, predicted]
-    predictions = torch.zeros(len(labels) if details else 0, 2, dtype=torch.float64, device=device)  # class, prob
+    # [true, predicted]
+    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.float64, device=device)
+    # class, prob
+    predictions = torch.zeros(len(labels) if details else 0, 2, dtype=torch.float64, device=device)
     for index in shard_indices(len(labels), rank, world).split(batch_size):
         x, y = images[index].to(device), labels[index].to(device)
         logits = net(x)
         loss_sum += F.cross_entropy(logits, y, reduction="sum")
         probability, predicted = logits.softmax(1).max(1)
-        confusion.index_put_((y, predicted), torch.ones_like(y, dtype=torch.float64), accumulate=True)
+        confusion.index_put_((y, predicted), torch.ones_like(y, dtype=torch.float64),
+                             accumulate=True)
         if details:  # other ranks leave these rows at 0, so the sum is each rank's own rows
-            predictions[index.to(device)] = torch.stack([predicted.double(), probability.double()], 1)
+            predictions[index.to(device)] = torch.stack(
+                [predicted.double(), probability.double()], 1)
     totals = all_reduce_sum(torch.cat([loss_sum, confusion.flatten(), predictions.flatten()]))
     confusion = totals[1:1 + NUM_CLASSES ** 2].view(NUM_CLASSES, NUM_CLASSES)
     count = confusion.sum().item()
@@ -849,10 +954,11 @@ def evaluate(net, data: TensorDataset, device: torch.device, batch_size: int = 1
     return metrics
 
 
-def evaluate_as_saved(model: nn.Module, test_set: TensorDataset, cfg: Config, device: torch.device) -> dict:
-    """Score the model that the checkpoint will hold. Without SyncBatchNorm each rank's BatchNorm running
-    statistics drift apart (DDP broadcasts rank 0's only at the start of a forward); rank 0 saves its
-    own, so every rank evaluates with those."""
+def evaluate_as_saved(model: nn.Module, test_set: TensorDataset, cfg: Config,
+                      device: torch.device) -> dict:
+    """Score the model that the checkpoint will hold. Without SyncBatchNorm each rank's BatchNorm
+    running statistics drift apart (DDP broadcasts rank 0's only at the start of a forward); rank 0
+    saves its own, so every rank evaluates with those."""
     for buffer in unwrap(model).buffers():
         if rank_and_world()[1] > 1:
             dist.broadcast(buffer, src=0)
@@ -862,7 +968,8 @@ def evaluate_as_saved(model: nn.Module, test_set: TensorDataset, cfg: Config, de
 
 @contextlib.contextmanager
 def inference(model: nn.Module):
-    """The bare module in eval mode: DDP's own forward would sync buffers (a collective) on every batch."""
+    """The bare module in eval mode:
+    DDP's own forward would sync buffers (a collective) on every batch."""
     net = unwrap(model).eval()
     try:
         yield net
@@ -870,10 +977,12 @@ def inference(model: nn.Module):
         net.train()
 
 
-def cuda_fast_paths(cfg: Config, model: nn.Module, train_set: TensorDataset, test_set: TensorDataset,
+def cuda_fast_paths(cfg: Config, model: nn.Module, train_set: TensorDataset,
+                    test_set: TensorDataset,
                     device: torch.device) -> tuple[nn.Module, TensorDataset, TensorDataset]:
-    # Fixed input shapes: let cuDNN pick its fastest kernels. (Imported by name: run as a script, this
-    # function travels to the workers by value, and cloudpickle cannot ship torch.backends.cudnn.)
+    # Fixed input shapes: let cuDNN pick its fastest kernels. (Imported by name: run as a script,
+    # this function travels to the workers by value, and cloudpickle cannot ship
+    # torch.backends.cudnn.)
     importlib.import_module("torch.backends.cudnn").benchmark = True
     # The whole (small) data set on the GPU once: batches are then indexed there, no host copies.
     # (Not the training set that loader processes read: they need it in host memory.)
@@ -897,14 +1006,15 @@ def checkpoint_dir_name(epoch: int) -> str:
     return f"checkpoint_epoch_{epoch:03d}"
 
 
-def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config, history: list) -> dict:
-    return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch, "config": asdict(cfg),
-            "history": history}
+def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config,
+                     history: list) -> dict:
+    return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch,
+            "config": asdict(cfg), "history": history}
 
 
 def load_checkpoint(path: str) -> dict:
-    """The one reader of checkpoint files, local or in cloud storage (s3://...): one clear sentence for a
-    file that is not a readable ray-dp checkpoint."""
+    """The one reader of checkpoint files, local or in cloud storage (s3://...): one clear sentence
+    for a file that is not a readable ray-dp checkpoint."""
     try:
         source = path
         if is_uri(str(path)):
@@ -923,7 +1033,8 @@ def load_checkpoint(path: str) -> dict:
 
 
 def checkpoint_file(path: str) -> str:
-    """The checkpoint file that PATH means: the file itself, DIR/checkpoint.pt, or a run's last epoch."""
+    """The checkpoint file that PATH means: the file itself,
+    DIR/checkpoint.pt, or a run's last epoch."""
     if not os.path.exists(path):
         raise ConfigError(f"--eval-only {path} does not exist")
     if os.path.isfile(path):
@@ -938,7 +1049,8 @@ def checkpoint_file(path: str) -> str:
 
 
 def epoch_checkpoints(run_dir: str) -> list[Path]:
-    """A run's checkpoint files in epoch order: by number, since as text epoch 1000 sorts before 999."""
+    """A run's checkpoint files in epoch order: by number,
+    since as text epoch 1000 sorts before 999."""
     found = {}
     for path in Path(run_dir).glob(f"checkpoint_epoch_*/{CHECKPOINT_FILE}"):
         if (match := re.fullmatch(r"checkpoint_epoch_(\d+)", path.parent.name)):
@@ -947,8 +1059,9 @@ def epoch_checkpoints(run_dir: str) -> list[Path]:
 
 
 def latest_committed(run_dir: str) -> Optional[str]:
-    """The checkpoint file a rerun resumes from: the last one Ray committed (its snapshot lists them, in
-    order), or under torchrun, which keeps no snapshot, the highest epoch written (atomically)."""
+    """The checkpoint file a rerun resumes from: the last one Ray committed (its snapshot lists
+    them, in order), or under torchrun, which keeps no snapshot, the highest epoch written
+    (atomically)."""
     from pyarrow import fs
     storage, path = fs.FileSystem.from_uri(run_dir)
     snapshot = f"{path}/checkpoint_manager_snapshot.json"
@@ -957,9 +1070,10 @@ def latest_committed(run_dir: str) -> Optional[str]:
             with storage.open_input_stream(snapshot) as f:
                 committed = json.loads(f.read())["checkpoint_results"]
         except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{run_dir}/checkpoint_manager_snapshot.json is not Ray's list of checkpoints; "
-                              f"rerun with --fresh to start over") from None
-        return f"{run_dir}/{committed[-1]['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if committed else None
+            raise ConfigError(f"{run_dir}/checkpoint_manager_snapshot.json is not Ray's list of "
+                              f"checkpoints; rerun with --fresh to start over") from None
+        return (f"{run_dir}/{committed[-1]['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if committed
+                else None)
     files = [] if is_uri(run_dir) else epoch_checkpoints(run_dir)
     return str(files[-1]) if files else None
 
@@ -989,10 +1103,11 @@ RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json
 
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, int]:
-    """Before any cluster starts. --fresh: the directory it will delete must be this run's and nothing
-    else. A rerun: the checkpoint it will resume from must load (a corrupt one is one sentence here, not
-    a failure on every worker) and must have been trained the way this command says; what the command
-    does not say (flags not typed, when `typed` is given) it takes from that checkpoint.
+    """Before any cluster starts. --fresh: the directory it will delete must be this run's and
+    nothing else. A rerun: the checkpoint it will resume from must load (a corrupt one is one
+    sentence here, not a failure on every worker) and must have been trained the way this command
+    says; what the command does not say (flags not typed, when `typed` is given) it takes from that
+    checkpoint.
     Returns the config to run and the epoch the run resumes after (-1: from the start)."""
     from pyarrow import fs
     storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
@@ -1010,46 +1125,53 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, int
     try:
         state = load_checkpoint(latest)
     except ConfigError as exc:
-        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start over, or "
-                          f"--eval-only an earlier checkpoint_epoch_* directory") from None
+        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; "
+                          f"rerun with --fresh to start over, "
+                          f"or --eval-only an earlier checkpoint_epoch_* directory") from None
     cfg = follow_stored(cfg, state["config"], typed)
     check_same_training(cfg, state["config"])
-    if cfg.lr_schedule == "cosine" and state["config"].get("epochs") != cfg.epochs and state["epoch"] + 1 < cfg.epochs:
-        print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was {state['config']['epochs']}): "
-              f"epoch {state['epoch'] + 2} trains at lr {learning_rate(cfg, state['epoch'] + 1):.4g}", flush=True)
+    if (cfg.lr_schedule == "cosine" and state["config"].get("epochs") != cfg.epochs
+            and state["epoch"] + 1 < cfg.epochs):
+        print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
+              f"{state['config']['epochs']}): epoch {state['epoch'] + 2} trains at lr "
+              f"{learning_rate(cfg, state['epoch'] + 1):.4g}", flush=True)
     return cfg, state["epoch"]
 
 
 def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
-    """A rerun's untyped training settings and --epochs come from the run it resumes (so the shortest
-    command that names the run resumes it as it was, whatever today's defaults are)."""
+    """A rerun's untyped training settings and --epochs come from the run it resumes (so the
+    shortest command that names the run resumes it as it was, whatever today's defaults are)."""
     if typed is None:
         return cfg
     adopt = {name: stored[name] for name in asdict(cfg) if name in stored and name not in typed
-             and (name not in RESUMABLE_FIELDS or name == "epochs") and stored[name] != getattr(cfg, name)}
+             and (name not in RESUMABLE_FIELDS or name == "epochs")
+             and stored[name] != getattr(cfg, name)}
     if adopt:
-        print(f"note: run '{cfg.name}' resumes with its own {', '.join(as_flag(k, v) for k, v in adopt.items())}",
-              flush=True)
+        print(f"note: run '{cfg.name}' resumes with its own "
+              f"{', '.join(as_flag(k, v) for k, v in adopt.items())}", flush=True)
     return replace(cfg, **adopt)
 
 
 # What a rerun of a run may change: how long it trains, on how many workers of what kind, where it
 # reads and writes, what it logs. Anything else would silently train a different model.
-RESUMABLE_FIELDS = {"epochs", "workers", "min_workers", "cpus_per_worker", "gpu", "max_failures", "timeout",
-                    "start_timeout",
-                    "fresh", "address", "storage_path", "name", "logdir", "log_every", "quiet", "data_dir",
-                    "download", "loader_workers", "compile", "eval_only", "predict_out"}
+RESUMABLE_FIELDS = {"epochs", "workers", "min_workers", "cpus_per_worker", "gpu", "max_failures",
+                    "timeout", "start_timeout",
+                    "fresh", "address", "storage_path", "name", "logdir", "log_every", "quiet",
+                    "data_dir", "download", "loader_workers", "compile", "eval_only", "predict_out"}
 
 
 def check_same_training(cfg: Config, stored: dict) -> None:
     now = asdict(cfg)
-    ignored = RESUMABLE_FIELDS | ({"momentum"} if cfg.mode == "scratch" else set())  # scratch: plain SGD
-    changed = [name for name in now if name not in ignored and name in stored and stored[name] != now[name]]
+    # scratch: plain SGD
+    ignored = RESUMABLE_FIELDS | ({"momentum"} if cfg.mode == "scratch" else set())
+    changed = [name for name in now
+               if name not in ignored and name in stored and stored[name] != now[name]]
     if changed:
         was = ", ".join(as_flag(name, stored[name]) for name in changed)
         says = ", ".join(as_flag(name, now[name]) for name in changed)
-        raise ConfigError(f"run '{cfg.name}' was trained with {was}; this command says {says}: rerun it with "
-                          f"its values to resume it, or start over with --fresh or a new --name")
+        raise ConfigError(f"run '{cfg.name}' was trained with {was}; this command says {says}: "
+                          f"rerun it with its values to resume it, or start over with --fresh or "
+                          f"a new --name")
 
 
 def as_flag(name: str, value) -> str:
@@ -1061,25 +1183,28 @@ def as_flag(name: str, value) -> str:
 
 
 def check_deletable(cfg: Config, storage, run_dir: str) -> None:
-    """--fresh deletes <storage-path>/<name>/ only if it is a ray-dp run, inside --storage-path, and holds
-    neither --logdir nor --data-dir (./runs/tensorboard is a directory of ./runs too)."""
+    """--fresh deletes <storage-path>/<name>/ only if it is a ray-dp run, inside --storage-path,
+    and holds neither --logdir nor --data-dir (./runs/tensorboard is a directory of ./runs too)."""
     from pyarrow import fs
     names = {Path(info.path).name for info in storage.get_file_info(fs.FileSelector(run_dir))}
-    if not (names & set(RUN_MARKERS) or any(re.fullmatch(r"checkpoint_epoch_\d+", n) for n in names)):
-        raise ConfigError(f"--fresh: {cfg.run_dir} is not a ray-dp run (no checkpoints, no result.json); "
-                          f"not deleting it")
+    if not (names & set(RUN_MARKERS)
+            or any(re.fullmatch(r"checkpoint_epoch_\d+", n) for n in names)):
+        raise ConfigError(f"--fresh: {cfg.run_dir} is not a ray-dp run (no checkpoints, no "
+                          f"result.json); not deleting it")
     if is_uri(cfg.run_dir):
         return
     target = os.path.realpath(cfg.run_dir)  # a run directory that is a link may point anywhere
     if os.path.dirname(target) != os.path.realpath(cfg.storage_path):
-        raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target}, outside --storage-path; not deleting it")
+        raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target}, outside --storage-path; "
+                          f"not deleting it")
     for flag, path in [("logdir", cfg.logdir), ("data-dir", cfg.data_dir)]:
         if Path(os.path.realpath(path)).is_relative_to(target):
             raise ConfigError(f"--fresh: {cfg.run_dir} holds --{flag} {path}; not deleting it")
 
 
 def start_fresh(cfg: Config) -> None:
-    """--fresh, once every check has passed: delete the run's directory (check_run_dir vetted it)."""
+    """--fresh, once every check has passed:
+    delete the run's directory (check_run_dir vetted it)."""
     from pyarrow import fs
     storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
     if cfg.fresh and storage.get_file_info(run_dir).type == fs.FileType.Directory:
@@ -1088,7 +1213,8 @@ def start_fresh(cfg: Config) -> None:
 
 
 # ==================================================================================================
-# Monitoring: the console (one line per epoch and per event), TensorBoard, the recovery record, ray.log.
+# Monitoring: the console (one line per epoch and per event),
+# TensorBoard, the recovery record, ray.log.
 # ==================================================================================================
 
 
@@ -1097,52 +1223,62 @@ def plural(count: int, noun: str) -> str:
 
 
 def format_epoch(m: dict, epochs: int) -> str:
-    return (f"epoch {m['epoch'] + 1}/{epochs}: train loss {m['train_loss']:.4f}, test loss {m['test_loss']:.4f}, "
-            f"test acc {m['test_acc']:.4f}, {m['epoch_seconds']:.1f} s, {m['samples_per_second']:.0f} samples/s")
+    return (f"epoch {m['epoch'] + 1}/{epochs}: train loss {m['train_loss']:.4f}, "
+            f"test loss {m['test_loss']:.4f}, test acc {m['test_acc']:.4f}, "
+            f"{m['epoch_seconds']:.1f} s, {m['samples_per_second']:.0f} samples/s")
 
 
 def format_summary(summary: dict, launcher: str = "") -> str:
-    """The lessons' closing line: `test acc: 0.97, 0.3 sec/epoch on 2 workers (cpu)`, and what it survived."""
+    """The lessons' closing line:
+    `test acc: 0.97, 0.3 sec/epoch on 2 workers (cpu)`, and what it survived."""
     world = summary["world_size"]
-    line = (f"test acc: {summary['final']['test_acc']:.2f}, {summary['sec_per_epoch']:.1f} sec/epoch "
-            f"on {plural(world, 'worker')} ({summary['device']}{launcher})")
+    line = (f"test acc: {summary['final']['test_acc']:.2f}, {summary['sec_per_epoch']:.1f} "
+            f"sec/epoch on {plural(world, 'worker')} ({summary['device']}{launcher})")
     recovery = summary.get("recovery") or {}
     if recovery.get("failures"):
         sizes = [size for _, size in recovery["world_sizes"]]
         redone = ", ".join(map(str, recovery["epochs_redone"])) or "none"
-        line += (f"; survived {plural(recovery['failures'], 'failure')}, {plural(recovery['restarts'], 'restart')} "
+        line += (f"; survived {plural(recovery['failures'], 'failure')}, "
+                 f"{plural(recovery['restarts'], 'restart')} "
                  f"(workers {' -> '.join(map(str, sizes))}), epochs redone: {redone}")
     return line
 
 
 def near_chance(cfg: Config, summary: dict) -> Optional[str]:
-    """When a run ended where guessing would (10 classes: 0.10), what most likely happened and what to try."""
+    """When a run ended where guessing would (10 classes: 0.10),
+    what most likely happened and what to try."""
     final, acc = summary["final"], summary["final"]["test_acc"]
-    if acc > 1.5 / NUM_CLASSES or cfg.dataset == "synthetic":  # synthetic labels are random: chance is right
+    # synthetic labels are random: chance is right
+    if acc > 1.5 / NUM_CLASSES or cfg.dataset == "synthetic":
         return None
     steps = sum(m["train_samples"] for m in summary["epochs"]) // cfg.batch_size
     head = f"test acc {acc:.2f} is near chance (1/{NUM_CLASSES} = {1 / NUM_CLASSES:.2f})"
     if not math.isfinite(final["train_loss"]) or final["train_loss"] > 3 * math.log(NUM_CLASSES):
-        return f"{head}: the loss grew to {final['train_loss']:.3g}, so lr {cfg.lr} is too large; try --lr {cfg.lr / 5:g}"
+        return (f"{head}: the loss grew to {final['train_loss']:.3g}, so lr {cfg.lr} is too "
+                f"large; try --lr {cfg.lr / 5:g}")
     if cfg.mode == "scratch":
         tips = ["more steps (more --epochs, or a smaller --batch-size)"]
         if cfg.lr_schedule != "constant" or cfg.lr < 0.2:
             tips.append("a constant lr of 0.2 to 0.3 (--lr 0.2 --lr-schedule constant)")
-        return (f"{head}: the lesson's init (randn * 0.01) sits at chance for hundreds of steps and this run took "
-                f"{steps} at lr {cfg.lr} ({cfg.lr_schedule}); give it {' or '.join(tips)}")
-    return (f"{head} after {steps} steps at lr {cfg.lr} ({cfg.lr_schedule}): try more --epochs or another --lr "
-            f"(train loss {final['train_loss']:.3f}; ln 10 = 2.303 is the loss of a uniform guess)")
+        return (f"{head}: the lesson's init (randn * 0.01) sits at chance for hundreds of steps "
+                f"and this run took {steps} at lr {cfg.lr} ({cfg.lr_schedule}); "
+                f"give it {' or '.join(tips)}")
+    return (f"{head} after {steps} steps at lr {cfg.lr} ({cfg.lr_schedule}): try more --epochs "
+            f"or another --lr (train loss {final['train_loss']:.3f}; ln 10 = 2.303 is the loss "
+            f"of a uniform guess)")
 
 
-EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "test_loss", "test/acc": "test_acc",
-                 "time/epoch_seconds": "epoch_seconds", "time/samples_per_second": "samples_per_second",
-                 "time/data_seconds": "data_seconds", "comm/allreduce_seconds_per_step": "allreduce_seconds_per_step",
+EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "test_loss",
+                 "test/acc": "test_acc", "time/epoch_seconds": "epoch_seconds",
+                 "time/samples_per_second": "samples_per_second",
+                 "time/data_seconds": "data_seconds",
+                 "comm/allreduce_seconds_per_step": "allreduce_seconds_per_step",
                  "comm/allreduce_busbw_gbps": "allreduce_busbw_gbps"}
 
 
 class TensorBoardWriter:
-    """An epoch's metrics (rank 0's report) as TensorBoard events in LOGDIR/<name>/: the per-step losses
-    that ride along in it, the epoch's scalars, and at the last epoch the hyperparameters."""
+    """An epoch's metrics (rank 0's report) as TensorBoard events in LOGDIR/<name>/: the per-step
+    losses that ride along in it, the epoch's scalars, and at the last epoch the hyperparameters."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -1160,7 +1296,8 @@ class TensorBoardWriter:
             if key in m:
                 self.writer.add_scalar(tag, m[key], m["epoch"] + 1)
         if m["epoch"] == self.cfg.epochs - 1:
-            hparams = {k: v for k, v in asdict(self.cfg).items() if isinstance(v, (int, float, str, bool))}
+            hparams = {k: v for k, v in asdict(self.cfg).items()
+                       if isinstance(v, (int, float, str, bool))}
             final = {"hparam/test_acc": m["test_acc"], "hparam/test_loss": m["test_loss"],
                      "hparam/train_loss": m["train_loss"]}
             self.writer.add_hparams(hparams, final, run_name=".")  # ".": in this run's directory
@@ -1168,15 +1305,16 @@ class TensorBoardWriter:
 
 
 class TensorBoardLogger(ray.train.UserCallback):
-    """TensorBoardWriter in Ray Train's controller, which Ray places on the driver's node: the events land
-    where the user started the run (and runs TensorBoard) even when rank 0 is on another node, with no
-    shared file system needed."""
+    """TensorBoardWriter in Ray Train's controller, which Ray places on the driver's node: the
+    events land where the user started the run (and runs TensorBoard) even when rank 0 is on
+    another node, with no shared file system needed."""
 
     def __init__(self, cfg: Config):
         self.tensorboard = TensorBoardWriter(cfg)
 
     def after_report(self, run_context, metrics: list, checkpoint) -> None:
-        self.tensorboard.write(metrics[0])  # rank 0's: the values are all-reduced, the same on every rank
+        # rank 0's: the values are all-reduced, the same on every rank
+        self.tensorboard.write(metrics[0])
 
 
 from ray.train.v2._internal.execution.callback import (  # noqa: E402 (Ray Train's controller hooks)
@@ -1184,22 +1322,27 @@ from ray.train.v2._internal.execution.callback import (  # noqa: E402 (Ray Train
 
 
 class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
-    """One console line per event of a run's life that is not an epoch: a worker or node lost, failure k
-    of --max-failures, waiting for workers, a start that timed out, the worker group (re)started; and
-    the same events as a record (recovery.json in the run's local directory) for result.json.
+    """One console line per event of a run's life that is not an epoch: a worker or node lost,
+    failure k of --max-failures, waiting for workers, a start that timed out, the worker group
+    (re)started; and the same events as a record (recovery.json in the run's local directory) for
+    result.json.
 
-    Ray Train runs it in its controller, on the driver's node (Ray's internal callback hooks: the public
-    UserCallback sees reports only). Its lines start with "ray-dp: ", which the console prints bare."""
+    Ray Train runs it in its controller, on the driver's node (Ray's internal callback hooks: the
+    public UserCallback sees reports only). Its lines start with "ray-dp: ", which the console
+    prints bare."""
 
     def __init__(self, cfg: Config, record_path: str, last_epoch: int = -1):
         self.cfg, self.record_path = cfg, record_path
         self.events, self.failures, self.node_ips = [], 0, {}
-        self.last_epoch = last_epoch  # the last epoch reported (or resumed from): -1 before the first
-        self.reported = None  # the error last described: Ray passes it to ShuttingDown, then to Errored
+        # the last epoch reported (or resumed from): -1 before the first
+        self.last_epoch = last_epoch
+        # the error last described: Ray passes it to ShuttingDown, then to Errored
+        self.reported = None
         self.save_failed = False
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        state = getattr(current_state, "next_state", current_state)  # ShuttingDown(next_state=Errored)
+        # ShuttingDown(next_state=Errored)
+        state = getattr(current_state, "next_state", current_state)
         error = getattr(state, "training_failed_error", None)
         kind = type(state).__name__
         if error is not None and error is not self.reported:
@@ -1207,13 +1350,15 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
             self.failed(error, stopping=kind == "ErroredState")
         elif kind == "SchedulingState" and self.events:
             workers = current_state.scaling_decision.num_workers
-            self.add(f"waiting up to {self.cfg.start_timeout:g} s for {plural(workers, 'worker')} (--start-timeout)",
-                     event="waiting", workers=workers)
+            self.add(f"waiting up to {self.cfg.start_timeout:g} s for {plural(workers, 'worker')} "
+                     f"(--start-timeout)", event="waiting", workers=workers)
 
     def after_worker_group_start(self, worker_group) -> None:
-        self.node_ips = {w.distributed_context.world_rank: w.metadata.node_ip for w in worker_group.get_workers()}
+        self.node_ips = {w.distributed_context.world_rank: w.metadata.node_ip
+                         for w in worker_group.get_workers()}
         nodes = sorted(set(self.node_ips.values()))
-        message = f"{plural(len(self.node_ips), 'worker')} started on {', '.join(nodes)}" if self.events else None
+        message = (f"{plural(len(self.node_ips), 'worker')} started on {', '.join(nodes)}"
+                   if self.events else None)
         self.add(message, event="started", workers=len(self.node_ips), nodes=nodes)
 
     def after_report(self, training_report, metrics: list) -> None:
@@ -1231,23 +1376,27 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
             self.add(f"the workers did not all start within {self.cfg.start_timeout:g} s; {then}",
                      event="start_timeout")
             return
-        # Ray charges --max-failures with the training's failures only (a worker group error that is not a
-        # preemption); its own start-up errors and preemptions have limits of their own.
+        # Ray charges --max-failures with the training's failures only (a worker group error that
+        # is not a preemption); its own start-up errors and preemptions have limits of their own.
         counted = type(error).__name__ == "WorkerGroupError" and "preempt" not in str(error).lower()
         self.failures += counted
         limit = self.cfg.max_failures
         if not counted:
-            then = "stopping (Ray does not retry this error)" if stopping else "Ray retries it (not counted "
+            then = ("stopping (Ray does not retry this error)" if stopping
+                    else "Ray retries it (not counted ")
             then += "" if stopping else "against --max-failures)"
         elif stopping:
             then = f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
         else:
             of = "no limit" if limit == -1 else f"{limit} allowed"
-            then = f"failure {self.failures} (--max-failures: {of}): restarting the workers from the last checkpoint"
+            then = (f"failure {self.failures} (--max-failures: {of}): restarting the workers from "
+                    f"the last checkpoint")
         worker_failures = getattr(error, "worker_failures", {})
-        what = describe_worker_failures(worker_failures, self.node_ips) or first_line(controller or error)
-        self.add(f"{what} during epoch {self.last_epoch + 2}; {then}", event="failed", failure=self.failures,
-                 counted=counted, during_epoch=self.last_epoch + 2, what=what, node_ips=self.node_ips,
+        what = (describe_worker_failures(worker_failures, self.node_ips)
+                or first_line(controller or error))
+        self.add(f"{what} during epoch {self.last_epoch + 2}; {then}", event="failed",
+                 failure=self.failures, counted=counted, during_epoch=self.last_epoch + 2,
+                 what=what, node_ips=self.node_ips,
                  errors={rank: first_line(e) for rank, e in worker_failures.items()})
 
     def add(self, message: Optional[str], **event) -> None:
@@ -1257,33 +1406,41 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.save()
 
     def save(self) -> None:
-        """The record is a convenience: a disk that refuses it must not stop the training it records."""
+        """The record is a convenience:
+        a disk that refuses it must not stop the training it records."""
         try:
             write_json(self.record_path, {"events": self.events})
         except OSError as exc:
             if not self.save_failed:
-                print(f"ray-dp: cannot write {self.record_path} ({exc}); training goes on without it", flush=True)
+                print(f"ray-dp: cannot write {self.record_path} ({exc}); "
+                      f"training goes on without it", flush=True)
             self.save_failed = True
 
 
 # A collective whose peer vanished: gloo's and NCCL's words for it.
-PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited|communicator was aborted")
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited"
+                       r"|communicator was aborted")
 
 
 def describe_worker_failures(failures: dict, node_ips: dict) -> str:
-    """Which ranks were lost: those whose process or node died (Ray's health check failed), and when every
-    error raised is a collective that lost its peer, the ranks that raised nothing (they could not).
-    Otherwise the first error raised. The other ranks' errors follow from it; ray.log has them all."""
-    lost = {rank for rank, error in failures.items() if type(error).__name__ == "WorkerHealthCheckFailedError"}
+    """Which ranks were lost: those whose process or node died (Ray's health check failed), and
+    when every error raised is a collective that lost its peer, the ranks that raised nothing (they
+    could not). Otherwise the first error raised. The other ranks' errors follow from it; ray.log
+    has them all."""
+    lost = {rank for rank, error in failures.items()
+            if type(error).__name__ == "WorkerHealthCheckFailedError"}
     if not lost and failures and all(PEER_LOST.search(str(error)) for error in failures.values()):
         lost = set(node_ips) - set(failures)
     if lost:
-        where = ", ".join(f"rank {rank}{on_node(rank, node_ips, failures.get(rank, ''))}" for rank in sorted(lost))
+        where = ", ".join(f"rank {rank}{on_node(rank, node_ips, failures.get(rank, ''))}"
+                          for rank in sorted(lost))
         memory = any("memory" in str(failures.get(rank, "")).lower() for rank in lost)
-        return f"lost worker {where} ({'killed: out of memory' if memory else 'its process or node died'})"
+        return (f"lost worker {where} "
+                f"({'killed: out of memory' if memory else 'its process or node died'})")
     if failures:
         rank = min(failures)
-        return f"worker rank {rank}{on_node(rank, node_ips, failures[rank])} failed: {first_line(failures[rank])}"
+        return (f"worker rank {rank}{on_node(rank, node_ips, failures[rank])} failed: "
+                f"{first_line(failures[rank])}")
     return ""
 
 
@@ -1299,7 +1456,8 @@ def node_ip_in(error) -> str:
 
 
 def first_line(error: BaseException) -> str:
-    """An error in one line: a traceback's last line (which names its type), else 'Type: message'."""
+    """An error in one line: a traceback's last line
+    (which names its type), else 'Type: message'."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     last = lines[-1] if lines else ""
     if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", last):
@@ -1308,29 +1466,33 @@ def first_line(error: BaseException) -> str:
 
 
 def recovery_summary(record_path: str) -> dict:
-    """result.json's account of failures: how many, the restarts, the world size over time, epochs redone."""
+    """result.json's account of failures:
+    how many, the restarts, the world size over time, epochs redone."""
     try:
         with open(record_path) as f:
             events = json.load(f)["events"]
     except FileNotFoundError:  # torchrun: no Ray controller, no such events
         return {}
     starts = [e for e in events if e["event"] == "started"]
-    return {"failures": sum(e["event"] == "failed" for e in events), "restarts": max(len(starts) - 1, 0),
+    return {"failures": sum(e["event"] == "failed" for e in events),
+            "restarts": max(len(starts) - 1, 0),
             "world_sizes": [[e["at"], e["workers"]] for e in starts],
-            "epochs_redone": [epoch for e in events for epoch in e.get("redone", [])], "events": events}
+            "epochs_redone": [epoch for e in events for epoch in e.get("redone", [])],
+            "events": events}
 
 
 def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict) -> str:
     """One line for a run that failed for good (Ray's own message is the ranks' tracebacks)."""
     controller = getattr(error, "controller_failure", None)
-    return describe_worker_failures(getattr(error, "worker_failures", {}), node_ips) or first_line(controller or error)
+    return (describe_worker_failures(getattr(error, "worker_failures", {}), node_ips)
+            or first_line(controller or error))
 
 
 class RayOutput:
-    """What Ray forwards to this console from its processes. ray_dp's own lines (the training workers'
-    and the controller's stdout) stay; Ray's and the libraries' chatter (every stderr line: tracebacks,
-    gloo's errors, warnings; the raylet's notices) goes to ray.log in the run's local directory. Lines
-    that start with "ray-dp: " are printed without Ray's process prefix."""
+    """What Ray forwards to this console from its processes. ray_dp's own lines (the training
+    workers' and the controller's stdout) stay; Ray's and the libraries' chatter (every stderr
+    line: tracebacks, gloo's errors, warnings; the raylet's notices) goes to ray.log in the run's
+    local directory. Lines that start with "ray-dp: " are printed without Ray's process prefix."""
 
     def __init__(self):
         from ray._private import ray_logging, worker
@@ -1338,28 +1500,34 @@ class RayOutput:
         self.print_to_console, self.log_path = worker.print_to_stdstream, None
 
     def install(self) -> None:
-        """Ray prints what its processes forward through a dispatcher (a handler per ray.init), and the
-        errors the cluster reports (a worker died, ...) through print_to_stdstream itself: route both."""
-        handlers = [handler for name, handler in self.dispatcher.handlers if name == "ray_print_logs"]
+        """Ray prints what its processes forward through a dispatcher (a handler per ray.init), and
+        the errors the cluster reports (a worker died, ...) through print_to_stdstream itself: route
+        both."""
+        handlers = [handler for name, handler in self.dispatcher.handlers
+                    if name == "ray_print_logs"]
         if handlers:  # none if log_to_driver=False
             ignore_prefix = getattr(handlers[-1], "keywords", {}).get("ignore_prefix", False)
             self.dispatcher.remove_handler("ray_print_logs")
-            self.dispatcher.add_handler("ray_print_logs", functools.partial(self.route, ignore_prefix=ignore_prefix))
+            self.dispatcher.add_handler("ray_print_logs",
+                                        functools.partial(self.route, ignore_prefix=ignore_prefix))
         self.worker.print_to_stdstream = self.route
 
     def route(self, batch: dict, ignore_prefix: bool = False) -> None:
         if batch["is_err"] or batch.get("pid") == "raylet":
             self.to_log(batch)
             return
-        # In order, a run of lines at a time: ours without Ray's prefix, the rest as Ray prints them.
-        for ours, lines in itertools.groupby(batch["lines"], key=lambda line: line.startswith("ray-dp: ")):
-            self.print_to_console({**batch, "lines": list(lines)}, ignore_prefix=ours or ignore_prefix)
+        # In order, a run of lines at a time:
+        # ours without Ray's prefix, the rest as Ray prints them.
+        for ours, lines in itertools.groupby(batch["lines"],
+                                             key=lambda line: line.startswith("ray-dp: ")):
+            self.print_to_console({**batch, "lines": list(lines)},
+                                  ignore_prefix=ours or ignore_prefix)
 
     def to_log(self, batch: dict) -> None:
         if not self.log_path:
             return
-        source = f"({batch.get('actor_name') or batch.get('task_name') or ''} pid={batch.get('pid')}, " \
-                 f"ip={batch.get('ip')})"
+        source = (f"({batch.get('actor_name') or batch.get('task_name') or ''} "
+                  f"pid={batch.get('pid')}, ip={batch.get('ip')})")
         with open(self.log_path, "a") as f:
             f.writelines(f"{source} {line}\n" for line in batch["lines"])
 
@@ -1378,47 +1546,53 @@ def send_ray_output_to(log_path: str) -> None:
 
 
 def local_run_dir(cfg: Config) -> str:
-    """Where the driver's node keeps a run's logs: the run directory, or for cloud storage beside its
-    TensorBoard events (LOGDIR/<name>)."""
+    """Where the driver's node keeps a run's logs: the run directory, or for cloud storage beside
+    its TensorBoard events (LOGDIR/<name>)."""
     return os.path.join(cfg.logdir, cfg.name) if is_uri(cfg.run_dir) else cfg.run_dir
 
 
 def quiet_ray_logs():
     """Runs in every Ray worker process: keep Ray Train's routine chatter off the console."""
     from ray.train.v2._internal.execution import context
-    # Ray's PlacementGroupCleaner polls the State API, which needs Ray's dashboard (not installed): it logs
-    # harmless errors, and a traceback when it is slow to stop at the end of a run. Training is unaffected.
-    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
-    logging.getLogger("ray.train.v2._internal.callbacks.placement_group_callback").setLevel(logging.CRITICAL)
+    # Ray's PlacementGroupCleaner polls the State API, which needs Ray's dashboard (not installed):
+    # it logs harmless errors, and a traceback when it is slow to stop at the end of a run.
+    # Training is unaffected.
+    logging.getLogger("ray.train.v2._internal.execution.controller."
+                      "placement_group_cleaner").setLevel(logging.ERROR)
+    logging.getLogger("ray.train.v2._internal.callbacks."
+                      "placement_group_callback").setLevel(logging.CRITICAL)
     # "Reporting training result ..." per rank per epoch; this logger is named by file path, so
     # LoggingConfig(log_level) does not reach it.
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 class QuietControllerLogs(ray.train.UserCallback):
-    """quiet_ray_logs() in Ray Train's controller, which the job's worker_process_setup_hook does not reach
-    (the controller is an actor with a runtime environment of its own)."""
+    """quiet_ray_logs() in Ray Train's controller, which the job's worker_process_setup_hook does
+    not reach (the controller is an actor with a runtime environment of its own)."""
 
     def after_report(self, run_context, metrics: list, checkpoint) -> None:
         quiet_ray_logs()
 
 
 # ==================================================================================================
-# Teaching mode (--mode scratch): d2l's "multi-GPU from scratch", one Ray worker per GPU of the lesson.
-# Everything DDP does for us is written out by hand here, on purpose.
+# Teaching mode (--mode scratch): d2l's "multi-GPU from scratch", one Ray worker per GPU of the
+# lesson. Everything DDP does for us is written out by hand here, on purpose.
 # ==================================================================================================
 
 
 def init_lenet_params(seed: int, in_channels: int = 1, image_size: int = 28) -> list[torch.Tensor]:
-    """The lesson's parameters: W ~ randn * 0.01, zero biases; the seed makes every worker's copy identical."""
+    """The lesson's parameters: W ~ randn * 0.01, zero biases;
+    the seed makes every worker's copy identical."""
     gen = torch.Generator().manual_seed(seed)
     side = ((image_size - 2) // 2 - 4) // 2  # 4 on 28x28: 50 x 4 x 4 = 800 features
-    shapes = [(20, in_channels, 3, 3), (20,), (50, 20, 5, 5), (50,), (50 * side * side, 128), (128,), (128, 10), (10,)]
+    shapes = [(20, in_channels, 3, 3), (20,), (50, 20, 5, 5), (50,),
+              (50 * side * side, 128), (128,), (128, 10), (10,)]
     return [torch.randn(s, generator=gen) * 0.01 if len(s) > 1 else torch.zeros(s) for s in shapes]
 
 
 def lenet(X: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    """The lesson's functional LeNet: conv 3x3, relu, avg-pool; conv 5x5, relu, avg-pool; 2 dense layers."""
+    """The lesson's functional LeNet: conv 3x3, relu, avg-pool; conv 5x5, relu, avg-pool;
+    2 dense layers."""
     h1 = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), kernel_size=2, stride=2)
     h2 = F.avg_pool2d(F.relu(F.conv2d(h1, params[2], params[3])), kernel_size=2, stride=2)
     h3 = F.relu(h2.reshape(h2.shape[0], -1) @ params[4] + params[5])
@@ -1430,13 +1604,15 @@ def get_params(params: list[torch.Tensor], device: torch.device) -> list[torch.T
     return [p.clone().to(device).requires_grad_() for p in params]
 
 
-def split_batch(X: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_batch(X: torch.Tensor, y: torch.Tensor, rank: int,
+                world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This worker's slice of the global mini-batch (the lesson hands slice i to GPU i)."""
     return X.chunk(world)[rank], y.chunk(world)[rank]
 
 
 def allreduce_naive(buffer: torch.Tensor) -> None:
-    """The lesson's algorithm: sum everything into rank 0 ("GPU 0"), then rank 0 sends the sum back to all."""
+    """The lesson's algorithm: sum everything into rank 0 ("GPU 0"),
+    then rank 0 sends the sum back to all."""
     rank, world = rank_and_world()
     if rank == 0:
         incoming = torch.empty_like(buffer)
@@ -1451,23 +1627,26 @@ def allreduce_naive(buffer: torch.Tensor) -> None:
 
 
 def _exchange(send: torch.Tensor, receive: torch.Tensor, right: int, left: int) -> None:
-    """Send to the right neighbour while receiving from the left one (blocking both ways would deadlock)."""
+    """Send to the right neighbour while receiving from the left one
+    (blocking both ways would deadlock)."""
     for request in (dist.isend(send, dst=right), dist.irecv(receive, src=left)):
         request.wait()
 
 
 def allreduce_ring(buffer: torch.Tensor) -> None:
-    """Ring all-reduce: reduce-scatter, then all-gather. Each rank sends 2(N-1)/N of the buffer in all,
-    whatever N is, instead of rank 0 receiving and sending (N-1) whole buffers."""
+    """Ring all-reduce: reduce-scatter, then all-gather. Each rank sends 2(N-1)/N of the buffer in
+    all, whatever N is, instead of rank 0 receiving and sending (N-1) whole buffers."""
     rank, world = rank_and_world()
     chunks = buffer.tensor_split(world)  # views into buffer; sizes differ by at most one element
     right, left = (rank + 1) % world, (rank - 1) % world
     incoming = torch.empty_like(chunks[0])  # tensor_split puts the larger chunks first
-    for step in range(world - 1):  # after step s, chunk (rank - s - 1) holds s + 2 ranks' contributions
+    # after step s, chunk (rank - s - 1) holds s + 2 ranks' contributions
+    for step in range(world - 1):
         target = chunks[(rank - step - 1) % world]
         _exchange(chunks[(rank - step) % world], incoming[:target.numel()], right, left)
         target += incoming[:target.numel()]
-    # Now rank r holds the complete sum of chunk (r + 1) % N: pass the complete chunks round the ring.
+    # Now rank r holds the complete sum of chunk (r + 1) % N:
+    # pass the complete chunks round the ring.
     for step in range(world - 1):
         _exchange(chunks[(rank + 1 - step) % world], chunks[(rank - step) % world], right, left)
 
@@ -1494,19 +1673,22 @@ def allreduce(grads: list[torch.Tensor], algorithm: str) -> int:
 
 
 def sgd(params: list[torch.Tensor], lr: float, batch_size: int) -> None:
-    """The lesson's SGD. The gradients are SUMS over the global batch (sum loss, summed across workers):
-    sum of gradients / global batch = mean gradient, the same step DDP takes with a mean loss."""
+    """The lesson's SGD. The gradients are SUMS over the global batch (sum loss, summed across
+    workers): sum of gradients / global batch = mean gradient, the same step DDP takes with a mean
+    loss."""
     with torch.no_grad():
         for p in params:
             p -= lr * p.grad / batch_size
             p.grad.zero_()
 
 
-def train_batch(X, y, params, lr: float, algorithm: str, worker: Worker) -> tuple[float, float, int]:
+def train_batch(X, y, params, lr: float, algorithm: str,
+                worker: Worker) -> tuple[float, float, int]:
     """One global mini-batch: forward/backward on this worker's slice, all-reduce, SGD.
     Returns (sum loss of the slice, all-reduce seconds, bytes reduced)."""
     X_slice, y_slice = split_batch(X, y, worker.rank, worker.world)
-    loss = F.cross_entropy(lenet(X_slice.to(worker.device), params), y_slice.to(worker.device), reduction="sum")
+    loss = F.cross_entropy(lenet(X_slice.to(worker.device), params), y_slice.to(worker.device),
+                           reduction="sum")
     loss.backward()
     synchronize(worker.device)
     tic = time.perf_counter()
@@ -1528,70 +1710,79 @@ def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker
                         progress: bool = False) -> dict:
     images, labels = data.tensors
     # Every worker draws the same global batches (same seed, same order) and keeps its own slice.
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+    order = torch.randperm(len(labels),
+                           generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
     steps = len(labels) // cfg.batch_size
     loss_sum, comm_seconds, nbytes, start = 0.0, 0.0, 0, time.perf_counter()
     log = StepLog(cfg, epoch, steps, worker.device, progress)
     for step in range(steps):
         index = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
-        loss, seconds, nbytes = train_batch(images[index], labels[index], params, learning_rate(cfg, epoch),
-                                            cfg.allreduce, worker)
+        loss, seconds, nbytes = train_batch(images[index], labels[index], params,
+                                            learning_rate(cfg, epoch), cfg.allreduce, worker)
         loss_sum, comm_seconds = loss_sum + loss, comm_seconds + seconds
         log.step(step, torch.tensor(loss, device=worker.device), cfg.batch_size // worker.world)
     seconds = time.perf_counter() - start
-    total_loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64, device=worker.device)).item()
+    total_loss = all_reduce_sum(
+        torch.tensor(loss_sum, dtype=torch.float64, device=worker.device)).item()
     per_step = comm_seconds / max(steps, 1)
     # NCCL-tests' "bus bandwidth": what each link carried, comparable across worker counts.
     busbw = 2 * (worker.world - 1) / worker.world * nbytes / per_step / 1e9 if nbytes else 0.0
-    return epoch_metrics(total_loss, steps * cfg.batch_size, learning_rate(cfg, epoch), seconds, 0.0, log,
-                         allreduce_seconds_per_step=per_step, allreduce_bytes=nbytes, allreduce_busbw_gbps=busbw)
+    return epoch_metrics(total_loss, steps * cfg.batch_size, learning_rate(cfg, epoch), seconds,
+                         0.0, log, allreduce_seconds_per_step=per_step, allreduce_bytes=nbytes,
+                         allreduce_busbw_gbps=busbw)
 
 
 # The same numbers as LeNet's state_dict, so checkpoints of both modes load into ray_dp.LeNet.
 LENET_KEYS = ["features.0.weight", "features.0.bias", "features.3.weight", "features.3.bias",
-              "classifier.0.weight", "classifier.0.bias", "classifier.2.weight", "classifier.2.bias"]
+              "classifier.0.weight", "classifier.0.bias",
+              "classifier.2.weight", "classifier.2.bias"]
 
 
 def params_to_state_dict(params: list[torch.Tensor]) -> dict:
     # The lesson multiplies X @ W for dense layers; nn.Linear stores W transposed.
-    return {key: (p.detach().T if key.startswith("classifier") and p.ndim == 2 else p.detach()).cpu().clone()
+    return {key: (p.detach().T if key.startswith("classifier") and p.ndim == 2
+                  else p.detach()).cpu().clone()
             for key, p in zip(LENET_KEYS, params)}
 
 
 def state_dict_to_params(state: dict) -> list[torch.Tensor]:
-    return [state[key].T if key.startswith("classifier") and state[key].ndim == 2 else state[key] for key in LENET_KEYS]
+    return [state[key].T if key.startswith("classifier") and state[key].ndim == 2 else state[key]
+            for key in LENET_KEYS]
 
 
 # ==================================================================================================
-# Inference (--eval-only): a saved model scored exactly on N workers, per class, with each prediction.
+# Inference (--eval-only): a saved model scored exactly on N workers,
+# per class, with each prediction.
 # ==================================================================================================
 
 
 # What a checkpoint fixes (its config says) and what only training uses: with --eval-only, typing a
 # contradicting value of the first or any of the second is an error rather than silently ignored.
 MODEL_FIELDS = ("model", "dataset")
-TRAINING_FIELDS = ("mode", "epochs", "batch_size", "lr", "lr_schedule", "momentum", "accum_steps", "allreduce",
-                   "sync_bn", "seed", "loader_workers", "compile", "fresh")
+TRAINING_FIELDS = ("mode", "epochs", "batch_size", "lr", "lr_schedule", "momentum", "accum_steps",
+                   "allreduce", "sync_bn", "seed", "loader_workers", "compile", "fresh")
 
 
 def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
-    """The config for evaluating --eval-only's checkpoint (model and data set from the checkpoint), and
-    the checkpoint."""
+    """The config for evaluating --eval-only's checkpoint (model and data set from the checkpoint),
+    and the checkpoint."""
     path = checkpoint_file(cfg.eval_only)
     checkpoint = load_checkpoint(path)
     trained = checkpoint["config"]
     for name in sorted(typed & set(TRAINING_FIELDS)):
-        raise ConfigError(f"--{name.replace('_', '-')} is a training flag and has no effect with --eval-only")
+        raise ConfigError(f"--{name.replace('_', '-')} is a training flag and has no effect with "
+                          f"--eval-only")
     for name in MODEL_FIELDS:
         if name in typed and getattr(cfg, name) != trained[name]:
-            raise ConfigError(f"the checkpoint holds a {trained['model']} trained on {trained['dataset']}; "
-                              f"--{name} {getattr(cfg, name)} contradicts it")
+            raise ConfigError(f"the checkpoint holds a {trained['model']} trained on "
+                              f"{trained['dataset']}; --{name} {getattr(cfg, name)} contradicts it")
     if cfg.predict_out == path:
         raise ConfigError(f"--predict-out {cfg.predict_out} is the checkpoint being evaluated")
-    # A scratch-mode checkpoint is a LeNet state_dict too, so every checkpoint is evaluated the ddp way;
-    # bf16 autocast as in training, unless --amp says otherwise.
+    # A scratch-mode checkpoint is a LeNet state_dict too, so every checkpoint is evaluated the ddp
+    # way; bf16 autocast as in training, unless --amp says otherwise.
     amp = cfg.amp if "amp" in typed else trained.get("amp", False)
-    evaluated = replace(cfg, model=trained["model"], dataset=trained["dataset"], mode="ddp", eval_only=path, amp=amp)
+    evaluated = replace(cfg, model=trained["model"], dataset=trained["dataset"], mode="ddp",
+                        eval_only=path, amp=amp)
     return evaluated, checkpoint
 
 
@@ -1600,19 +1791,22 @@ def write_predictions(path: str, labels: list, predictions: list) -> None:
     text = io.StringIO()
     writer = csv.writer(text)
     writer.writerow(["index", "label", "predicted", "probability"])
-    writer.writerows([i, label, int(predicted), f"{probability:.6f}"]
-                     for i, (label, (predicted, probability)) in enumerate(zip(labels, predictions)))
+    writer.writerows(
+        [i, label, int(predicted), f"{probability:.6f}"]
+        for i, (label, (predicted, probability)) in enumerate(zip(labels, predictions)))
     write_atomically(path, text.getvalue())
 
 
 def format_eval(metrics: dict, per_class: list, out: dict) -> str:
     lines = [f"test loss {metrics['test_loss']:.4f}, test acc {metrics['test_acc']:.4f} "
-             f"({sum(c['correct'] for c in per_class)}/{metrics['test_count']}) on {out['world_size']} workers "
-             f"({out['device']})", "", "class  count  correct  acc"]
-    lines += [f"{c['class']:>5}  {c['count']:>5}  {c['correct']:>7}  {c['acc']:.4f}" for c in per_class]
+             f"({sum(c['correct'] for c in per_class)}/{metrics['test_count']}) "
+             f"on {out['world_size']} workers ({out['device']})", "", "class  count  correct  acc"]
+    lines += [f"{c['class']:>5}  {c['count']:>5}  {c['correct']:>7}  {c['acc']:.4f}"
+              for c in per_class]
     lines += ["", "confusion matrix (rows: true class, columns: predicted class)",
               "      " + "".join(f"{c:>6}" for c in range(NUM_CLASSES))]
-    lines += [f"{c:>6}" + "".join(f"{n:>6}" for n in row) for c, row in enumerate(metrics["confusion"])]
+    lines += [f"{c:>6}" + "".join(f"{n:>6}" for n in row)
+              for c, row in enumerate(metrics["confusion"])]
     return "\n".join(lines)
 
 
@@ -1625,13 +1819,15 @@ def format_eval(metrics: dict, per_class: list, out: dict) -> str:
 class LoopOptions:
     """What the driver hands every worker besides the config."""
     progress: bool = False  # draw rank 0's progress bar: someone watches this terminal
-    torchrun: bool = False  # the workers are torchrun's processes (Ray Train's local mode), not Ray's
+    # the workers are torchrun's processes (Ray Train's local mode), not Ray's
+    torchrun: bool = False
     weights: Optional[object] = None  # --eval-only: the model's weights, in Ray's object store
 
 
 class RayLauncher:
-    """Workers that Ray Train started: Ray finds the run's latest checkpoint in storage, and its controller
-    collects every report, commits rank 0's checkpoint and writes the TensorBoard events (TensorBoardLogger)."""
+    """Workers that Ray Train started: Ray finds the run's latest checkpoint in storage, and its
+    controller collects every report, commits rank 0's checkpoint and writes the TensorBoard events
+    (TensorBoardLogger)."""
 
     def __init__(self, cfg: Config, worker: Worker):
         self.cfg = cfg
@@ -1657,7 +1853,8 @@ class RayLauncher:
 
 class TorchrunLauncher:
     """torchrun's processes (Ray Train's local mode): there is no controller, so rank 0 keeps the
-    checkpoints in the run directory itself, where Ray would have, and writes the TensorBoard events."""
+    checkpoints in the run directory itself, where Ray would have, and writes the TensorBoard
+    events."""
 
     def __init__(self, cfg: Config, worker: Worker):
         self.cfg = cfg
@@ -1682,7 +1879,8 @@ Launcher = Union[RayLauncher, TorchrunLauncher]
 
 
 def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOptions]:
-    """Who this worker is, and the launcher that knows where its checkpoints are and where reports go."""
+    """Who this worker is,
+    and the launcher that knows where its checkpoints are and where reports go."""
     cfg, options = loop_config["config"], loop_config["options"]
     worker = Worker.from_ray(cfg)
     bound_collectives(cfg.timeout)
@@ -1691,29 +1889,35 @@ def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOpt
 
 
 def resume(launcher: "Launcher") -> tuple[int, list, Optional[dict]]:
-    """(epoch to start at, the metrics history so far, the checkpoint's state or None): both modes'."""
+    """(epoch to start at, the metrics history so far, the checkpoint's state or None):
+    both modes'."""
     state = launcher.latest_checkpoint()
     return (0, [], None) if state is None else (state["epoch"] + 1, state["history"], state)
 
 
 def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: int, history: list,
                train_fn, eval_fn, state_fn) -> dict:
-    """The epoch loop both modes share: train, evaluate, print (rank 0), report + checkpoint (rank 0's)."""
+    """The epoch loop both modes share:
+    train, evaluate, print (rank 0), report + checkpoint (rank 0's)."""
     if worker.is_main and start_epoch >= cfg.epochs:
-        print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train", flush=True)
+        print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train",
+              flush=True)
     elif worker.is_main and start_epoch:
-        print(f"ray-dp: resuming at epoch {start_epoch + 1} of {cfg.epochs} with {plural(worker.world, 'worker')}, "
-              f"from the checkpoint of epoch {start_epoch}", flush=True)
+        print(f"ray-dp: resuming at epoch {start_epoch + 1} of {cfg.epochs} with "
+              f"{plural(worker.world, 'worker')}, from the checkpoint of epoch {start_epoch}",
+              flush=True)
     first_step_at = time.time()  # wall clock, for the benchmark's "seconds to the first step"
     for epoch in range(start_epoch, cfg.epochs):
-        # ended_at (wall clock): the time between two epochs' ends counts evaluation and reporting too.
+        # ended_at (wall clock):
+        # the time between two epochs' ends counts evaluation and reporting too.
         metrics = {"epoch": epoch, **train_fn(epoch), **eval_fn(), "ended_at": time.time()}
         history.append(metrics)
         if worker.is_main:
             print(format_epoch(metrics, cfg.epochs), flush=True)
         launcher.report(metrics, state_fn(epoch, history) if worker.is_main else None, epoch)
     return {"history": history, "world_size": worker.world, "device": worker.device.type,
-            "started_at_epoch": start_epoch, "first_step_at": first_step_at, "node_ranks": node_ranks(worker)}
+            "started_at_epoch": start_epoch, "first_step_at": first_step_at,
+            "node_ranks": node_ranks(worker)}
 
 
 def train_loop_per_worker(config: dict) -> dict:
@@ -1722,16 +1926,19 @@ def train_loop_per_worker(config: dict) -> dict:
     if cfg.min_workers:  # elastic: the same global batch, split over the workers there are now
         cfg = replace(cfg, workers=worker.world)
     train_set, test_set = load_dataset(cfg)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
+    # identical initial weights on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, train_set.tensors[0].shape[1:])
     if cfg.sync_bn:
-        model = convert_sync_bn(model, worker.device)  # before DDP, which must see the final modules
+        # before DDP, which must see the final modules
+        model = convert_sync_bn(model, worker.device)
     if worker.device.type == "cuda":
         model, train_set, test_set = cuda_fast_paths(cfg, model, train_set, test_set, worker.device)
     model = wrap_model(model.to(worker.device), worker.device, cfg.mode)
     if cfg.compile:
         model = torch.compile(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # created once
+    # created once
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     start_epoch, history, state = resume(launcher)
     if state is not None:
         unwrap(model).load_state_dict(state["model"])
@@ -1742,30 +1949,35 @@ def train_loop_per_worker(config: dict) -> dict:
         train_fn=lambda epoch: train_epoch(model, optimizer, batches, cfg, worker.device, epoch,
                                            options.progress and worker.is_main),
         eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device),
-        state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(),
-                                                      epoch, cfg, hist))
+        state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(),
+                                                      optimizer.state_dict(), epoch, cfg, hist))
 
 
 def scratch_loop_per_worker(config: dict) -> dict:
-    """--mode scratch: the functional LeNet, hand-written all-reduce and SGD, exact distributed evaluation."""
+    """--mode scratch: the functional LeNet, hand-written all-reduce and SGD,
+    exact distributed evaluation."""
     cfg, worker, launcher, options = worker_setup(config)
     train_set, test_set = load_dataset(cfg)
     start_epoch, history, state = resume(launcher)
     channels, size = train_set.tensors[0].shape[1], train_set.tensors[0].shape[-1]
-    initial = init_lenet_params(cfg.seed, channels, size) if state is None else state_dict_to_params(state["model"])
+    initial = (init_lenet_params(cfg.seed, channels, size) if state is None
+               else state_dict_to_params(state["model"]))
     params = get_params(initial, worker.device)
     return run_epochs(
         cfg, worker, launcher, start_epoch, history,
         train_fn=lambda epoch: scratch_train_epoch(params, train_set, cfg, worker, epoch,
                                                    options.progress and worker.is_main),
         eval_fn=lambda: evaluate(lambda X: lenet(X, params), test_set, worker.device),
-        state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch, cfg, hist))
+        state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch,
+                                                      cfg, hist))
 
 
 def eval_loop_per_worker(config: dict) -> dict:
-    """--eval-only: the checkpoint's model scored on this worker's shard of the test set (exactly once each)."""
+    """--eval-only: the checkpoint's model scored on this worker's shard of the test set
+    (exactly once each)."""
     cfg, worker, _, options = worker_setup(config)
-    weights = ray.get(options.weights)  # put in Ray's object store by the driver: no shared disk needed
+    # put in Ray's object store by the driver: no shared disk needed
+    weights = ray.get(options.weights)
     _, test_set = load_dataset(cfg)
     model = build_model(cfg.model, test_set.tensors[0].shape[1:])
     model.load_state_dict(weights)
@@ -1776,14 +1988,16 @@ def eval_loop_per_worker(config: dict) -> dict:
 
 
 # ==================================================================================================
-# Launch, the driver's side: the cluster (GPU or CPU, does it fit), Ray Train's TorchTrainer, the commands.
+# Launch, the driver's side: the cluster (GPU or CPU, does it fit),
+# Ray Train's TorchTrainer, the commands.
 # ==================================================================================================
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """What a run can use: the resources up now and, where an autoscaler can add nodes, its node types as
-    (resources of one node, most nodes) (None: nothing says). local: this machine alone, which never grows."""
+    """What a run can use: the resources up now and, where an autoscaler can add nodes, its node
+    types as (resources of one node, most nodes) (None: nothing says). local: this machine alone,
+    which never grows."""
     now: dict
     node_types: Optional[list]
     local: bool
@@ -1802,7 +2016,8 @@ class Cluster:
 
     def hosts(self, per_worker: dict) -> bool:
         """Some node type can hold one worker (a worker never spans nodes)."""
-        return any(count and fits(per_worker, resources) for resources, count in self.node_types or [])
+        return any(count and fits(per_worker, resources)
+                   for resources, count in self.node_types or [])
 
 
 def resources_per_worker(cfg: Config) -> dict:
@@ -1816,19 +2031,22 @@ def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
         return cfg.gpu
     if cfg.mode == "dp" or cluster.now.get("GPU", 0) > 0:
         return True
-    if cluster.most is not None:  # e.g. a fresh `ray up` cluster: GPU nodes start when workers ask for GPUs
+    # e.g. a fresh `ray up` cluster: GPU nodes start when workers ask for GPUs
+    if cluster.most is not None:
         return cluster.most.get("GPU", 0) > 0
     if cluster.local:
         return False
-    raise ConfigError(f"the cluster at {cfg.address} has no GPU now and ray_dp cannot tell whether it can add "
-                      f"GPU nodes (no autoscaler configuration found): pass --gpu or --cpu")
+    raise ConfigError(f"the cluster at {cfg.address} has no GPU now and ray_dp cannot tell "
+                      f"whether it can add GPU nodes (no autoscaler configuration found): "
+                      f"pass --gpu or --cpu")
 
 
 def settle_device(cfg: Config, cluster: Cluster) -> Config:
-    """The config with the device decided, once the workers are known to fit: Ray would otherwise wait
-    forever for resources that never come."""
+    """The config with the device decided, once the workers are known to fit: Ray would otherwise
+    wait forever for resources that never come."""
     cfg = replace(cfg, gpu=decide_gpu(cfg, cluster))
-    if cluster.local and cfg.cpus_per_worker is None and cfg.processes > cluster.now.get("CPU", 0) and not cfg.gpu:
+    if (cluster.local and cfg.cpus_per_worker is None
+            and cfg.processes > cluster.now.get("CPU", 0) and not cfg.gpu):
         cfg = share_cores(cfg, cluster.now.get("CPU", 0))
     fewest = cfg.min_workers or cfg.processes  # an elastic run starts once its minimum fits
     need = {kind: amount * fewest for kind, amount in resources_per_worker(cfg).items()}
@@ -1841,26 +2059,29 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
         raise ConfigError("--gpu was given but this machine has no GPU (use --cpu)")
     if cluster.local or cluster.most is None or not fits(need, cluster.most):
         limit = (f"the cluster has {have}" if cluster.local else
-                 f"the cluster has {have} and no autoscaler configuration that could add more" if cluster.most is None
-                 else f"its node types add up to at most {cluster.most}")
-        raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} GPUs but {limit} "
-                          f"(lower --workers or --cpus-per-worker)")
+                 f"the cluster has {have} and no autoscaler configuration that could add more"
+                 if cluster.most is None else
+                 f"its node types add up to at most {cluster.most}")
+        raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} "
+                          f"GPUs but {limit} (lower --workers or --cpus-per-worker)")
     if cluster.node_types is not None and not cluster.hosts(resources_per_worker(cfg)):
-        raise ConfigError(f"one worker needs {resources_per_worker(cfg)} and no node type of the cluster has that "
-                          f"much (lower --cpus-per-worker)")
+        raise ConfigError(f"one worker needs {resources_per_worker(cfg)} and no node type of the "
+                          f"cluster has that much (lower --cpus-per-worker)")
     print(f"note: waiting for the cluster to grow to {need} (it has {have} now)", flush=True)
     return cfg
 
 
 def share_cores(cfg: Config, cores: float) -> Config:
-    """More workers than this machine has cores, and no --cpus-per-worker: as torchrun would, start them
-    all, each on an equal share of the cores (one thread each). The maths is that of the global batch."""
-    share = math.floor(cores / cfg.processes * 10_000) / 10_000  # Ray counts CPUs in steps of 0.0001
+    """More workers than this machine has cores, and no --cpus-per-worker: as torchrun would, start
+    them all, each on an equal share of the cores (one thread each). The maths is that of the
+    global batch."""
+    # Ray counts CPUs in steps of 0.0001
+    share = math.floor(cores / cfg.processes * 10_000) / 10_000
     if not share:
-        raise ConfigError(f"{cfg.processes} workers cannot share {cores:g} cores (Ray's smallest share is 0.0001 "
-                          f"CPU): lower --workers")
-    print(f"note: {cfg.processes} workers share this machine's {cores:g} cores: {share:g} CPU and 1 thread "
-          f"each (--cpus-per-worker sets it)", flush=True)
+        raise ConfigError(f"{cfg.processes} workers cannot share {cores:g} cores (Ray's smallest "
+                          f"share is 0.0001 CPU): lower --workers")
+    print(f"note: {cfg.processes} workers share this machine's {cores:g} cores: {share:g} CPU and "
+          f"1 thread each (--cpus-per-worker sets it)", flush=True)
     return replace(cfg, cpus_per_worker=share)
 
 
@@ -1868,12 +2089,14 @@ def fits(need: dict, have: dict) -> bool:
     return all(amount <= have.get(kind, 0) for kind, amount in need.items())
 
 
-BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"  # what `ray up` leaves on the head node for its autoscaler
+# what `ray up` leaves on the head node for its autoscaler
+BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
 
 
 def autoscaler_node_types(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[list]:
-    """The attached cluster's node types, as its autoscaler knows them: from the node groups Ray records in
-    its GCS (KubeRay, autoscaler v2), else from the config `ray up` left on this head node; None if neither."""
+    """The attached cluster's node types, as its autoscaler knows them: from the node groups Ray
+    records in its GCS (KubeRay, autoscaler v2), else from the config `ray up` left on this head
+    node; None if neither."""
     from ray._private.state import state
     recorded = state.get_cluster_config()
     if recorded is not None and recorded.node_group_configs:
@@ -1887,22 +2110,24 @@ def autoscaler_node_types(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[li
 
 
 def node_types_from_groups(cluster_config) -> list:
-    """From Ray's autoscaler_pb2.ClusterConfig: (resources, max_count) per node group (-1: no limit)."""
+    """From Ray's autoscaler_pb2.ClusterConfig:
+    (resources, max_count) per node group (-1: no limit)."""
     return [(dict(group.resources), math.inf if group.max_count == -1 else group.max_count)
             for group in cluster_config.node_group_configs]
 
 
 def node_types_from_yaml(cluster_yaml: dict) -> list:
-    """From a cluster launcher config (cluster.yaml as `ray up` prepared it): the head node once, plus
-    max_workers nodes of each node type."""
+    """From a cluster launcher config (cluster.yaml as `ray up` prepared it): the head node once,
+    plus max_workers nodes of each node type."""
     head = cluster_yaml.get("head_node_type")
     return [(node_type.get("resources", {}), node_type.get("max_workers", 0) + (name == head))
             for name, node_type in cluster_yaml.get("available_node_types", {}).items()]
 
 
 def check_reachable(address: str, seconds: float = 5.0) -> None:
-    """A cluster's GCS must answer before ray.init, which would otherwise retry for minutes. 'auto' is the
-    last cluster `ray start` recorded on this machine (/tmp/ray/ray_current_cluster), possibly long gone."""
+    """A cluster's GCS must answer before ray.init, which would otherwise retry for minutes. 'auto'
+    is the last cluster `ray start` recorded on this machine (/tmp/ray/ray_current_cluster),
+    possibly long gone."""
     import socket
     from ray._private.services import canonicalize_bootstrap_address
     try:
@@ -1910,72 +2135,92 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
     except ConnectionError:
         resolved = None
     except ValueError:
-        raise ConfigError(f"--address {address}: give 'auto' or host:port (e.g. 10.0.0.5:6379)") from None
+        raise ConfigError(f"--address {address}: give 'auto' or host:port "
+                          f"(e.g. 10.0.0.5:6379)") from None
     if not resolved:
-        raise ConfigError(f"--address {address}: no running Ray cluster is recorded on this machine; start one "
-                          f"(ray start --head, or ray up cluster.yaml) or drop --address to run here")
+        raise ConfigError(f"--address {address}: no running Ray cluster is recorded on this "
+                          f"machine; start one (ray start --head, or ray up cluster.yaml) or drop "
+                          f"--address to run here")
     host, _, port = resolved.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=seconds).close()
     except (OSError, ValueError):
-        found = f" (--address {address} found it in /tmp/ray/ray_current_cluster)" if address == "auto" else ""
-        raise ConfigError(f"no Ray cluster answers at {resolved}{found}: start one (ray start --head, or ray up "
-                          f"cluster.yaml), or drop --address to run on this machine") from None
+        found = (f" (--address {address} found it in /tmp/ray/ray_current_cluster)"
+                 if address == "auto" else "")
+        raise ConfigError(f"no Ray cluster answers at {resolved}{found}: start one "
+                          f"(ray start --head, or ray up cluster.yaml), or drop --address to run "
+                          f"on this machine") from None
 
 
 def connect(cfg: Config) -> Config:
     """Start (or attach to) Ray, after checking that the run fits, so that nothing starts in vain.
     Returns the config with the device decided."""
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # Ray would fold epoch lines that differ only in numbers
+    # Ray would fold epoch lines that differ only in numbers
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not ray.is_initialized() and not cfg.address:
-        from ray._private.utils import get_num_cpus  # what ray.init registers: cgroup limits, not the host's
+        # what ray.init registers: cgroup limits, not the host's
+        from ray._private.utils import get_num_cpus
         machine = {"CPU": get_num_cpus(), "GPU": torch.cuda.device_count()}
         cfg = settle_device(cfg, Cluster(machine, None, local=True))
-        # Ray turns token auth on for a cluster it starts, and says so on every run: good, and not news.
-        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(address="local", runtime_env=RUNTIME_ENV, logging_level=logging.WARNING, include_dashboard=False)
+        # Ray turns token auth on for a cluster it starts,
+        # and says so on every run: good, and not news.
+        logging.getLogger("ray._private.authentication."
+                          "authentication_token_setup").setLevel(logging.ERROR)
+        ray.init(address="local", runtime_env=RUNTIME_ENV, logging_level=logging.WARNING,
+                 include_dashboard=False)
         return cfg
     if not ray.is_initialized():
         check_reachable(cfg.address)
         try:
             ray.init(address=cfg.address, runtime_env=RUNTIME_ENV, logging_level=logging.WARNING)
         except ConnectionError as exc:
-            raise ConfigError(f"cannot attach to the Ray cluster at {cfg.address}: {first_line(exc)}") from None
-    # A cluster this process already runs (tests, compare's rows) was started here and will not grow.
+            raise ConfigError(f"cannot attach to the Ray cluster at {cfg.address}: "
+                              f"{first_line(exc)}") from None
+    # A cluster this process already runs
+    # (tests, compare's rows) was started here and will not grow.
     attached = bool(cfg.address)
-    return settle_device(cfg, Cluster(ray.cluster_resources(), autoscaler_node_types() if attached else None,
+    return settle_device(cfg, Cluster(ray.cluster_resources(),
+                                      autoscaler_node_types() if attached else None,
                                       local=not attached))
 
 
 def shorten_placement_group_cleaner_waits() -> None:
-    """Ray Train's PlacementGroupCleaner asks the State API (served by Ray's dashboard, which requirements.txt
-    does not install) whether the controller still lives, waiting up to 10 s for each answer, and at the
-    end of every run its stop waits for the question in flight: ~10 s added to every run. One second per
-    question keeps its job (removing a dead controller's placement group) and ends runs that much sooner.
-    (Ray builds the callback itself: its defaults are the only handle. Pinned Ray 2.60: the signature is
-    (check_interval_s=1.0, get_actor_timeout_s=10, stop_timeout=None).)"""
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    """Ray Train's PlacementGroupCleaner asks the State API (served by Ray's dashboard, which
+    requirements.txt does not install) whether the controller still lives, waiting up to 10 s for
+    each answer, and at the end of every run its stop waits for the question in flight: ~10 s added
+    to every run. One second per question keeps its job (removing a dead controller's placement
+    group) and ends runs that much sooner. (Ray builds the callback itself: its defaults are the
+    only handle. Pinned Ray 2.60: the signature is (check_interval_s=1.0, get_actor_timeout_s=10,
+    stop_timeout=None).)"""
+    from ray.train.v2._internal.callbacks.placement_group_callback import (
+        PlacementGroupCleanerCallback)
     PlacementGroupCleanerCallback.__init__.__defaults__ = (1.0, 1.0, None)
 
 
-# PRINT_PATCH=0: rank 0's epoch lines reach the console once, not once as print and again as a log record.
-RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
+# PRINT_PATCH=0: rank 0's epoch lines reach the console once,
+# not once as print and again as a log record.
+RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+                            "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
                "worker_process_setup_hook": quiet_ray_logs}
 
 
 def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.train.Result:
-    """Run `loop` on the run's workers (Ray's, or under torchrun this very process) and wait for it."""
+    """Run `loop` on the run's workers
+    (Ray's, or under torchrun this very process) and wait for it."""
     training = loop is not eval_loop_per_worker
-    # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by default:
-    # with short epochs every report would wait for it, and a crash right after one would lose it.
+    # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by
+    # default: with short epochs every report would wait for it, and a crash right after one would
+    # lose it.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)  # Ray hands it on
     shorten_placement_group_cleaner_waits()
     logs = local_run_dir(cfg)
     send_ray_output_to(os.path.join(logs, "ray.log"))
-    callbacks = [QuietControllerLogs(), RecoveryLog(cfg, os.path.join(logs, "recovery.json"), last_epoch)]
+    callbacks = [QuietControllerLogs(),
+                 RecoveryLog(cfg, os.path.join(logs, "recovery.json"), last_epoch)]
     # num_workers=0 under torchrun: Ray Train's local mode runs the loop in this very process.
-    workers = 0 if options.torchrun else (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes
+    workers = (0 if options.torchrun else
+               (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
     trainer = TorchTrainer(
         loop,
         train_loop_config={"config": cfg, "options": options},
@@ -1983,40 +2228,47 @@ def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.tr
                                      resources_per_worker=resources_per_worker(cfg)),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=None),
-                             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # no INFO per report
+                             # no INFO per report
+                             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
                              callbacks=callbacks + ([TensorBoardLogger(cfg)] if training else []),
                              failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
         torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)),
     )
     try:
         return trainer.fit()
-    except SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, aborts the run and exits
+    except SystemExit:
+        # Ray Train's own Ctrl-C handler, which fit() installs, aborts the run and exits
         raise KeyboardInterrupt from None
 
 
 def describe(cfg: Config, sizes: tuple[int, int], torchrun: bool = False) -> str:
-    workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp"
-               else f"{cfg.min_workers or cfg.workers}{f'-{cfg.workers}' if cfg.min_workers else ''} "
-                    f"{'GPU' if cfg.gpu else 'CPU'} workers{' (elastic)' if cfg.min_workers else ''}")
+    workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp" else
+               f"{cfg.min_workers or cfg.workers}{f'-{cfg.workers}' if cfg.min_workers else ''} "
+               f"{'GPU' if cfg.gpu else 'CPU'} workers{' (elastic)' if cfg.min_workers else ''}")
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
     dropped = sizes[0] - samples_per_epoch(cfg, sizes[0])
-    left_out = f" ({dropped} train samples left out per epoch: whole global batches only)" if dropped else ""
+    left_out = (f" ({dropped} train samples left out per epoch: whole global batches only)"
+                if dropped else "")
     launcher = " (torchrun)" if torchrun else ""
-    return (f"ray-dp{launcher}: {cfg.mode} {cfg.model} on {cfg.dataset} ({sizes[0]} train / {sizes[1]} test), "
+    return (f"ray-dp{launcher}: {cfg.mode} {cfg.model} on {cfg.dataset} "
+            f"({sizes[0]} train / {sizes[1]} test), "
             f"{workers}{extra}, "
-            f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x {cfg.processes} workers x "
-            f"{cfg.accum_steps} accum{left_out}, lr {cfg.lr} ({cfg.lr_schedule}), {optimizer_name(cfg)}, "
+            f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x {cfg.processes} "
+            f"workers x {cfg.accum_steps} accum{left_out}, lr {cfg.lr} ({cfg.lr_schedule}), "
+            f"{optimizer_name(cfg)}, "
             f"{cfg.epochs} epochs, "
             f"run dir {cfg.run_dir}")
 
 
 def optimizer_name(cfg: Config) -> str:
-    return "plain SGD" if cfg.mode == "scratch" or not cfg.momentum else f"SGD momentum {cfg.momentum}"
+    return ("plain SGD" if cfg.mode == "scratch" or not cfg.momentum
+            else f"SGD momentum {cfg.momentum}")
 
 
-def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Optional[str], **more) -> dict:
-    """result.json, for training and evaluation alike: the config, the final metrics, who computed them
-    (world size, device) and with which checkpoint file; then what the command adds."""
+def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Optional[str],
+               **more) -> dict:
+    """result.json, for training and evaluation alike: the config, the final metrics, who computed
+    them (world size, device) and with which checkpoint file; then what the command adds."""
     return {"config": asdict(cfg), "final": final, "world_size": out.get("world_size"),
             "device": out.get("device"), "checkpoint": checkpoint, **more}
 
@@ -2024,15 +2276,19 @@ def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Option
 def summarize(cfg: Config, result: ray.train.Result) -> dict:
     out = result.return_value
     history = out["history"]
-    # Medians, leaving out epoch 1 (warm-up) when there are more: a shared machine's stalls skew means.
+    # Medians, leaving out epoch 1 (warm-up) when there are more:
+    # a shared machine's stalls skew means.
     timed = history[1:] or history
-    # Named by epoch, so known without asking Ray (whose Result may lack it when its state API is slow).
-    checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(history[-1]["epoch"]), CHECKPOINT_FILE)
+    # Named by epoch, so known without asking Ray
+    # (whose Result may lack it when its state API is slow).
+    checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(history[-1]["epoch"]),
+                              CHECKPOINT_FILE)
     summary = run_record(
         cfg, history[-1], out, checkpoint, epochs=history,
         sec_per_epoch=statistics.median(m["epoch_seconds"] for m in timed),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
-        started_at_epoch=out["started_at_epoch"], node_ranks=out["node_ranks"], first_step_at=out["first_step_at"],
+        started_at_epoch=out["started_at_epoch"], node_ranks=out["node_ranks"],
+        first_step_at=out["first_step_at"],
         recovery=recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json")))
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
@@ -2043,33 +2299,37 @@ class RunFailed(RuntimeError):
 
 
 def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
-    """result.json for a run that failed (its config, the error, the recovery record); the one-line reason."""
+    """result.json for a run that failed
+    (its config, the error, the recovery record); the one-line reason."""
     logs = local_run_dir(cfg)
     recovery = recovery_summary(os.path.join(logs, "recovery.json"))
     failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
     node_ips = {int(rank): ip for rank, ip in (failed[-1]["node_ips"] if failed else {}).items()}
     reason = describe_training_error(error, node_ips)
-    write_json(os.path.join(cfg.run_dir, "result.json"), run_record(cfg, None, {}, None, error=reason,
-                                                                    recovery=recovery))
+    write_json(os.path.join(cfg.run_dir, "result.json"),
+               run_record(cfg, None, {}, None, error=reason, recovery=recovery))
     return f"{reason}; the full errors are in {os.path.join(logs, 'ray.log')}"
 
 
 def run(cfg: Config, typed: Optional[set] = None, sizes: Optional[tuple] = None) -> Optional[dict]:
-    """Train: check everything, start (or attach to) Ray, train, summarize. Under torchrun each of its
-    processes runs this; rank 0 alone speaks and writes."""
+    """Train: check everything, start (or attach to) Ray, train, summarize. Under torchrun each of
+    its processes runs this; rank 0 alone speaks and writes."""
     torchrun = under_torchrun()
     speaks = not torchrun or os.environ["RANK"] == "0"
     with contextlib.redirect_stdout(sys.stdout if speaks else io.StringIO()):
         sizes = sizes or check_data(cfg)
-        cfg, last_epoch = check_run_dir(cfg, typed)  # every rank: they all train what a rerun adopts
+        # every rank: they all train what a rerun adopts
+        cfg, last_epoch = check_run_dir(cfg, typed)
         cfg = cfg if torchrun else connect(cfg)
         if speaks:
-            start_fresh(cfg)  # under torchrun before the other ranks look for checkpoints: they wait for rank 0
+            # under torchrun before the other ranks look for checkpoints: they wait for rank 0
+            start_fresh(cfg)
         print(describe(cfg, sizes, torchrun), flush=True)
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
     options = LoopOptions(progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun)
     if torchrun:
-        logging.getLogger("ray.train").setLevel(logging.WARNING)  # local mode logs every report at INFO
+        # local mode logs every report at INFO
+        logging.getLogger("ray.train").setLevel(logging.WARNING)
     try:
         result = fit(cfg, loop, options, last_epoch)
     except ray.train.TrainingFailedError as exc:
@@ -2081,22 +2341,25 @@ def run(cfg: Config, typed: Optional[set] = None, sizes: Optional[tuple] = None)
     if (advice := near_chance(cfg, summary)):
         print(f"note: {advice}", flush=True)
     if cfg.mode == "dp":
-        print(f"note: nn.DataParallel normalised each GPU's 1/{cfg.workers} of the batch with its own BatchNorm "
-              f"statistics (per replica); only DDP can synchronise them (--mode ddp --sync-bn)", flush=True)
+        print(f"note: nn.DataParallel normalised each GPU's 1/{cfg.workers} of the batch with its "
+              f"own BatchNorm statistics (per replica); only DDP can synchronise them "
+              f"(--mode ddp --sync-bn)", flush=True)
     return summary
 
 
 def run_eval(cfg: Config, checkpoint: dict) -> dict:
-    """--eval-only: the same test metrics as training, plus per-class accuracy and the confusion matrix."""
+    """--eval-only: the same test metrics as training,
+    plus per-class accuracy and the confusion matrix."""
     _, test_set = load_dataset(cfg)
     if os.path.isfile(cfg.run_dir):
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if epoch_checkpoints(cfg.run_dir):
-        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, whose result.json this "
-                          f"evaluation would overwrite; choose another --name")
+        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, whose "
+                          f"result.json this evaluation would overwrite; choose another --name")
     cfg = connect(cfg)
-    print(f"ray-dp: evaluating {cfg.eval_only} ({cfg.model} on {cfg.dataset}, {len(test_set)} test samples) "
-          f"on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers", flush=True)
+    print(f"ray-dp: evaluating {cfg.eval_only} ({cfg.model} on {cfg.dataset}, "
+          f"{len(test_set)} test samples) on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers",
+          flush=True)
     options = LoopOptions(weights=ray.put(checkpoint["model"]))  # the workers need no shared disk
     out = fit(cfg, eval_loop_per_worker, options).return_value
     metrics = out["metrics"]
@@ -2123,25 +2386,31 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
     rows += [("scratch", algorithm, n) for algorithm in ALLREDUCE_ALGORITHMS]
     configs = []
     for mode, algorithm, workers in dict.fromkeys(rows if n > 1 else rows[:1] + rows[2:3]):
-        # --scale-lr: the lesson's way of adding GPUs (same per-GPU batch, so a bigger global batch),
-        # with the learning rate scaled linearly along; without it, every row trains the same global batch.
+        # --scale-lr: the lesson's way of adding GPUs (same per-GPU batch, so a bigger global
+        # batch), with the learning rate scaled linearly along; without it, every row trains the
+        # same global batch.
         factor = workers if scale_lr else 1
         label = f"{mode}-{algorithm}-{workers}w" if mode == "scratch" else f"{mode}-{workers}w"
         configs.append(replace(base, mode=mode, allreduce=algorithm, workers=workers, name=label,
-                               storage_path=base.run_dir, logdir=os.path.join(base.logdir, base.name),
+                               storage_path=base.run_dir,
+                               logdir=os.path.join(base.logdir, base.name),
                                batch_size=base.batch_size * factor, lr=round(base.lr * factor, 10)))
     return configs
 
 
 def compare_rows(configs: list[Config], summaries: list[dict]) -> list[dict]:
-    baseline = {cfg.mode: s["sec_per_epoch"] for cfg, s in zip(configs, summaries) if cfg.workers == 1}
+    baseline = {cfg.mode: s["sec_per_epoch"] for cfg, s in zip(configs, summaries)
+                if cfg.workers == 1}
     rows = []
     for cfg, s in zip(configs, summaries):
         speedup = baseline[cfg.mode] / s["sec_per_epoch"]
-        comm = s["final"].get("allreduce_seconds_per_step") if s["final"].get("allreduce_bytes") else None
-        rows.append({"run": cfg.name, "mode": cfg.mode, "allreduce": cfg.allreduce if cfg.mode == "scratch" else "ddp",
+        comm = (s["final"].get("allreduce_seconds_per_step") if s["final"].get("allreduce_bytes")
+                else None)
+        rows.append({"run": cfg.name, "mode": cfg.mode,
+                     "allreduce": cfg.allreduce if cfg.mode == "scratch" else "ddp",
                      "workers": cfg.workers, "global_batch": cfg.batch_size, "lr": cfg.lr,
-                     "test_acc": round(s["final"]["test_acc"], 4), "sec_per_epoch": round(s["sec_per_epoch"], 3),
+                     "test_acc": round(s["final"]["test_acc"], 4),
+                     "sec_per_epoch": round(s["sec_per_epoch"], 3),
                      "samples_per_s": round(s["samples_per_second"]), "speedup": round(speedup, 2),
                      "efficiency": round(speedup / cfg.workers, 2),
                      "allreduce_ms_per_step": round(comm * 1e3, 3) if comm else "",
@@ -2165,27 +2434,33 @@ def write_compare(out_dir: str, rows: list[dict], histories: list[list[dict]]) -
     return table
 
 
-# Runs that learn alike (naive = ring = library) draw lines on top of each other: each run gets its own
-# dash and marker, and the markers shrink from run to run, so that later ones sit inside earlier ones.
-LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"), ((0, (1, 3)), "X")]
+# Runs that learn alike (naive = ring = library) draw lines on top of each other: each run gets its
+# own dash and marker, and the markers shrink from run to run, so that later ones sit inside
+# earlier ones.
+LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"),
+               ((0, (1, 3)), "X")]
 
 
 def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> None:
-    """Accuracy and loss per epoch for every run; seconds per epoch; speedup over 1 worker against N x."""
+    """Accuracy and loss per epoch for every run;
+    seconds per epoch; speedup over 1 worker against N x."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (acc_axes, loss_axes), (time_axes, speed_axes) = axes
-    for i, (row, history, (dash, marker)) in enumerate(zip(rows, histories, LINE_STYLES * len(rows))):
+    for i, (row, history, (dash, marker)) in enumerate(
+            zip(rows, histories, LINE_STYLES * len(rows))):
         epochs = [m["epoch"] + 1 for m in history]
-        style = dict(linestyle=dash, marker=marker, markersize=11 - 1.3 * i, markerfacecolor="none" if i % 2 else None,
-                     alpha=0.85, label=row["run"])
+        style = dict(linestyle=dash, marker=marker, markersize=11 - 1.3 * i,
+                     markerfacecolor="none" if i % 2 else None, alpha=0.85, label=row["run"])
         acc_axes.plot(epochs, [m["test_acc"] for m in history], **style)
         loss_axes.plot(epochs, [m["train_loss"] for m in history], **style)
-    acc_axes.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy per epoch", ylim=(0, 1))
-    loss_axes.set(xlabel="epoch", ylabel="train loss", title="train loss per epoch (mean over all workers)")
+    acc_axes.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy per epoch",
+                 ylim=(0, 1))
+    loss_axes.set(xlabel="epoch", ylabel="train loss",
+                  title="train loss per epoch (mean over all workers)")
     for axis in (acc_axes, loss_axes):
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
@@ -2193,13 +2468,17 @@ def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> No
     names = [row["run"] for row in rows]
     epochs_timed = max(len(histories[0]) - 1, 1)
     time_axes.bar(names, [row["sec_per_epoch"] for row in rows], color="tab:blue")
-    time_axes.set(ylabel="seconds per epoch", title=f"seconds per epoch: median of epochs 2-{epochs_timed + 1} "
-                                                      f"of 1 run each" if epochs_timed > 1 else "seconds per epoch")
+    time_axes.set(ylabel="seconds per epoch",
+                  title=(f"seconds per epoch: median of epochs 2-{epochs_timed + 1} of 1 run each"
+                         if epochs_timed > 1 else "seconds per epoch"))
     speed_axes.bar(names, [row["speedup"] for row in rows], color="tab:green", label="measured")
     speed_axes.hlines([row["workers"] for row in rows], [i - 0.4 for i in range(len(rows))],
-                      [i + 0.4 for i in range(len(rows))], colors="black", linestyles="--", label="ideal: N x on N workers")
-    speed_axes.set(ylabel="speedup", title="speedup: sec/epoch of the same mode on 1 worker / this run's",
-                   ylim=(0, 1.3 * max(row["workers"] for row in rows)))  # room for the legend above N x
+                      [i + 0.4 for i in range(len(rows))], colors="black", linestyles="--",
+                      label="ideal: N x on N workers")
+    speed_axes.set(ylabel="speedup",
+                   title="speedup: sec/epoch of the same mode on 1 worker / this run's",
+                   # room for the legend above N x
+                   ylim=(0, 1.3 * max(row["workers"] for row in rows)))
     speed_axes.legend(fontsize=8, loc="upper left", ncol=2)
     for axis in (time_axes, speed_axes):
         axis.tick_params(axis="x", labelrotation=30)
@@ -2229,14 +2508,16 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
 
 
 def parse_command(argv) -> tuple[str, Config, dict]:
-    """(command, config, command options): `ray_dp.py [flags]` trains; `ray_dp.py compare [flags]` compares."""
+    """(command, config, command options): `ray_dp.py [flags]` trains;
+    `ray_dp.py compare [flags]` compares."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = "compare" if argv[:1] == ["compare"] else "train"
     parser, flags = build_parser(command), argv[1:] if command == "compare" else argv
     args = vars(parser.parse_args(flags))
-    # argparse fills in defaults only for attributes the namespace lacks: what keeps NOT_TYPED was not typed.
-    typed = {k for k, v in vars(parser.parse_args(flags, argparse.Namespace(**dict.fromkeys(args, NOT_TYPED)))).items()
-             if v is not NOT_TYPED}
+    # argparse fills in defaults only for attributes the namespace lacks:
+    # what keeps NOT_TYPED was not typed.
+    untyped = argparse.Namespace(**dict.fromkeys(args, NOT_TYPED))
+    typed = {k for k, v in vars(parser.parse_args(flags, untyped)).items() if v is not NOT_TYPED}
     options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
     if command == "compare" or args["mode"] == "scratch":
         args.update({k: v for k, v in LESSON_DEFAULTS.items() if k not in typed})
@@ -2248,14 +2529,16 @@ def parse_command(argv) -> tuple[str, Config, dict]:
         cfg, options["checkpoint"] = eval_config(cfg, typed)
         command = "eval"
     elif command == "train":
-        options["typed"] = typed  # a rerun takes what the command line leaves unsaid from the run it resumes
+        # a rerun takes what the command line leaves unsaid from the run it resumes
+        options["typed"] = typed
     return command, replace(cfg, name=cfg.name or default_run_name(command, cfg)), options
 
 
 def interrupted(command: str, cfg: Optional[Config]) -> str:
     """Ctrl-C: what was kept, and the command line that continues."""
     if command == "compare" and cfg:
-        return f"interrupted; the same command with --name {cfg.name} resumes the rows (finished ones are kept)"
+        return (f"interrupted; the same command with --name {cfg.name} resumes the rows "
+                f"(finished ones are kept)")
     latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
     if latest is None:
         return "interrupted; nothing was saved"
