@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
 
 import ray
 import ray.train
@@ -76,13 +76,13 @@ MODES = ("ddp", "scratch", "dp")
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "library")
 
 
-MODELS = ("lenet", "resnet18", "mlp")
 
 
-DATASETS = ("fashion-mnist", "cifar10", "digits", "synthetic")
 
 
-NUM_CLASSES = 10
+NUM_CLASSES = 10  # the built-in data sets'; a folder or your own data set has its own
+# --image-size when not given, for data sets read per sample: what each model was made for.
+MODEL_IMAGE_SIZE = {"lenet": 28, "mlp": 28, "resnet18": 32}
 
 
 DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
@@ -136,18 +136,39 @@ class Config:
                             "library (dist.all_reduce)", choices=ALLREDUCE_ALGORITHMS)
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across workers (models with "
                            "BatchNorm only)")
-    model: str = option("lenet", "network", choices=MODELS)
-    loader_workers: int = option(0, "0: the in-memory fast path (the data set as tensors on the "
-                                 "worker's device, batches indexed by the sampler); N: a torch "
-                                 "DataLoader with N loader processes per worker (persistent; "
-                                 "pinned memory on GPU), for data that must be read per sample",
-                                 metavar="N")
+    model: str = option("lenet", "network: lenet, mlp, resnet18 (the lessons', for small images), or any "
+                        "torchvision classification model by name, e.g. resnet50, mobilenet_v3_small, "
+                        "vit_b_16 (--model list shows them)", metavar="NAME")
+    weights: str = option("", "start from this state_dict file (e.g. torchvision's ImageNet .pth); "
+                          "tensors whose shapes do not fit (a classifier for other classes) stay new",
+                          metavar="PATH")
+    image_size: Optional[int] = option(None, "--dataset folder: images are resized to N x N pixels "
+                                       "(default: 28 for lenet and mlp, 32 for resnet18, 224 for "
+                                       "torchvision models)", type=int, metavar="N")
+    augment: bool = option(True, "--dataset folder: random resized crops and horizontal flips when "
+                           "training (--no-augment: resize and center crop, as for evaluation)")
+    optimizer: str = option("sgd", "sgd (with --momentum) or adamw", choices=("sgd", "adamw"))
+    weight_decay: float = option(0.0, "weight decay, on weights only (not on biases or norm layers)",
+                                 metavar="WD")
+    warmup_epochs: int = option(0, "epochs of linear learning-rate warm-up before the schedule",
+                                metavar="N")
+    clip_grad_norm: float = option(0.0, "clip the gradients' global norm to this after the all-reduce "
+                                   "(every rank clips the same gradients; 0: no clipping)", metavar="NORM")
+    label_smoothing: float = option(0.0, "label smoothing of the training loss (0 to 1)", metavar="EPS")
+    loader_workers: Optional[int] = option(
+        None, "0: data held in memory are indexed on the worker's device (the fast path), per-sample data "
+              "decoded in the worker; N: a torch DataLoader with N loader processes per worker "
+              "(persistent; pinned memory on GPU) (default: 0 for in-memory data sets, 2 for folder)",
+        type=int, metavar="N")
+    # The data's per-channel (mean, std), computed once on the driver for per-sample data sets.
+    normalize: Optional[tuple] = option(None, "", cli=False)
     synthetic_size: int = option(512, "--dataset synthetic: training images "
                                  "(the test set has 100)", metavar="N")
     dataset: str = option("fashion-mnist", "data set; digits (1,797 real digits from scikit-learn) "
-                          "needs no download", choices=DATASETS)
-    data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory)",
-                           metavar="DIR")
+                          "needs no download; folder: your images, --data-dir PATH holding "
+                          "train/<class>/* and val/<class>/*")
+    data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory); "
+                           "--dataset folder: the folder", metavar="DIR")
     download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir")
     seed: int = option(0, "random seed for model init and data order (the same on every worker)",
                        metavar="N")
@@ -259,6 +280,8 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         kwargs = dict(f.metadata)
         if not kwargs.pop("cli", True):
             continue
+        if f.name == "dataset":
+            kwargs["choices"] = sorted(DATASETS)  # the registry, complete by the time anyone parses
         if f.name == "workers":
             parser.add_argument(flag, action=_WorkersAction, default=f.default, **kwargs)
         elif f.name == "gpu":
@@ -353,17 +376,33 @@ def validate(cfg: Config) -> None:
          "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
         (not (cfg.mode == "scratch" and (cfg.amp or cfg.compile)),
          "--amp and --compile need --mode ddp (scratch mode is the lesson's plain fp32 code)"),
-        (cfg.loader_workers >= 0,
+        (cfg.loader_workers is None or cfg.loader_workers >= 0,
          f"--loader-workers must be 0 (in memory) or more, got {cfg.loader_workers}"),
         (not (cfg.mode == "scratch" and cfg.loader_workers),
          "--loader-workers needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
+        (not (cfg.mode == "scratch" and cfg.dataset == "folder"),
+         "--dataset folder needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
+        (not (cfg.mode == "scratch" and (cfg.optimizer != "sgd" or cfg.weight_decay or cfg.weights
+                                         or cfg.clip_grad_norm or cfg.label_smoothing)),
+         "--optimizer, --weight-decay, --weights, --clip-grad-norm and --label-smoothing need --mode "
+         "ddp (scratch mode is the lesson's plain SGD)"),
+        (cfg.image_size is None or cfg.image_size >= 1,
+         f"--image-size must be at least 1 pixel, got {cfg.image_size}"),
+        (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
+         f"--image-size {cfg.image_size} is too small for {cfg.model} (at least 14)"),
+        (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,
+         f"--weight-decay must be 0 or more, got {cfg.weight_decay}"),
+        (0 <= cfg.warmup_epochs < cfg.epochs,
+         f"--warmup-epochs must be 0 to --epochs - 1 = {cfg.epochs - 1}, got {cfg.warmup_epochs}"),
+        (math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm >= 0,
+         f"--clip-grad-norm must be 0 (off) or more, got {cfg.clip_grad_norm}"),
+        (0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
+        (not cfg.weights or os.path.isfile(cfg.weights), f"--weights {cfg.weights} is not a file"),
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
         (not (cfg.mode == "dp" and cfg.gpu is False),
          f"{DP_NEEDS_GPUS}; drop --cpu, or use --mode ddp"),
-        (not (cfg.sync_bn and cfg.model != "resnet18"),
-         f"--sync-bn needs a model with BatchNorm (resnet18); {cfg.model} has none"),
         (not cfg.predict_out or cfg.eval_only,
          "--predict-out needs --eval-only PATH (predictions of a saved model)"),
         (not cfg.predict_out or cfg.predict_out.lower().endswith(".csv"),
@@ -374,6 +413,9 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    check_model_name(cfg.model)
+    if cfg.sync_bn and not has_batchnorm(cfg.model):
+        raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); {cfg.model} has none")
     directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
                    "predict-out": cfg.predict_out}
     for flag, typed in directories.items():
@@ -395,6 +437,16 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x "
                               f"accum-steps = {per_step} (the global batch is split evenly into "
                               f"per-worker micro-batches{near})")
+
+
+def check_model_name(name: str) -> None:
+    if name in MODELS or name in torchvision_models():
+        return
+    import difflib
+    close = difflib.get_close_matches(name, [*MODELS, *torchvision_models()], n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise ConfigError(f"--model {name} is not a model of ray_dp or torchvision{hint} (--model list shows "
+                      f"them)")
 
 
 NOT_TYPED = object()
@@ -458,15 +510,120 @@ def torchrun_launch(args: dict, typed: set) -> dict:
 # ==================================================================================================
 
 
-def load_dataset(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
-    """(train, test) as float images in [0, 1] of shape (N, C, H, W) and int64 labels."""
-    if cfg.dataset == "digits":
-        return load_digits()
-    if cfg.dataset == "synthetic":
-        return make_synthetic(cfg.seed, cfg.synthetic_size)
-    from torchvision.datasets import CIFAR10, FashionMNIST
-    dataset_class = {"fashion-mnist": FashionMNIST, "cifar10": CIFAR10}[cfg.dataset]
-    return load_torchvision(dataset_class, cfg.data_dir, cfg.download)
+# Your own data set: one function, registered by name, that returns (train, test) torch Datasets of
+# (image tensor (C, H, W), int label) pairs, e.g.
+#     @dataset("mine")
+#     def load_mine(cfg: Config):
+#         train, test = torch.load("/data/mine.pt")  # tensors on a file every node can read
+#         return TensorDataset(*train), TensorDataset(*test)
+# and --dataset mine trains on it. TensorDatasets take the in-memory fast path; other Datasets are read
+# per sample by --loader-workers processes. A `classes` attribute names the classes (else 0, 1, ...).
+DATASETS: dict = {}
+
+
+def dataset(name: str):
+    """Register a data set loader under --dataset NAME."""
+    def register(load):
+        DATASETS[name] = load
+        return load
+    return register
+
+
+def load_dataset(cfg: Config):
+    """(train, test) as the data set's loader gives them; built-ins: float images in [0, 1] of shape
+    (N, C, H, W) and int64 labels, as TensorDatasets."""
+    return DATASETS[cfg.dataset](cfg)
+
+
+@dataset("fashion-mnist")
+def load_fashion_mnist(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
+    from torchvision.datasets import FashionMNIST
+    return load_torchvision(FashionMNIST, cfg.data_dir, cfg.download)
+
+
+@dataset("cifar10")
+def load_cifar10(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
+    from torchvision.datasets import CIFAR10
+    return load_torchvision(CIFAR10, cfg.data_dir, cfg.download)
+
+
+@dataset("digits")
+def load_digits_set(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
+    return load_digits()
+
+
+@dataset("synthetic")
+def load_synthetic(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
+    return make_synthetic(cfg.seed, cfg.synthetic_size)
+
+
+@dataset("folder")
+def load_folder(cfg: Config):
+    """--data-dir PATH laid out as torchvision's ImageFolder wants it (pytorch/examples' imagenet):
+    PATH/train/<class>/* and PATH/val/<class>/*, any format PIL reads, decoded per sample."""
+    from torchvision.datasets import ImageFolder
+    root = Path(cfg.data_dir)
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise DataError(f"--dataset folder needs {root / split}/<class>/<images> (and "
+                            f"{root / ('val' if split == 'train' else 'train')}/ beside it)")
+    train_transform, eval_transform = image_transforms(cfg)
+    try:
+        train = ImageFolder(str(root / "train"), transform=train_transform)
+        val = ImageFolder(str(root / "val"), transform=eval_transform)
+    except FileNotFoundError as exc:  # a class folder without a single image
+        raise DataError(f"--data-dir {root}: {exc}") from None
+    if train.classes != val.classes:
+        only_train, only_val = set(train.classes) - set(val.classes), set(val.classes) - set(train.classes)
+        raise DataError(f"--data-dir {root}: train/ and val/ must hold the same classes; only in train/: "
+                        f"{sorted(only_train) or 'none'}, only in val/: {sorted(only_val) or 'none'}")
+    return train, val
+
+
+def image_transforms(cfg: Config) -> tuple:
+    """torchvision's standard transforms at --image-size: training with --augment (random resized
+    crop + horizontal flip) or without (resize + center crop); evaluation resize + center crop; then
+    normalised with cfg.normalize (mean, std per channel) once it is known."""
+    from torchvision import transforms as T
+    size = cfg.image_size or MODEL_IMAGE_SIZE.get(cfg.model, 224)
+    fixed = [T.Resize(size), T.CenterCrop(size)]
+    train = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()] if cfg.augment else fixed
+    normalize = [T.Normalize(*cfg.normalize)] if cfg.normalize else []
+    return T.Compose([*train, T.ToTensor(), *normalize]), T.Compose([*fixed, T.ToTensor(), *normalize])
+
+
+IMAGENET_STATISTICS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+
+def with_data_statistics(cfg: Config, train_set) -> Config:
+    """Per-sample data sets are normalised: with ImageNet's statistics when starting from --weights
+    (torchvision's ImageNet weights expect them), otherwise with the data's, from up to 500 training
+    images, computed once here on the driver and kept in the config (a rerun or an evaluation of the
+    run uses the same)."""
+    if isinstance(train_set, TensorDataset) or cfg.normalize:
+        return cfg
+    if cfg.weights:
+        return replace(cfg, normalize=IMAGENET_STATISTICS)
+    sample = torch.stack([train_set[i][0] for i in torch.linspace(0, len(train_set) - 1, 500).long()
+                          .unique().tolist()])
+    mean = sample.mean((0, 2, 3))
+    std = sample.std((0, 2, 3)).clamp_min(1e-3)
+    return replace(cfg, normalize=([round(v, 4) for v in mean.tolist()], [round(v, 4) for v in std.tolist()]))
+
+
+def class_names(dataset) -> list:
+    """The data set's class names: its `classes`, or 0..K-1 from its labels."""
+    if getattr(dataset, "classes", None):
+        return [str(name) for name in dataset.classes]
+    return [str(c) for c in range(int(dataset.tensors[1].max()) + 1)]
+
+
+class NamedTensors(TensorDataset):
+    """A TensorDataset that knows its class names."""
+
+    def __init__(self, *tensors, classes: list):
+        super().__init__(*tensors)
+        self.classes = classes
 
 
 def load_digits(test_size: int = 360) -> tuple[TensorDataset, TensorDataset]:
@@ -479,7 +636,9 @@ def load_digits(test_size: int = 360) -> tuple[TensorDataset, TensorDataset]:
     # A fixed split, independent of --seed, so every run is scored on the same digits.
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     test, train = order[:test_size], order[test_size:]
-    return TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test])
+    classes = [str(c) for c in range(10)]
+    return (NamedTensors(images[train], labels[train], classes=classes),
+            NamedTensors(images[test], labels[test], classes=classes))
 
 
 def make_synthetic(seed: int, n_train: int = 512,
@@ -489,7 +648,9 @@ def make_synthetic(seed: int, n_train: int = 512,
     gen = torch.Generator().manual_seed(seed)
     x = torch.rand(n_train + n_test, 1, 28, 28, generator=gen)
     y = torch.randint(0, NUM_CLASSES, (n_train + n_test,), generator=gen)
-    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+    classes = [str(c) for c in range(NUM_CLASSES)]
+    return (NamedTensors(x[:n_train], y[:n_train], classes=classes),
+            NamedTensors(x[n_train:], y[n_train:], classes=classes))
 
 
 class DataError(RuntimeError):
@@ -519,17 +680,34 @@ def images_to_tensors(split) -> TensorDataset:
     images = torch.as_tensor(split.data)
     # Fashion-MNIST holds (N, H, W) uint8, CIFAR-10 (N, H, W, C): both become (N, C, H, W) floats.
     images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
-    return TensorDataset(images.float().div(255), torch.as_tensor(split.targets, dtype=torch.int64))
+    # (class_names, not split.classes: run as a script, this function travels to the workers by
+    # value, and cloudpickle would take torch.classes, next to torch here, for a module to ship.)
+    return NamedTensors(images.float().div(255), torch.as_tensor(split.targets, dtype=torch.int64),
+                        classes=class_names(split))
 
 
-def check_data(cfg: Config) -> tuple[int, int]:
-    """Load (downloading if needed) on the driver,
-    so a missing data set fails before any worker starts."""
+@dataclass(frozen=True)
+class DataInfo:
+    """What the driver learns of the data before any worker starts."""
+    sizes: tuple  # (train samples, test samples)
+    sample_shape: tuple  # one image's (C, H, W)
+    classes: list  # their names
+    per_sample: bool  # read (decoded) per sample, not held in memory
+
+
+def check_data(cfg: Config) -> tuple[Config, DataInfo]:
+    """Load (downloading if needed) on the driver, so a missing data set fails before any worker
+    starts; the config with the data's normalisation, and what the driver learns of the data."""
     train_set, test_set = load_dataset(cfg)
     if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
                           f"training samples of {cfg.dataset} allow for one step")
-    return len(train_set), len(test_set)
+    cfg = with_data_statistics(cfg, train_set)
+    if not isinstance(train_set, TensorDataset):  # the transforms now normalise
+        train_set, test_set = load_dataset(cfg)
+    info = DataInfo((len(train_set), len(test_set)), tuple(train_set[0][0].shape),
+                    class_names(train_set), not isinstance(train_set, TensorDataset))
+    return cfg, info
 
 
 def samples_per_epoch(cfg: Config, train_size: int) -> int:
@@ -550,14 +728,14 @@ class LeNet(nn.Module):
     """d2l's LeNet: conv 3x3 -> avgpool -> conv 5x5 -> avgpool -> 128 -> 10
     (800 features on 28x28)."""
 
-    def __init__(self, in_channels: int = 1, image_size: int = 28):
+    def __init__(self, in_channels: int = 1, image_size: int = 28, num_classes: int = NUM_CLASSES):
         super().__init__()
         side = ((image_size - 2) // 2 - 4) // 2
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 20, kernel_size=3), nn.ReLU(), nn.AvgPool2d(2),
             nn.Conv2d(20, 50, kernel_size=5), nn.ReLU(), nn.AvgPool2d(2), nn.Flatten())
         self.classifier = nn.Sequential(nn.Linear(50 * side * side, 128), nn.ReLU(),
-                                        nn.Linear(128, NUM_CLASSES))
+                                        nn.Linear(128, num_classes))
 
     def forward(self, x):
         return self.classifier(self.features(x))
@@ -580,7 +758,7 @@ class Residual(nn.Module):
         return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
 
 
-def resnet18(in_channels: int = 1) -> nn.Sequential:
+def resnet18(in_channels: int = 1, num_classes: int = NUM_CLASSES) -> nn.Sequential:
     """d2l's small-image ResNet-18:
     3x3 stride-1 stem, no max-pool, 4 stages of 2 blocks, global avg pool."""
     def stage(c_in, c_out, first):
@@ -589,17 +767,116 @@ def resnet18(in_channels: int = 1) -> nn.Sequential:
     return nn.Sequential(
         nn.Conv2d(in_channels, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
         stage(64, 64, True), stage(64, 128, False), stage(128, 256, False), stage(256, 512, False),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, NUM_CLASSES))
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes))
 
 
-def build_model(name: str, sample_shape: tuple[int, ...]) -> nn.Module:
+# Your own model: one function, registered by name, that builds it from one sample's shape (C, H, W)
+# and the number of classes, e.g.
+#     @model("tiny")
+#     def tiny(sample_shape, num_classes):
+#         return nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes))
+# and --model tiny trains it. Any torchvision classification model works by name too (--model list).
+MODELS: dict = {}
+# --image-size when not given, for data sets read per sample: what each model was made for.
+
+
+def model(name: str):
+    """Register a model builder under --model NAME."""
+    def register(build):
+        MODELS[name] = build
+        return build
+    return register
+
+
+@model("lenet")
+def build_lenet(sample_shape: tuple, num_classes: int) -> nn.Module:
+    return LeNet(sample_shape[0], sample_shape[-1], num_classes)
+
+
+@model("resnet18")
+def build_resnet18(sample_shape: tuple, num_classes: int) -> nn.Module:
+    return resnet18(sample_shape[0], num_classes)
+
+
+@model("mlp")
+def build_mlp(sample_shape: tuple, num_classes: int) -> nn.Module:
     channels, size = sample_shape[0], sample_shape[-1]
-    if name == "lenet":
-        return LeNet(channels, size)
-    if name == "resnet18":
-        return resnet18(channels)
     return nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 256), nn.ReLU(),
-                         nn.Linear(256, NUM_CLASSES))
+                         nn.Linear(256, num_classes))
+
+
+def torchvision_models() -> list:
+    """The classification models torchvision builds by name (resnet50, mobilenet_v3_small, vit_b_16...)."""
+    import torchvision.models
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def build_model(name: str, sample_shape: tuple[int, ...], num_classes: int = NUM_CLASSES) -> nn.Module:
+    if name in MODELS:
+        return MODELS[name](tuple(sample_shape), num_classes)
+    import torchvision.models
+    net = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    return with_input_channels(net, sample_shape[0])
+
+
+def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
+    """A torchvision model takes 3 channels: its first convolution is made anew for `channels`."""
+    if channels == 3:
+        return net
+    for module in net.modules():
+        for name, child in module.named_children():
+            if isinstance(child, nn.Conv2d) and child.in_channels == 3:
+                setattr(module, name, nn.Conv2d(channels, child.out_channels, child.kernel_size,
+                                                child.stride, child.padding, child.dilation,
+                                                child.groups, child.bias is not None))
+                return net
+    return net
+
+
+def read_weights(path: str) -> dict:
+    """A state_dict file (a ray-dp checkpoint's model too), loaded as data only (weights_only)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many kinds for files it cannot read safely
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"--weights {path} is not a state_dict torch can load safely "
+                          f"({reason[:160]})") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"--weights {path} is not a state_dict (names to tensors)")
+    return state
+
+
+def check_weights(cfg: Config, info: "DataInfo") -> Optional[str]:
+    """--weights must fit the model: the header says what is kept and what is new."""
+    if not cfg.weights:
+        return None
+    weights = read_weights(cfg.weights)
+    kept, new = load_weights(build_model(cfg.model, info.sample_shape, len(info.classes)), weights)
+    if not kept:
+        raise ConfigError(f"--weights {cfg.weights} does not fit {cfg.model}: none of its "
+                          f"{len(weights)} tensors has the name and shape of one of the model's")
+    listed = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
+    return (f"--weights {cfg.weights}: kept {len(kept)} of the model's {len(kept) + len(new)} "
+            f"tensors" + (f"; new (fine-tuned from scratch): {listed}" if new else ""))
+
+
+def has_batchnorm(name: str) -> bool:
+    """Built on the meta device: no memory, no time."""
+    with torch.device("meta"):
+        net = build_model(name, (3, 32, 32))
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+
+
+def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
+    """--weights: every tensor of the file whose name and shape fit the model is loaded; the others (a
+    classifier for another number of classes, a first layer for other channels) stay new. Returns
+    (kept names, new names)."""
+    own = net.state_dict()
+    kept = [k for k, v in weights.items() if k in own and own[k].shape == v.shape]
+    net.load_state_dict({k: weights[k] for k in kept}, strict=False)
+    return kept, [k for k in own if k not in kept]
 
 
 # ==================================================================================================
@@ -794,17 +1071,25 @@ class InMemoryBatches:
             yield images[index], labels[index]
 
 
-def train_batches(data: TensorDataset, cfg: Config, rank: int, world: int, device: torch.device):
+def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device):
     """This rank's micro-batches, the same ones in the same order on either path."""
     sampler = train_sampler(data, rank, world, cfg.seed)
-    if not cfg.loader_workers:
+    workers = loader_workers(cfg, data)
+    if not workers and isinstance(data, TensorDataset):
         return InMemoryBatches(data, sampler, cfg.micro_batch)
     # For data that must be read or decoded per sample: loader processes that live as long as the
     # run (persistent: not re-forked every epoch), pinned host memory so that copies to the GPU are
     # asynchronous.
     return DataLoader(data, batch_size=cfg.micro_batch, sampler=sampler, drop_last=True,
-                      num_workers=cfg.loader_workers, pin_memory=device.type == "cuda",
-                      persistent_workers=True)
+                      num_workers=workers, pin_memory=device.type == "cuda",
+                      persistent_workers=workers > 0)
+
+
+def loader_workers(cfg: Config, data) -> int:
+    """--loader-workers, or by default none for data held in memory and 2 for data read per sample."""
+    if cfg.loader_workers is not None:
+        return cfg.loader_workers
+    return 0 if isinstance(data, TensorDataset) else 2
 
 
 def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
@@ -828,9 +1113,24 @@ def learning_rate(cfg: Config, epoch: int) -> float:
     """The epoch's learning rate, a pure function of the epoch (torch's CosineAnnealingLR, per
     epoch, to 0): nothing to save or restore, so a resumed run continues on exactly the same
     schedule."""
+    if epoch < cfg.warmup_epochs:  # --warmup-epochs W: lr x 1/(W+1), 2/(W+1), ... then the schedule
+        return cfg.lr * (epoch + 1) / (cfg.warmup_epochs + 1)
     if cfg.lr_schedule == "constant":
         return cfg.lr
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * epoch / cfg.epochs))
+    done = (epoch - cfg.warmup_epochs) / (cfg.epochs - cfg.warmup_epochs)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * done))
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD (with --momentum) or AdamW. --weight-decay applies to weights, not to biases or to norm
+    layers' scales and shifts (the one-dimensional parameters), as in the imagenet example's recipes."""
+    params = list(model.parameters())
+    groups = params if not cfg.weight_decay else [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 
 
 class StepLog:
@@ -890,11 +1190,13 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
             data_seconds += time.perf_counter() - tic
             last = micro == cfg.accum_steps - 1
             with grad_sync(model, sync=last), autocast(cfg, device):
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(model(x), y, label_smoothing=cfg.label_smoothing)
                 # Dividing by K makes K accumulated micro-batches one mean over the whole step's
                 # samples.
                 (loss / cfg.accum_steps).backward()
             step_loss += loss.detach() * len(y)
+        if cfg.clip_grad_norm:  # after the last backward's all-reduce: every rank clips the same
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_sum += step_loss
@@ -918,23 +1220,23 @@ def epoch_metrics(loss_sum: float, samples: int, lr: float, seconds: float, data
 
 
 @torch.no_grad()
-def evaluate(net, data: TensorDataset, device: torch.device, batch_size: int = 1000,
-             details: bool = False) -> dict:
+def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: bool = False,
+             num_classes: int = NUM_CLASSES, workers: int = 0) -> dict:
     """Exact test metrics: each worker scores its own disjoint shard, then ONE all-reduce adds up
     [loss sum, confusion matrix] (and, with details, every sample's prediction at its own index).
 
     net maps images to logits: a bare module in eval mode (see `inference`) or the teaching mode's
-    lenet.
+    lenet. data: tensors in memory, or a data set read per sample (by `workers` loader processes).
     """
     rank, world = rank_and_world()
-    images, labels = data.tensors
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     # [true, predicted]
-    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.float64, device=device)
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
     # class, prob
-    predictions = torch.zeros(len(labels) if details else 0, 2, dtype=torch.float64, device=device)
-    for index in shard_indices(len(labels), rank, world).split(batch_size):
-        x, y = images[index].to(device), labels[index].to(device)
+    predictions = torch.zeros(len(data) if details else 0, 2, dtype=torch.float64, device=device)
+    indices = shard_indices(len(data), rank, world)
+    for index, x, y in eval_batches(data, indices, batch_size, workers):
+        x, y = x.to(device), y.to(device)
         logits = net(x)
         loss_sum += F.cross_entropy(logits, y, reduction="sum")
         probability, predicted = logits.softmax(1).max(1)
@@ -944,18 +1246,30 @@ def evaluate(net, data: TensorDataset, device: torch.device, batch_size: int = 1
             predictions[index.to(device)] = torch.stack(
                 [predicted.double(), probability.double()], 1)
     totals = all_reduce_sum(torch.cat([loss_sum, confusion.flatten(), predictions.flatten()]))
-    confusion = totals[1:1 + NUM_CLASSES ** 2].view(NUM_CLASSES, NUM_CLASSES)
+    confusion = totals[1:1 + num_classes ** 2].view(num_classes, num_classes)
     count = confusion.sum().item()
     metrics = {"test_loss": totals[0].item() / count, "test_acc": confusion.trace().item() / count,
                "test_count": int(count)}
     if details:
         metrics["confusion"] = confusion.long().tolist()
-        metrics["predictions"] = totals[1 + NUM_CLASSES ** 2:].view(-1, 2).tolist()
+        metrics["predictions"] = totals[1 + num_classes ** 2:].view(-1, 2).tolist()
     return metrics
 
 
-def evaluate_as_saved(model: nn.Module, test_set: TensorDataset, cfg: Config,
-                      device: torch.device) -> dict:
+def eval_batches(data, indices: torch.Tensor, batch_size: int, workers: int):
+    """(indices, images, labels) of this rank's shard, in order: indexed in memory, or read per sample."""
+    if isinstance(data, TensorDataset):
+        images, labels = data.tensors
+        for index in indices.split(batch_size):
+            yield index, images[index], labels[index]
+        return
+    loader = DataLoader(Subset(data, indices.tolist()), batch_size=batch_size, num_workers=workers)
+    for index, (images, labels) in zip(indices.split(batch_size), loader):
+        yield index, images, labels
+
+
+def evaluate_as_saved(model: nn.Module, test_set, cfg: Config, device: torch.device,
+                      num_classes: int = NUM_CLASSES) -> dict:
     """Score the model that the checkpoint will hold. Without SyncBatchNorm each rank's BatchNorm
     running statistics drift apart (DDP broadcasts rank 0's only at the start of a forward); rank 0
     saves its own, so every rank evaluates with those."""
@@ -963,7 +1277,13 @@ def evaluate_as_saved(model: nn.Module, test_set: TensorDataset, cfg: Config,
         if rank_and_world()[1] > 1:
             dist.broadcast(buffer, src=0)
     with inference(model) as net, autocast(cfg, device):
-        return evaluate(net, test_set, device)
+        return evaluate(net, test_set, device, eval_batch_size(test_set), num_classes=num_classes,
+                        workers=loader_workers(cfg, test_set))
+
+
+def eval_batch_size(data) -> int:
+    """In memory, large batches cost nothing; decoded images (224 x 224 x 3 floats) do."""
+    return 1000 if isinstance(data, TensorDataset) else 64
 
 
 @contextlib.contextmanager
@@ -986,10 +1306,11 @@ def cuda_fast_paths(cfg: Config, model: nn.Module, train_set: TensorDataset,
     importlib.import_module("torch.backends.cudnn").benchmark = True
     # The whole (small) data set on the GPU once: batches are then indexed there, no host copies.
     # (Not the training set that loader processes read: they need it in host memory.)
-    test_set = TensorDataset(*(t.to(device) for t in test_set.tensors))
-    if not cfg.loader_workers:
+    if isinstance(test_set, TensorDataset):
+        test_set = TensorDataset(*(t.to(device) for t in test_set.tensors))
+    if isinstance(train_set, TensorDataset) and not loader_workers(cfg, train_set):
         train_set = TensorDataset(*(t.to(device) for t in train_set.tensors))
-    if cfg.model == "resnet18":  # NHWC lets tensor-core convolutions skip layout transposes
+    if cfg.model not in ("lenet", "mlp"):  # NHWC lets tensor-core convolutions skip layout transposes
         model = model.to(memory_format=torch.channels_last)
     return model, train_set, test_set
 
@@ -1781,30 +2102,45 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
     # A scratch-mode checkpoint is a LeNet state_dict too, so every checkpoint is evaluated the ddp
     # way; bf16 autocast as in training, unless --amp says otherwise.
     amp = cfg.amp if "amp" in typed else trained.get("amp", False)
+    # Images as the model saw them in training (size, normalisation), whatever today's defaults.
+    seen = {k: trained[k] for k in ("image_size", "normalize") if k in trained}
+    if "data_dir" not in typed and "data_dir" in trained:  # e.g. the folder it was trained on
+        seen["data_dir"] = trained["data_dir"]
     evaluated = replace(cfg, model=trained["model"], dataset=trained["dataset"], mode="ddp",
-                        eval_only=path, amp=amp)
+                        eval_only=path, amp=amp, **seen)
     return evaluated, checkpoint
 
 
-def write_predictions(path: str, labels: list, predictions: list) -> None:
+def write_predictions(path: str, test_set, predictions: list) -> None:
+    """--predict-out: every test sample's label and prediction, by number and name, with its
+    probability; and, for images read from files, the file."""
     import csv
+    names = class_names(test_set)
+    files = [file for file, _ in test_set.samples] if hasattr(test_set, "samples") else None
     text = io.StringIO()
     writer = csv.writer(text)
-    writer.writerow(["index", "label", "predicted", "probability"])
-    writer.writerows(
-        [i, label, int(predicted), f"{probability:.6f}"]
-        for i, (label, (predicted, probability)) in enumerate(zip(labels, predictions)))
+    writer.writerow(["index", "label", "predicted", "probability", "label_name", "predicted_name"]
+                    + (["path"] if files else []))
+    for i, (label, (predicted, probability)) in enumerate(zip(labels_of(test_set), predictions)):
+        writer.writerow([i, label, int(predicted), f"{probability:.6f}", names[label],
+                         names[int(predicted)]] + ([files[i]] if files else []))
     write_atomically(path, text.getvalue())
+
+
+def labels_of(data) -> list:
+    """Every sample's label, without decoding a single image."""
+    return data.tensors[1].tolist() if isinstance(data, TensorDataset) else list(data.targets)
 
 
 def format_eval(metrics: dict, per_class: list, out: dict) -> str:
     lines = [f"test loss {metrics['test_loss']:.4f}, test acc {metrics['test_acc']:.4f} "
              f"({sum(c['correct'] for c in per_class)}/{metrics['test_count']}) "
-             f"on {out['world_size']} workers ({out['device']})", "", "class  count  correct  acc"]
-    lines += [f"{c['class']:>5}  {c['count']:>5}  {c['correct']:>7}  {c['acc']:.4f}"
+             f"on {out['world_size']} workers ({out['device']})", "",
+             "class  count  correct  acc     name"]
+    lines += [f"{c['class']:>5}  {c['count']:>5}  {c['correct']:>7}  {c['acc']:.4f}  {c['name']}"
               for c in per_class]
     lines += ["", "confusion matrix (rows: true class, columns: predicted class)",
-              "      " + "".join(f"{c:>6}" for c in range(NUM_CLASSES))]
+              "      " + "".join(f"{c:>6}" for c in range(len(per_class)))]
     lines += [f"{c:>6}" + "".join(f"{n:>6}" for n in row)
               for c, row in enumerate(metrics["confusion"])]
     return "\n".join(lines)
@@ -1822,6 +2158,7 @@ class LoopOptions:
     # the workers are torchrun's processes (Ray Train's local mode), not Ray's
     torchrun: bool = False
     weights: Optional[object] = None  # --eval-only: the model's weights, in Ray's object store
+    start_from: Optional[object] = None  # --weights: the file's tensors, in Ray's object store
 
 
 class RayLauncher:
@@ -1888,6 +2225,12 @@ def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOpt
     return cfg, worker, launcher, options
 
 
+def starting_weights(cfg: Config, options: LoopOptions) -> dict:
+    """--weights' tensors: from Ray's object store (no shared disk needed), or under torchrun, where
+    there is none, from the file."""
+    return ray.get(options.start_from) if options.start_from is not None else read_weights(cfg.weights)
+
+
 def resume(launcher: "Launcher") -> tuple[int, list, Optional[dict]]:
     """(epoch to start at, the metrics history so far, the checkpoint's state or None):
     both modes'."""
@@ -1926,9 +2269,13 @@ def train_loop_per_worker(config: dict) -> dict:
     if cfg.min_workers:  # elastic: the same global batch, split over the workers there are now
         cfg = replace(cfg, workers=worker.world)
     train_set, test_set = load_dataset(cfg)
+    classes = len(class_names(train_set))
     # identical initial weights on every rank (DDP also broadcasts rank 0's)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, train_set.tensors[0].shape[1:])
+    model = build_model(cfg.model, train_set[0][0].shape, classes)
+    start_epoch, history, state = resume(launcher)
+    if state is None and cfg.weights:  # --weights: where a new run starts from
+        load_weights(model, starting_weights(cfg, options))
     if cfg.sync_bn:
         # before DDP, which must see the final modules
         model = convert_sync_bn(model, worker.device)
@@ -1937,9 +2284,7 @@ def train_loop_per_worker(config: dict) -> dict:
     model = wrap_model(model.to(worker.device), worker.device, cfg.mode)
     if cfg.compile:
         model = torch.compile(model)
-    # created once
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    start_epoch, history, state = resume(launcher)
+    optimizer = build_optimizer(cfg, model)  # created once
     if state is not None:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -1948,7 +2293,7 @@ def train_loop_per_worker(config: dict) -> dict:
         cfg, worker, launcher, start_epoch, history,
         train_fn=lambda epoch: train_epoch(model, optimizer, batches, cfg, worker.device, epoch,
                                            options.progress and worker.is_main),
-        eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device),
+        eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device, classes),
         state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(),
                                                       optimizer.state_dict(), epoch, cfg, hist))
 
@@ -1979,11 +2324,13 @@ def eval_loop_per_worker(config: dict) -> dict:
     # put in Ray's object store by the driver: no shared disk needed
     weights = ray.get(options.weights)
     _, test_set = load_dataset(cfg)
-    model = build_model(cfg.model, test_set.tensors[0].shape[1:])
+    classes = len(class_names(test_set))
+    model = build_model(cfg.model, test_set[0][0].shape, classes)
     model.load_state_dict(weights)
     model.to(worker.device).eval()
     with autocast(cfg, worker.device):
-        metrics = evaluate(model, test_set, worker.device, details=True)
+        metrics = evaluate(model, test_set, worker.device, eval_batch_size(test_set), details=True,
+                           num_classes=classes, workers=loader_workers(cfg, test_set))
     return {"metrics": metrics, "world_size": worker.world, "device": worker.device.type}
 
 
@@ -2241,17 +2588,18 @@ def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.tr
         raise KeyboardInterrupt from None
 
 
-def describe(cfg: Config, sizes: tuple[int, int], torchrun: bool = False) -> str:
+def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
     workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp" else
                f"{cfg.min_workers or cfg.workers}{f'-{cfg.workers}' if cfg.min_workers else ''} "
                f"{'GPU' if cfg.gpu else 'CPU'} workers{' (elastic)' if cfg.min_workers else ''}")
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
+    sizes = data.sizes
     dropped = sizes[0] - samples_per_epoch(cfg, sizes[0])
     left_out = (f" ({dropped} train samples left out per epoch: whole global batches only)"
                 if dropped else "")
     launcher = " (torchrun)" if torchrun else ""
     return (f"ray-dp{launcher}: {cfg.mode} {cfg.model} on {cfg.dataset} "
-            f"({sizes[0]} train / {sizes[1]} test), "
+            f"({sizes[0]} train / {sizes[1]} test{images(cfg, data)}), "
             f"{workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x {cfg.processes} "
             f"workers x {cfg.accum_steps} accum{left_out}, lr {cfg.lr} ({cfg.lr_schedule}), "
@@ -2260,9 +2608,27 @@ def describe(cfg: Config, sizes: tuple[int, int], torchrun: bool = False) -> str
             f"run dir {cfg.run_dir}")
 
 
+def images(cfg: Config, data: DataInfo) -> str:
+    """A per-sample data set's images as the model sees them: size, augmentation, normalisation."""
+    if not data.per_sample:
+        return ""
+    size = data.sample_shape[-1]
+    augment = "augmented" if cfg.augment else "not augmented"
+    mean, std = cfg.normalize or ([], [])
+    return (f", {len(data.classes)} classes, images {size} x {size} px, {augment}, normalised with "
+            f"mean {mean} std {std}")
+
+
 def optimizer_name(cfg: Config) -> str:
-    return ("plain SGD" if cfg.mode == "scratch" or not cfg.momentum
-            else f"SGD momentum {cfg.momentum}")
+    if cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum):
+        name = "plain SGD"
+    else:
+        name = "AdamW" if cfg.optimizer == "adamw" else f"SGD momentum {cfg.momentum}"
+    knobs = [(cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
+             (cfg.warmup_epochs, f"{plural(cfg.warmup_epochs, 'warm-up epoch')}"),
+             (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
+             (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}")]
+    return ", ".join([name, *(text for value, text in knobs if value)])
 
 
 def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Optional[str],
@@ -2311,22 +2677,29 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
     return f"{reason}; the full errors are in {os.path.join(logs, 'ray.log')}"
 
 
-def run(cfg: Config, typed: Optional[set] = None, sizes: Optional[tuple] = None) -> Optional[dict]:
+def run(cfg: Config, typed: Optional[set] = None, data: Optional[DataInfo] = None) -> Optional[dict]:
     """Train: check everything, start (or attach to) Ray, train, summarize. Under torchrun each of
     its processes runs this; rank 0 alone speaks and writes."""
     torchrun = under_torchrun()
     speaks = not torchrun or os.environ["RANK"] == "0"
     with contextlib.redirect_stdout(sys.stdout if speaks else io.StringIO()):
-        sizes = sizes or check_data(cfg)
         # every rank: they all train what a rerun adopts
         cfg, last_epoch = check_run_dir(cfg, typed)
+        if data is None:
+            cfg, data = check_data(cfg)
+        weights_note = check_weights(cfg, data)
         cfg = cfg if torchrun else connect(cfg)
         if speaks:
             # under torchrun before the other ranks look for checkpoints: they wait for rank 0
             start_fresh(cfg)
-        print(describe(cfg, sizes, torchrun), flush=True)
+        print(describe(cfg, data, torchrun), flush=True)
+        if weights_note:
+            print(f"note: {weights_note}", flush=True)
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
-    options = LoopOptions(progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun)
+    # --weights travel through Ray's object store (no shared disk needed); torchrun has none
+    start_from = ray.put(read_weights(cfg.weights)) if cfg.weights and not torchrun else None
+    options = LoopOptions(progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
+                          start_from=start_from)
     if torchrun:
         # local mode logs every report at INFO
         logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -2351,6 +2724,7 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     """--eval-only: the same test metrics as training,
     plus per-class accuracy and the confusion matrix."""
     _, test_set = load_dataset(cfg)
+    names = class_names(test_set)
     if os.path.isfile(cfg.run_dir):
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if epoch_checkpoints(cfg.run_dir):
@@ -2364,12 +2738,12 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     out = fit(cfg, eval_loop_per_worker, options).return_value
     metrics = out["metrics"]
     predictions, confusion = metrics.pop("predictions"), metrics["confusion"]
-    per_class = [{"class": c, "count": sum(confusion[c]), "correct": confusion[c][c],
-                  "acc": confusion[c][c] / max(sum(confusion[c]), 1)} for c in range(NUM_CLASSES)]
+    per_class = [{"class": c, "name": names[c], "count": sum(confusion[c]), "correct": confusion[c][c],
+                  "acc": confusion[c][c] / max(sum(confusion[c]), 1)} for c in range(len(names))]
     write_json(os.path.join(cfg.run_dir, "result.json"),
                run_record(cfg, metrics, out, cfg.eval_only, per_class=per_class))
     if cfg.predict_out:
-        write_predictions(cfg.predict_out, test_set.tensors[1].tolist(), predictions)
+        write_predictions(cfg.predict_out, test_set, predictions)
     print(format_eval(metrics, per_class, out), flush=True)
     return metrics
 
@@ -2490,12 +2864,12 @@ def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> No
 
 def compare(base: Config, scale_lr: bool) -> list[dict]:
     configs = compare_configs(base, scale_lr)
-    sizes = []
+    data = []
     for cfg in configs:  # every row's input is checked before any cluster starts
         validate(cfg)
-        sizes.append(check_data(cfg))
+        data.append(check_data(cfg)[1])
     connect(max(configs, key=lambda c: c.workers))
-    summaries = [run(cfg, sizes=row_sizes) for cfg, row_sizes in zip(configs, sizes)]
+    summaries = [run(cfg, data=row_data) for cfg, row_data in zip(configs, data)]
     rows = compare_rows(configs, summaries)
     print(write_compare(base.run_dir, rows, [s["epochs"] for s in summaries]))
     print(f"wrote compare.csv, compare.md and compare.png to {base.run_dir}", flush=True)
@@ -2519,6 +2893,8 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     untyped = argparse.Namespace(**dict.fromkeys(args, NOT_TYPED))
     typed = {k for k, v in vars(parser.parse_args(flags, untyped)).items() if v is not NOT_TYPED}
     options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
+    if args["model"] == "list":
+        return "models", None, {}
     if command == "compare" or args["mode"] == "scratch":
         args.update({k: v for k, v in LESSON_DEFAULTS.items() if k not in typed})
     if under_torchrun():
@@ -2532,6 +2908,13 @@ def parse_command(argv) -> tuple[str, Config, dict]:
         # a rerun takes what the command line leaves unsaid from the run it resumes
         options["typed"] = typed
     return command, replace(cfg, name=cfg.name or default_run_name(command, cfg)), options
+
+
+def list_models(cfg: None) -> None:
+    """--model list: ray_dp's models, then torchvision's."""
+    print("ray_dp: " + " ".join(MODELS))
+    print("torchvision (ImageNet-size; --weights to start from a downloaded .pth): "
+          + " ".join(torchvision_models()))
 
 
 def interrupted(command: str, cfg: Optional[Config]) -> str:
@@ -2552,7 +2935,7 @@ def main(argv=None) -> int:
     command, cfg = "train", None
     try:
         command, cfg, options = parse_command(argv)
-        {"compare": compare, "eval": run_eval, "train": run}[command](cfg, **options)
+        {"compare": compare, "eval": run_eval, "train": run, "models": list_models}[command](cfg, **options)
     except (ConfigError, DataError) as exc:
         print(f"ray_dp.py: error: {exc}", file=sys.stderr)
         return 2

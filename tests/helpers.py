@@ -48,3 +48,20 @@ def final_weights(result):
 def assert_bitwise_equal(a, b):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "parameters differ"
+
+
+DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def digits_folder(root):
+    """scikit-learn's digits, split as --dataset digits splits them, saved as 28x28 PNG files in
+    torchvision's ImageFolder layout: root/train/<name>/<i>.png and root/val/<name>/<i>.png."""
+    from PIL import Image
+    for split, data in zip(("train", "val"), ray_dp.load_digits()):
+        images, labels = data.tensors
+        for i, (image, label) in enumerate(zip(images, labels.tolist())):
+            folder = root / split / DIGIT_NAMES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = (image[0] * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+            Image.fromarray(pixels, mode="L").save(folder / f"{i:04d}.png")
+    return root

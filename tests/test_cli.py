@@ -9,6 +9,8 @@ import torch
 import ray_dp
 from helpers import REPO
 
+DIGITS_INFO = ray_dp.DataInfo((1437, 360), (1, 28, 28), [str(c) for c in range(10)], False)
+
 
 def a_file(tmp_path):
     path = tmp_path / "not_a_dir"
@@ -65,7 +67,7 @@ BAD_INPUTS = [
     (["--lr", "0"], "--lr must be a positive number"),
     (["--lr", "-0.1"], "--lr must be a positive number"),
     (["--momentum", "1"], "--momentum must be in [0, 1)"),
-    (["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
+    (["--model", "vgg"], "--model vgg is not a model of ray_dp or torchvision; did you mean vgg19"),
     (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
     (["--sync-bn", "--model", "lenet"], "--sync-bn needs a model with BatchNorm"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
@@ -221,7 +223,7 @@ def test_scratch_and_compare_train_the_lessons_recipe_unless_told_otherwise():
     # compare: every row trains the same global batch and schedule, ddp rows with the lesson's plain SGD
     rows = ray_dp.compare_configs(ray_dp.parse_command(["compare", "--workers", "2"])[1], scale_lr=False)
     assert {(c.batch_size, c.lr, c.lr_schedule, c.epochs, c.momentum) for c in rows} == {(32, 0.2, "constant", 20, 0)}
-    header = ray_dp.describe(ray_dp.replace(ray_dp.parse_command(["--mode", "scratch"])[1], gpu=False), (1437, 360))
+    header = ray_dp.describe(ray_dp.replace(ray_dp.parse_command(["--mode", "scratch"])[1], gpu=False), DIGITS_INFO)
     assert "global batch 32" in header and "lr 0.2 (constant), plain SGD, 20 epochs" in header
 
 

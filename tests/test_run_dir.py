@@ -16,6 +16,8 @@ from helpers import REPO, run_distributed
 
 DIGITS = ["--dataset", "digits"]
 
+DIGITS_INFO = ray_dp.DataInfo((1437, 360), (1, 28, 28), [str(c) for c in range(10)], False)
+
 
 def save_run(run_dir, saved=(0,), **config):
     """A run directory as torchrun leaves it (checkpoint_epoch_NNN/checkpoint.pt, no Ray snapshot)."""
@@ -226,8 +228,8 @@ def test_result_json_goes_beside_the_checkpoints_on_uri_storage(tmp_path):
 
 def test_header_states_the_samples_dropped_each_epoch():
     cfg = ray_dp.Config(dataset="digits", workers=2, name="x")
-    assert "(29 train samples left out per epoch: whole global batches only)" in ray_dp.describe(cfg, (1437, 360))
-    assert "left out" not in ray_dp.describe(ray_dp.replace(cfg, batch_size=1, workers=1), (1437, 360))
+    assert "(29 train samples left out per epoch: whole global batches only)" in ray_dp.describe(cfg, DIGITS_INFO)
+    assert "left out" not in ray_dp.describe(ray_dp.replace(cfg, batch_size=1, workers=1), DIGITS_INFO)
 
 
 # ---- GPU or CPU workers, from what the cluster says ----
