@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ray_dp
-from helpers import train
+from helpers import DIGIT_NAMES, digits_folder, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_cluster")]
 
@@ -17,8 +17,15 @@ def checkpoint_files(run_dir):
     return sorted(p for p in run_dir.glob("checkpoint_epoch_*/*"))
 
 
-def test_readme_quick_start_learns_digits_and_checkpoints_each_epoch(tmp_path):
-    result = train(tmp_path, "quick", "--workers", "2", "--dataset", "digits")
+@pytest.fixture(scope="module")
+def quick_start(tmp_path_factory):
+    """The README's quick start: (its storage directory, its result.json)."""
+    tmp_path = tmp_path_factory.mktemp("quick")
+    return tmp_path, train(tmp_path, "quick", "--workers", "2", "--dataset", "digits")
+
+
+def test_readme_quick_start_learns_digits_and_checkpoints_each_epoch(quick_start):
+    tmp_path, result = quick_start
     epochs = result["epochs"]
     assert len(epochs) == result["config"]["epochs"] == 10
     assert all(m["test_count"] == 360 and m["train_samples"] == 1408 for m in epochs)  # 1437 // 64 steps x 64
@@ -49,14 +56,24 @@ def test_readme_quick_start_learns_digits_and_checkpoints_each_epoch(tmp_path):
     assert len(checkpoint_files(tmp_path / "quick")) == 11
 
 
-def test_three_workers_with_accumulation_evaluate_every_test_sample_once(tmp_path):
+def test_a_torchvision_model_from_weights_on_3_workers_with_accumulation_counts_every_sample_once(
+        tmp_path, capsys):
+    # A torchvision model by name, started from a state_dict made for 1000 classes and 3 channels:
+    # the classifier and the first convolution are new, every other tensor is the file's.
+    imagenet_like = ray_dp.build_model("mobilenet_v3_small", (3, 224, 224), 1000)
+    torch.save(imagenet_like.state_dict(), tmp_path / "weights.pth")
     # synthetic: 100 test samples (a padding sampler would score 102 on 3 workers); 512 train samples,
     # global batch 48 = 8 per worker x 3 workers x 2 accumulation steps -> 10 steps, 480 samples.
-    result = train(tmp_path, "three", "--workers", "3", "--dataset", "synthetic", "--model", "mlp",
-                   "--batch-size", "48", "--accum-steps", "2", "--epochs", "2")
+    result = train(tmp_path, "three", "--workers", "3", "--dataset", "synthetic", "--model",
+                   "mobilenet_v3_small", "--weights", str(tmp_path / "weights.pth"), "--batch-size", "48",
+                   "--accum-steps", "2", "--epochs", "2")
     assert result["world_size"] == 3
     assert [m["test_count"] for m in result["epochs"]] == [100, 100]
     assert [m["train_samples"] for m in result["epochs"]] == [480, 480]
+    assert (f"note: --weights {tmp_path / 'weights.pth'}: kept 241 of the model's 244 tensors; new (fine-tuned "
+            f"from scratch): features.0.0.weight, classifier.3.weight, classifier.3.bias") in capsys.readouterr().out
+    model = ray_dp.build_model("mobilenet_v3_small", (1, 28, 28), 10)
+    model.load_state_dict(ray_dp.load_checkpoint(result["checkpoint"])["model"])  # 10 classes, 1 channel
 
 
 def test_scratch_mode_with_its_defaults_learns_digits_on_2_workers(tmp_path):
@@ -103,27 +120,39 @@ def test_compare_writes_the_lessons_table_csv_markdown_and_plot(tmp_path, capsys
     assert matplotlib.image.imread(png).shape[:2] == (900, 1300)
 
 
-def test_eval_only_on_3_workers_matches_training_and_one_process_and_predicts_every_sample(tmp_path):
+def test_a_folder_of_images_learns_like_the_same_digits_and_evaluates_each_file_once(tmp_path, quick_start):
     import csv
-    trained = train(tmp_path, "to-eval", "--workers", "2", "--dataset", "digits", "--epochs", "2")
+    # The quick start's digits as PNG files (train/<name>/, val/<name>/), the same flags besides.
+    folder = digits_folder(tmp_path / "images")
+    trained = train(tmp_path, "folder", "--workers", "2", "--dataset", "folder", "--data-dir", str(folder),
+                    "--no-augment")
+    assert abs(trained["final"]["test_acc"] - quick_start[1]["final"]["test_acc"]) <= 0.03
+    assert trained["final"]["test_count"] == 360 and trained["config"]["normalize"]
+
     predictions = tmp_path / "predictions.csv"
-    assert ray_dp.main(["--eval-only", str(tmp_path / "to-eval"), "--workers", "3", "--storage-path", str(tmp_path),
+    assert ray_dp.main(["--eval-only", str(tmp_path / "folder"), "--workers", "3", "--storage-path", str(tmp_path),
                         "--name", "evaluated", "--predict-out", str(predictions)]) == 0
     evaluated = json.loads((tmp_path / "evaluated" / "result.json").read_text())
-    assert evaluated["world_size"] == 3 and evaluated["checkpoint"].endswith("checkpoint_epoch_001/checkpoint.pt")
+    assert evaluated["world_size"] == 3 and evaluated["checkpoint"].endswith("checkpoint_epoch_009/checkpoint.pt")
     assert evaluated["final"]["test_acc"] == trained["final"]["test_acc"]  # exactly: same counts
-    assert evaluated["final"]["test_count"] == 360
-    assert sum(map(sum, evaluated["final"]["confusion"])) == 360
+    assert evaluated["final"]["test_count"] == 360 and sum(map(sum, evaluated["final"]["confusion"])) == 360
+    assert [c["name"] for c in evaluated["per_class"]] == sorted(DIGIT_NAMES)  # ImageFolder's order
     assert sum(c["correct"] for c in evaluated["per_class"]) == round(360 * trained["final"]["test_acc"])
 
-    model = ray_dp.build_model("lenet", (1, 28, 28))
+    # One process scores the saved weights on the same files the same way.
+    cfg = ray_dp.Config(**{k: v for k, v in trained["config"].items() if k != "normalize"},
+                        normalize=tuple(trained["config"]["normalize"]))
+    _, val = ray_dp.load_dataset(cfg)
+    model = ray_dp.build_model("lenet", (3, 28, 28), 10)
     model.load_state_dict(ray_dp.load_checkpoint(evaluated["checkpoint"])["model"])
-    _, test = ray_dp.load_digits()
-    assert ray_dp.evaluate(model, test, torch.device("cpu"))["test_acc"] == evaluated["final"]["test_acc"]
+    single = ray_dp.evaluate(model.eval(), val, torch.device("cpu"), 64)
+    assert single["test_acc"] == evaluated["final"]["test_acc"] and single["test_count"] == 360
 
     with open(predictions) as f:
         rows = list(csv.DictReader(f))
     assert [int(r["index"]) for r in rows] == list(range(360))  # every sample once, in index order
-    assert [int(r["label"]) for r in rows] == test.tensors[1].tolist()
+    files = sorted(str(p) for p in (folder / "val").rglob("*.png"))
+    assert sorted(r["path"] for r in rows) == files  # each val file once
+    assert all(r["path"].split("/")[-2] == r["label_name"] for r in rows)  # its folder is its class
     assert sum(r["label"] == r["predicted"] for r in rows) / 360 == evaluated["final"]["test_acc"]
     assert all(0.1 <= float(r["probability"]) <= 1 for r in rows)  # a max over 10 classes is at least 1/10
