@@ -136,29 +136,33 @@ class Config:
                             "library (dist.all_reduce)", choices=ALLREDUCE_ALGORITHMS)
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across workers (models with "
                            "BatchNorm only)")
-    model: str = option("lenet", "network: lenet, mlp, resnet18 (the lessons', for small images), or any "
-                        "torchvision classification model by name, e.g. resnet50, mobilenet_v3_small, "
-                        "vit_b_16 (--model list shows them)", metavar="NAME")
-    weights: str = option("", "start from this state_dict file (e.g. torchvision's ImageNet .pth); "
-                          "tensors whose shapes do not fit (a classifier for other classes) stay new",
-                          metavar="PATH")
+    model: str = option("lenet", "network: lenet, mlp, resnet18 (the lessons', for small "
+                        "images), or any torchvision classification model by name, e.g. "
+                        "resnet50, mobilenet_v3_small, vit_b_16 (--model list shows them)",
+                        metavar="NAME")
+    weights: str = option("", "start from this state_dict file (e.g. torchvision's ImageNet "
+                          ".pth); tensors whose shapes do not fit (a classifier for other "
+                          "classes) stay new", metavar="PATH")
     image_size: Optional[int] = option(None, "--dataset folder: images are resized to N x N pixels "
                                        "(default: 28 for lenet and mlp, 32 for resnet18, 224 for "
                                        "torchvision models)", type=int, metavar="N")
     augment: bool = option(True, "--dataset folder: random resized crops and horizontal flips when "
                            "training (--no-augment: resize and center crop, as for evaluation)")
     optimizer: str = option("sgd", "sgd (with --momentum) or adamw", choices=("sgd", "adamw"))
-    weight_decay: float = option(0.0, "weight decay, on weights only (not on biases or norm layers)",
-                                 metavar="WD")
+    weight_decay: float = option(0.0, "weight decay, on weights only (not on biases or norm "
+                                 "layers)", metavar="WD")
     warmup_epochs: int = option(0, "epochs of linear learning-rate warm-up before the schedule",
                                 metavar="N")
-    clip_grad_norm: float = option(0.0, "clip the gradients' global norm to this after the all-reduce "
-                                   "(every rank clips the same gradients; 0: no clipping)", metavar="NORM")
-    label_smoothing: float = option(0.0, "label smoothing of the training loss (0 to 1)", metavar="EPS")
+    clip_grad_norm: float = option(0.0, "clip the gradients' global norm to this after the "
+                                   "all-reduce (every rank clips the same gradients; 0: no "
+                                   "clipping)", metavar="NORM")
+    label_smoothing: float = option(0.0, "label smoothing of the training loss (0 to 1)",
+                                    metavar="EPS")
     loader_workers: Optional[int] = option(
-        None, "0: data held in memory are indexed on the worker's device (the fast path), per-sample data "
-              "decoded in the worker; N: a torch DataLoader with N loader processes per worker "
-              "(persistent; pinned memory on GPU) (default: 0 for in-memory data sets, 2 for folder)",
+        None, "0: data held in memory are indexed on the worker's device (the fast path), "
+              "per-sample data decoded in the worker; N: a torch DataLoader with N loader "
+              "processes per worker (persistent; pinned memory on GPU) (default: 0 for in-memory "
+              "data sets, 2 for folder)",
         type=int, metavar="N")
     # The data's per-channel (mean, std), computed once on the driver for per-sample data sets.
     normalize: Optional[tuple] = option(None, "", cli=False)
@@ -384,8 +388,8 @@ def validate(cfg: Config) -> None:
          "--dataset folder needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
         (not (cfg.mode == "scratch" and (cfg.optimizer != "sgd" or cfg.weight_decay or cfg.weights
                                          or cfg.clip_grad_norm or cfg.label_smoothing)),
-         "--optimizer, --weight-decay, --weights, --clip-grad-norm and --label-smoothing need --mode "
-         "ddp (scratch mode is the lesson's plain SGD)"),
+         "--optimizer, --weight-decay, --weights, --clip-grad-norm and --label-smoothing need "
+         "--mode ddp (scratch mode is the lesson's plain SGD)"),
         (cfg.image_size is None or cfg.image_size >= 1,
          f"--image-size must be at least 1 pixel, got {cfg.image_size}"),
         (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
@@ -396,7 +400,8 @@ def validate(cfg: Config) -> None:
          f"--warmup-epochs must be 0 to --epochs - 1 = {cfg.epochs - 1}, got {cfg.warmup_epochs}"),
         (math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm >= 0,
          f"--clip-grad-norm must be 0 (off) or more, got {cfg.clip_grad_norm}"),
-        (0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
+        (0 <= cfg.label_smoothing < 1,
+         f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
         (not cfg.weights or os.path.isfile(cfg.weights), f"--weights {cfg.weights} is not a file"),
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
@@ -415,7 +420,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(message)
     check_model_name(cfg.model)
     if cfg.sync_bn and not has_batchnorm(cfg.model):
-        raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); {cfg.model} has none")
+        raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
+                          f"{cfg.model} has none")
     directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
                    "predict-out": cfg.predict_out}
     for flag, typed in directories.items():
@@ -445,8 +451,8 @@ def check_model_name(name: str) -> None:
     import difflib
     close = difflib.get_close_matches(name, [*MODELS, *torchvision_models()], n=3, cutoff=0.5)
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    raise ConfigError(f"--model {name} is not a model of ray_dp or torchvision{hint} (--model list shows "
-                      f"them)")
+    raise ConfigError(f"--model {name} is not a model of ray_dp or torchvision{hint} "
+                      f"(--model list shows them)")
 
 
 NOT_TYPED = object()
@@ -516,8 +522,9 @@ def torchrun_launch(args: dict, typed: set) -> dict:
 #     def load_mine(cfg: Config):
 #         train, test = torch.load("/data/mine.pt")  # tensors on a file every node can read
 #         return TensorDataset(*train), TensorDataset(*test)
-# and --dataset mine trains on it. TensorDatasets take the in-memory fast path; other Datasets are read
-# per sample by --loader-workers processes. A `classes` attribute names the classes (else 0, 1, ...).
+# and --dataset mine trains on it. TensorDatasets take the in-memory fast path; other Datasets are
+# read per sample by --loader-workers processes. A `classes` attribute names the classes (else 0, 1,
+# ...).
 DATASETS: dict = {}
 
 
@@ -574,9 +581,10 @@ def load_folder(cfg: Config):
     except FileNotFoundError as exc:  # a class folder without a single image
         raise DataError(f"--data-dir {root}: {exc}") from None
     if train.classes != val.classes:
-        only_train, only_val = set(train.classes) - set(val.classes), set(val.classes) - set(train.classes)
-        raise DataError(f"--data-dir {root}: train/ and val/ must hold the same classes; only in train/: "
-                        f"{sorted(only_train) or 'none'}, only in val/: {sorted(only_val) or 'none'}")
+        only_train = sorted(set(train.classes) - set(val.classes)) or "none"
+        only_val = sorted(set(val.classes) - set(train.classes)) or "none"
+        raise DataError(f"--data-dir {root}: train/ and val/ must hold the same classes; only in "
+                        f"train/: {only_train}, only in val/: {only_val}")
     return train, val
 
 
@@ -589,7 +597,8 @@ def image_transforms(cfg: Config) -> tuple:
     fixed = [T.Resize(size), T.CenterCrop(size)]
     train = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()] if cfg.augment else fixed
     normalize = [T.Normalize(*cfg.normalize)] if cfg.normalize else []
-    return T.Compose([*train, T.ToTensor(), *normalize]), T.Compose([*fixed, T.ToTensor(), *normalize])
+    return (T.Compose([*train, T.ToTensor(), *normalize]),
+            T.Compose([*fixed, T.ToTensor(), *normalize]))
 
 
 IMAGENET_STATISTICS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
@@ -608,7 +617,8 @@ def with_data_statistics(cfg: Config, train_set) -> Config:
                           .unique().tolist()])
     mean = sample.mean((0, 2, 3))
     std = sample.std((0, 2, 3)).clamp_min(1e-3)
-    return replace(cfg, normalize=([round(v, 4) for v in mean.tolist()], [round(v, 4) for v in std.tolist()]))
+    return replace(cfg, normalize=([round(v, 4) for v in mean.tolist()],
+                                   [round(v, 4) for v in std.tolist()]))
 
 
 def class_names(dataset) -> list:
@@ -774,7 +784,7 @@ def resnet18(in_channels: int = 1, num_classes: int = NUM_CLASSES) -> nn.Sequent
 # and the number of classes, e.g.
 #     @model("tiny")
 #     def tiny(sample_shape, num_classes):
-#         return nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes))
+#         return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(sample_shape), num_classes))
 # and --model tiny trains it. Any torchvision classification model works by name too (--model list).
 MODELS: dict = {}
 # --image-size when not given, for data sets read per sample: what each model was made for.
@@ -806,12 +816,14 @@ def build_mlp(sample_shape: tuple, num_classes: int) -> nn.Module:
 
 
 def torchvision_models() -> list:
-    """The classification models torchvision builds by name (resnet50, mobilenet_v3_small, vit_b_16...)."""
+    """The classification models torchvision builds by name
+    (resnet50, mobilenet_v3_small, vit_b_16, ...)."""
     import torchvision.models
     return torchvision.models.list_models(module=torchvision.models)
 
 
-def build_model(name: str, sample_shape: tuple[int, ...], num_classes: int = NUM_CLASSES) -> nn.Module:
+def build_model(name: str, sample_shape: tuple[int, ...],
+                num_classes: int = NUM_CLASSES) -> nn.Module:
     if name in MODELS:
         return MODELS[name](tuple(sample_shape), num_classes)
     import torchvision.models
@@ -870,9 +882,9 @@ def has_batchnorm(name: str) -> bool:
 
 
 def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
-    """--weights: every tensor of the file whose name and shape fit the model is loaded; the others (a
-    classifier for another number of classes, a first layer for other channels) stay new. Returns
-    (kept names, new names)."""
+    """--weights: every tensor of the file whose name and shape fit the model is loaded; the others
+    (a classifier for another number of classes, a first layer for other channels) stay new.
+    Returns (kept names, new names)."""
     own = net.state_dict()
     kept = [k for k, v in weights.items() if k in own and own[k].shape == v.shape]
     net.load_state_dict({k: weights[k] for k in kept}, strict=False)
@@ -1086,7 +1098,8 @@ def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device
 
 
 def loader_workers(cfg: Config, data) -> int:
-    """--loader-workers, or by default none for data held in memory and 2 for data read per sample."""
+    """--loader-workers, or by default none for data held in memory
+    and 2 for data read per sample."""
     if cfg.loader_workers is not None:
         return cfg.loader_workers
     return 0 if isinstance(data, TensorDataset) else 2
@@ -1122,8 +1135,8 @@ def learning_rate(cfg: Config, epoch: int) -> float:
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD (with --momentum) or AdamW. --weight-decay applies to weights, not to biases or to norm
-    layers' scales and shifts (the one-dimensional parameters), as in the imagenet example's recipes."""
+    """SGD (with --momentum) or AdamW. --weight-decay applies to weights, not to biases or to
+    norm layers' scales and shifts (the one-dimensional parameters), as the imagenet recipes do."""
     params = list(model.parameters())
     groups = params if not cfg.weight_decay else [
         {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
@@ -1257,7 +1270,8 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
 
 
 def eval_batches(data, indices: torch.Tensor, batch_size: int, workers: int):
-    """(indices, images, labels) of this rank's shard, in order: indexed in memory, or read per sample."""
+    """(indices, images, labels) of this rank's shard, in order:
+    indexed in memory, or read per sample."""
     if isinstance(data, TensorDataset):
         images, labels = data.tensors
         for index in indices.split(batch_size):
@@ -1310,7 +1324,8 @@ def cuda_fast_paths(cfg: Config, model: nn.Module, train_set: TensorDataset,
         test_set = TensorDataset(*(t.to(device) for t in test_set.tensors))
     if isinstance(train_set, TensorDataset) and not loader_workers(cfg, train_set):
         train_set = TensorDataset(*(t.to(device) for t in train_set.tensors))
-    if cfg.model not in ("lenet", "mlp"):  # NHWC lets tensor-core convolutions skip layout transposes
+    # NHWC lets tensor-core convolutions skip layout transposes
+    if cfg.model not in ("lenet", "mlp"):
         model = model.to(memory_format=torch.channels_last)
     return model, train_set, test_set
 
@@ -2228,7 +2243,9 @@ def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOpt
 def starting_weights(cfg: Config, options: LoopOptions) -> dict:
     """--weights' tensors: from Ray's object store (no shared disk needed), or under torchrun, where
     there is none, from the file."""
-    return ray.get(options.start_from) if options.start_from is not None else read_weights(cfg.weights)
+    if options.start_from is not None:
+        return ray.get(options.start_from)
+    return read_weights(cfg.weights)
 
 
 def resume(launcher: "Launcher") -> tuple[int, list, Optional[dict]]:
@@ -2677,7 +2694,8 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
     return f"{reason}; the full errors are in {os.path.join(logs, 'ray.log')}"
 
 
-def run(cfg: Config, typed: Optional[set] = None, data: Optional[DataInfo] = None) -> Optional[dict]:
+def run(cfg: Config, typed: Optional[set] = None,
+        data: Optional[DataInfo] = None) -> Optional[dict]:
     """Train: check everything, start (or attach to) Ray, train, summarize. Under torchrun each of
     its processes runs this; rank 0 alone speaks and writes."""
     torchrun = under_torchrun()
@@ -2738,8 +2756,9 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     out = fit(cfg, eval_loop_per_worker, options).return_value
     metrics = out["metrics"]
     predictions, confusion = metrics.pop("predictions"), metrics["confusion"]
-    per_class = [{"class": c, "name": names[c], "count": sum(confusion[c]), "correct": confusion[c][c],
-                  "acc": confusion[c][c] / max(sum(confusion[c]), 1)} for c in range(len(names))]
+    per_class = [{"class": c, "name": names[c], "count": sum(confusion[c]),
+                  "correct": confusion[c][c], "acc": confusion[c][c] / max(sum(confusion[c]), 1)}
+                 for c in range(len(names))]
     write_json(os.path.join(cfg.run_dir, "result.json"),
                run_record(cfg, metrics, out, cfg.eval_only, per_class=per_class))
     if cfg.predict_out:
@@ -2935,7 +2954,8 @@ def main(argv=None) -> int:
     command, cfg = "train", None
     try:
         command, cfg, options = parse_command(argv)
-        {"compare": compare, "eval": run_eval, "train": run, "models": list_models}[command](cfg, **options)
+        commands = {"compare": compare, "eval": run_eval, "train": run, "models": list_models}
+        commands[command](cfg, **options)
     except (ConfigError, DataError) as exc:
         print(f"ray_dp.py: error: {exc}", file=sys.stderr)
         return 2
