@@ -29,6 +29,10 @@ Outputs go to <storage-path>/<name>/: one checkpoint_epoch_NNN/ per epoch and re
 """
 from __future__ import annotations
 
+import time
+
+STARTED_AT = time.time()  # before the imports below: the start-up breakdown counts them
+
 import argparse
 import contextlib
 import functools
@@ -44,7 +48,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
@@ -62,6 +65,8 @@ import ray.train
 import ray.train.torch
 from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+
+IMPORTED_AT = time.time()
 
 
 # ==================================================================================================
@@ -703,6 +708,7 @@ class DataInfo:
     sample_shape: tuple  # one image's (C, H, W)
     classes: list  # their names
     per_sample: bool  # read (decoded) per sample, not held in memory
+    datasets: tuple = field(default=(), repr=False, compare=False)  # (train, test) as loaded
 
 
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
@@ -716,7 +722,8 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     if not isinstance(train_set, TensorDataset):  # the transforms now normalise
         train_set, test_set = load_dataset(cfg)
     info = DataInfo((len(train_set), len(test_set)), tuple(train_set[0][0].shape),
-                    class_names(train_set), not isinstance(train_set, TensorDataset))
+                    class_names(train_set), not isinstance(train_set, TensorDataset),
+                    (train_set, test_set))
     return cfg, info
 
 
@@ -1159,8 +1166,10 @@ class StepLog:
         self.entries = []  # [global step, train loss averaged over all workers' samples]
         self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{cfg.epochs}") if progress else None
         self.start = time.perf_counter()
+        self.first_step_at = None  # wall clock: the start-up breakdown's last mark
 
     def step(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
+        self.first_step_at = self.first_step_at or time.time()
         self.pending += torch.stack([loss_sum.double(), torch.tensor(samples, dtype=torch.float64)])
         # the same steps on every rank, so the all-reduces pair up
         if (step + 1) % self.cfg.log_every == 0:
@@ -1229,7 +1238,8 @@ def epoch_metrics(loss_sum: float, samples: int, lr: float, seconds: float, data
     and the per-step losses for TensorBoard."""
     return {"train_loss": loss_sum / samples, "lr": lr, "train_samples": samples,
             "epoch_seconds": seconds, "samples_per_second": samples / seconds,
-            "data_seconds": data_seconds, "step_log": log.close(), **more}
+            "data_seconds": data_seconds, "first_step_at": log.first_step_at,
+            "step_log": log.close(), **more}
 
 
 @torch.no_grad()
@@ -1667,8 +1677,11 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
     public UserCallback sees reports only). Its lines start with "ray-dp: ", which the console
     prints bare."""
 
-    def __init__(self, cfg: Config, record_path: str, last_epoch: int = -1):
+    def __init__(self, cfg: Config, record_path: str, last_epoch: int = -1,
+                 launched: Optional[dict] = None):
         self.cfg, self.record_path = cfg, record_path
+        # the start-up breakdown: the driver's clocks, and the controller's (the first group's)
+        self.launched, self.clock = launched or {}, {}
         self.events, self.failures, self.node_ips = [], 0, {}
         # the last epoch reported (or resumed from): -1 before the first
         self.last_epoch = last_epoch
@@ -1689,6 +1702,13 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
             self.add(f"waiting up to {self.cfg.start_timeout:g} s for {plural(workers, 'worker')} "
                      f"(--start-timeout)", event="waiting", workers=workers)
 
+    def before_worker_group_start(self, worker_group_context) -> None:
+        self.clock.setdefault("group", time.time())
+
+    def before_init_train_context(self, workers) -> dict:
+        self.clock.setdefault("actors", time.time())  # the workers' processes are up
+        return {}
+
     def after_worker_group_start(self, worker_group) -> None:
         self.node_ips = {w.distributed_context.world_rank: w.metadata.node_ip
                          for w in worker_group.get_workers()}
@@ -1699,6 +1719,9 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
 
     def after_report(self, training_report, metrics: list) -> None:
         epoch = metrics[0]["epoch"]
+        if "startup" in metrics[0] and not any(e["event"] == "startup" for e in self.events):
+            phases = startup_breakdown(self.launched, self.clock, metrics[0]["startup"])
+            self.add(format_startup(phases), event="startup", seconds=phases)
         pending = [e for e in self.events if e["event"] == "failed" and "redone" not in e]
         for failure in pending:  # the first report after a restart: the epochs trained twice
             failure["redone"] = list(range(epoch + 1, failure["during_epoch"] + 1))
@@ -1756,6 +1779,32 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
 # A collective whose peer vanished: gloo's and NCCL's words for it.
 PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited"
                        r"|communicator was aborted")
+
+
+def startup_breakdown(launched: dict, controller: dict, worker: dict) -> dict:
+    """Seconds in each phase of a run's start, from the driver's clocks (launched), Ray Train's
+    controller's and rank 0's (worker; on another node its clock may differ a little). A phase
+    whose clocks are missing (a cluster already up; torchrun has no controller) is left out."""
+    spans = [("imports", launched.get("started"), launched.get("imported")),
+             ("Ray", launched.get("imported"), launched.get("connected")),
+             ("worker group", launched.get("fit"), controller.get("actors")),
+             ("process group", controller.get("actors", launched.get("fit")), worker.get("loop")),
+             ("data", worker.get("loop"), worker.get("data")),
+             ("model", worker.get("data"), worker.get("model")),
+             ("first step", worker.get("model"), worker.get("first_step"))]
+    phases = {name: round(end - start, 2) for name, start, end in spans if start and end}
+    begun = launched.get("started", launched.get("fit"))
+    if begun and worker.get("first_step"):
+        phases["total"] = round(worker["first_step"] - begun, 2)
+    return phases
+
+
+def format_startup(phases: dict) -> str:
+    """start-up: imports 2.2 s, Ray 3.5 s, ..., first step 0.1 s: 14.1 s to the first step."""
+    parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()
+                      if name != "total")
+    total = f": {phases['total']:.1f} s to the first step" if "total" in phases else ""
+    return f"start-up: {parts}{total}"
 
 
 def describe_worker_failures(failures: dict, node_ips: dict) -> str:
@@ -2174,6 +2223,8 @@ class LoopOptions:
     torchrun: bool = False
     weights: Optional[object] = None  # --eval-only: the model's weights, in Ray's object store
     start_from: Optional[object] = None  # --weights: the file's tensors, in Ray's object store
+    data: Optional[object] = None  # (train, test) held in memory, in Ray's object store
+    launched: dict = field(default_factory=dict)  # the driver's clocks: the start-up breakdown
 
 
 class RayLauncher:
@@ -2208,8 +2259,8 @@ class TorchrunLauncher:
     checkpoints in the run directory itself, where Ray would have, and writes the TensorBoard
     events."""
 
-    def __init__(self, cfg: Config, worker: Worker):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, worker: Worker, launched: Optional[dict] = None):
+        self.cfg, self.launched = cfg, launched or {}
         self.tensorboard = TensorBoardWriter(cfg) if worker.is_main else None
 
     def latest_checkpoint(self) -> Optional[dict]:
@@ -2225,6 +2276,9 @@ class TorchrunLauncher:
         ray.train.report(metrics)  # local mode keeps the last metrics for the Result
         if self.tensorboard:
             self.tensorboard.write(metrics)
+            if "startup" in metrics:
+                phases = startup_breakdown(self.launched, {}, metrics["startup"])
+                print(f"ray-dp: {format_startup(phases)}", flush=True)
 
 
 Launcher = Union[RayLauncher, TorchrunLauncher]
@@ -2236,8 +2290,15 @@ def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOpt
     cfg, options = loop_config["config"], loop_config["options"]
     worker = Worker.from_ray(cfg)
     bound_collectives(cfg.timeout)
-    launcher = (TorchrunLauncher if options.torchrun else RayLauncher)(cfg, worker)
+    launcher = (TorchrunLauncher(cfg, worker, options.launched) if options.torchrun
+                else RayLauncher(cfg, worker))
     return cfg, worker, launcher, options
+
+
+def worker_data(cfg: Config, options: LoopOptions) -> tuple:
+    """(train, test): the driver's copy from Ray's object store when it sent one (data held in
+    memory: loaded once, no files needed on the workers' nodes), else this worker loads them."""
+    return ray.get(options.data) if options.data is not None else load_dataset(cfg)
 
 
 def starting_weights(cfg: Config, options: LoopOptions) -> dict:
@@ -2256,9 +2317,9 @@ def resume(launcher: "Launcher") -> tuple[int, list, Optional[dict]]:
 
 
 def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: int, history: list,
-               train_fn, eval_fn, state_fn) -> dict:
-    """The epoch loop both modes share:
-    train, evaluate, print (rank 0), report + checkpoint (rank 0's)."""
+               train_fn, eval_fn, state_fn, marks: dict) -> dict:
+    """The epoch loop both modes share: train, evaluate, print (rank 0), report + checkpoint
+    (rank 0's). marks: the wall clock when this worker's loop started, had its data, its model."""
     if worker.is_main and start_epoch >= cfg.epochs:
         print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train",
               flush=True)
@@ -2266,26 +2327,30 @@ def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: i
         print(f"ray-dp: resuming at epoch {start_epoch + 1} of {cfg.epochs} with "
               f"{plural(worker.world, 'worker')}, from the checkpoint of epoch {start_epoch}",
               flush=True)
-    first_step_at = time.time()  # wall clock, for the benchmark's "seconds to the first step"
     for epoch in range(start_epoch, cfg.epochs):
         # ended_at (wall clock):
         # the time between two epochs' ends counts evaluation and reporting too.
         metrics = {"epoch": epoch, **train_fn(epoch), **eval_fn(), "ended_at": time.time()}
+        if epoch == start_epoch:  # the start-up breakdown's worker marks, with the first step's
+            marks = {**marks, "first_step": metrics["first_step_at"]}
+            metrics["startup"] = marks
         history.append(metrics)
         if worker.is_main:
             print(format_epoch(metrics, cfg.epochs), flush=True)
         launcher.report(metrics, state_fn(epoch, history) if worker.is_main else None, epoch)
     return {"history": history, "world_size": worker.world, "device": worker.device.type,
-            "started_at_epoch": start_epoch, "first_step_at": first_step_at,
-            "node_ranks": node_ranks(worker)}
+            "started_at_epoch": start_epoch, "first_step_at": marks.get("first_step"),
+            "startup": marks, "node_ranks": node_ranks(worker)}
 
 
 def train_loop_per_worker(config: dict) -> dict:
     """--mode ddp (and dp): the DDP tutorial's loop."""
+    marks = {"loop": time.time()}
     cfg, worker, launcher, options = worker_setup(config)
     if cfg.min_workers:  # elastic: the same global batch, split over the workers there are now
         cfg = replace(cfg, workers=worker.world)
-    train_set, test_set = load_dataset(cfg)
+    train_set, test_set = worker_data(cfg, options)
+    marks["data"] = time.time()
     classes = len(class_names(train_set))
     # identical initial weights on every rank (DDP also broadcasts rank 0's)
     torch.manual_seed(cfg.seed)
@@ -2306,32 +2371,38 @@ def train_loop_per_worker(config: dict) -> dict:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
+    marks["model"] = time.time()
     return run_epochs(
         cfg, worker, launcher, start_epoch, history,
         train_fn=lambda epoch: train_epoch(model, optimizer, batches, cfg, worker.device, epoch,
                                            options.progress and worker.is_main),
         eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device, classes),
         state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(),
-                                                      optimizer.state_dict(), epoch, cfg, hist))
+                                                      optimizer.state_dict(), epoch, cfg, hist),
+        marks=marks)
 
 
 def scratch_loop_per_worker(config: dict) -> dict:
     """--mode scratch: the functional LeNet, hand-written all-reduce and SGD,
     exact distributed evaluation."""
+    marks = {"loop": time.time()}
     cfg, worker, launcher, options = worker_setup(config)
-    train_set, test_set = load_dataset(cfg)
+    train_set, test_set = worker_data(cfg, options)
+    marks["data"] = time.time()
     start_epoch, history, state = resume(launcher)
     channels, size = train_set.tensors[0].shape[1], train_set.tensors[0].shape[-1]
     initial = (init_lenet_params(cfg.seed, channels, size) if state is None
                else state_dict_to_params(state["model"]))
     params = get_params(initial, worker.device)
+    marks["model"] = time.time()
     return run_epochs(
         cfg, worker, launcher, start_epoch, history,
         train_fn=lambda epoch: scratch_train_epoch(params, train_set, cfg, worker, epoch,
                                                    options.progress and worker.is_main),
         eval_fn=lambda: evaluate(lambda X: lenet(X, params), test_set, worker.device),
         state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch,
-                                                      cfg, hist))
+                                                      cfg, hist),
+        marks=marks)
 
 
 def eval_loop_per_worker(config: dict) -> dict:
@@ -2340,7 +2411,7 @@ def eval_loop_per_worker(config: dict) -> dict:
     cfg, worker, _, options = worker_setup(config)
     # put in Ray's object store by the driver: no shared disk needed
     weights = ray.get(options.weights)
-    _, test_set = load_dataset(cfg)
+    _, test_set = worker_data(cfg, options)
     classes = len(class_names(test_set))
     model = build_model(cfg.model, test_set[0][0].shape, classes)
     model.load_state_dict(weights)
@@ -2580,8 +2651,10 @@ def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.tr
     shorten_placement_group_cleaner_waits()
     logs = local_run_dir(cfg)
     send_ray_output_to(os.path.join(logs, "ray.log"))
+    options.launched["fit"] = time.time()
     callbacks = [QuietControllerLogs(),
-                 RecoveryLog(cfg, os.path.join(logs, "recovery.json"), last_epoch)]
+                 RecoveryLog(cfg, os.path.join(logs, "recovery.json"), last_epoch,
+                             options.launched)]
     # num_workers=0 under torchrun: Ray Train's local mode runs the loop in this very process.
     workers = (0 if options.torchrun else
                (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
@@ -2656,7 +2729,7 @@ def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Option
             "device": out.get("device"), "checkpoint": checkpoint, **more}
 
 
-def summarize(cfg: Config, result: ray.train.Result) -> dict:
+def summarize(cfg: Config, result: ray.train.Result, launched: dict) -> dict:
     out = result.return_value
     history = out["history"]
     # Medians, leaving out epoch 1 (warm-up) when there are more:
@@ -2666,13 +2739,16 @@ def summarize(cfg: Config, result: ray.train.Result) -> dict:
     # (whose Result may lack it when its state API is slow).
     checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(history[-1]["epoch"]),
                               CHECKPOINT_FILE)
+    recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
+    # the start-up breakdown as the controller printed it (Ray), or rank 0 (torchrun)
+    startup = [e["seconds"] for e in recovery.get("events", []) if e["event"] == "startup"]
     summary = run_record(
         cfg, history[-1], out, checkpoint, epochs=history,
         sec_per_epoch=statistics.median(m["epoch_seconds"] for m in timed),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
         started_at_epoch=out["started_at_epoch"], node_ranks=out["node_ranks"],
-        first_step_at=out["first_step_at"],
-        recovery=recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json")))
+        first_step_at=out["first_step_at"], recovery=recovery,
+        startup=startup[0] if startup else startup_breakdown(launched, {}, out["startup"]))
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
 
@@ -2700,6 +2776,9 @@ def run(cfg: Config, typed: Optional[set] = None,
     its processes runs this; rank 0 alone speaks and writes."""
     torchrun = under_torchrun()
     speaks = not torchrun or os.environ["RANK"] == "0"
+    # The start-up breakdown's first marks: this process's start and imports, if this run pays them.
+    first = not ray.is_initialized()
+    launched = {"started": STARTED_AT, "imported": IMPORTED_AT} if first else {}
     with contextlib.redirect_stdout(sys.stdout if speaks else io.StringIO()):
         # every rank: they all train what a rerun adopts
         cfg, last_epoch = check_run_dir(cfg, typed)
@@ -2713,11 +2792,16 @@ def run(cfg: Config, typed: Optional[set] = None,
         print(describe(cfg, data, torchrun), flush=True)
         if weights_note:
             print(f"note: {weights_note}", flush=True)
+    launched["connected"] = time.time()
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
-    # --weights travel through Ray's object store (no shared disk needed); torchrun has none
-    start_from = ray.put(read_weights(cfg.weights)) if cfg.weights and not torchrun else None
+    # Through Ray's object store, loaded once and no files needed on the workers' nodes: --weights,
+    # and data held in memory. (torchrun has no object store: its processes read them.)
+    shared = not torchrun
     options = LoopOptions(progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
-                          start_from=start_from)
+                          start_from=(ray.put(read_weights(cfg.weights)) if cfg.weights and shared
+                                      else None),
+                          data=ray.put(data.datasets) if shared and not data.per_sample else None,
+                          launched=launched)
     if torchrun:
         # local mode logs every report at INFO
         logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -2727,7 +2811,7 @@ def run(cfg: Config, typed: Optional[set] = None,
         raise RunFailed(record_failure(cfg, exc)) from None
     if not speaks:
         return None
-    summary = summarize(cfg, result)
+    summary = summarize(cfg, result, options.launched)
     print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
     if (advice := near_chance(cfg, summary)):
         print(f"note: {advice}", flush=True)
