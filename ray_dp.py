@@ -14,6 +14,8 @@ Run it:
     python ray_dp.py --dataset cifar10 --model resnet18 --sync-bn --accum-steps 2
     python ray_dp.py --name myrun ...                # run it again with the same name to resume
     python ray_dp.py --address auto --gpu ...        # on a running cluster (ray up cluster.yaml)
+    python ray_dp.py doctor --address auto --workers 8
+                                                     # check that cluster first, one line a check
     python ray_dp.py --mode scratch --dataset digits
                                                      # the d2l lesson: hand-written all-reduce LeNet
     python ray_dp.py --mode dp --workers 4 --model resnet18
@@ -272,22 +274,38 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help)")
 
 
+# what `ray_dp.py doctor` takes: where, how many workers of what kind, storage, data
+DOCTOR_FLAGS = ("address", "workers", "gpu", "cpus_per_worker", "storage_path", "dataset",
+                "data_dir", "download", "start_timeout")
+
+
 def build_parser(command: str = "train") -> argparse.ArgumentParser:
-    description = (__doc__.split("\n\n")[0] if command == "train" else
-                   "compare: train ddp and scratch LeNet at 1 and --workers N workers "
-                   "(scratch with each all-reduce), same global batch and seed, and print the "
-                   "lesson's table; writes compare.csv, compare.md and compare.png to "
-                   "<storage-path>/<name>/")
-    parser = _Parser(prog="ray_dp.py" if command == "train" else "ray_dp.py compare",
-                     description=description, formatter_class=_HelpFormatter, allow_abbrev=False)
+    descriptions = {
+        "train": __doc__.split("\n\n")[0],
+        "compare": "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch "
+                   "with each all-reduce), same global batch and seed, and print the lesson's "
+                   "table; writes compare.csv, compare.md and compare.png to "
+                   "<storage-path>/<name>/",
+        "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
+                  "reachable (and its auth), the same Python/Ray/torch/torchvision on every "
+                  "node, resources for --workers, storage every node shares, a worker group of "
+                  "--workers started and its all-reduce timed at 4 KB to 64 MB (and the network "
+                  "interface each rank uses), the data. Exits 0 only if every check passed."}
+    parser = _Parser(prog="ray_dp.py" if command == "train" else f"ray_dp.py {command}",
+                     description=descriptions[command], formatter_class=_HelpFormatter,
+                     allow_abbrev=False)
     if command == "compare":
         parser.add_argument("--scale-lr", action="store_true",
                             help="N-worker rows keep the per-worker batch (global batch x N, as "
                                  "the lesson did) and scale the learning rate by N with it")
+    if command == "doctor":
+        parser.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
+                            help="seconds every rank has to come to each probe collective before "
+                                 "the ones that did not are named")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = dict(f.metadata)
-        if not kwargs.pop("cli", True):
+        if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS):
             continue
         if f.name == "dataset":
             kwargs["choices"] = sorted(DATASETS)  # the registry, complete by the time anyone parses
@@ -348,7 +366,9 @@ def not_a_directory(path: str) -> Optional[str]:
     return None
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, doctor: bool = False) -> None:
+    """One line for the first thing wrong with the flags. The doctor trains nothing (no batch to
+    split) and tries --storage-path on every node itself."""
     cpus = cfg.cpus_per_worker
     checks = [
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
@@ -430,6 +450,8 @@ def validate(cfg: Config) -> None:
     directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
                    "predict-out": cfg.predict_out}
     for flag, typed in directories.items():
+        if flag == "storage-path" and doctor:
+            continue
         path = os.path.dirname(typed) if flag == "predict-out" else typed
         if path and is_uri(path):
             check_uri(flag, path)
@@ -438,7 +460,7 @@ def validate(cfg: Config) -> None:
         elif path and flag != "data-dir" and (blocker := not_writable(path)):
             raise ConfigError(f"--{flag} {typed}: {blocker} is not writable")
     # every size an elastic run may have
-    for workers in range(cfg.min_workers or cfg.workers, cfg.workers + 1):
+    for workers in range(cfg.min_workers or cfg.workers, (cfg.workers + 1) * (not doctor)):
         per_step = workers * cfg.accum_steps
         # evaluation has no global batch to split
         if cfg.batch_size % per_step and not cfg.eval_only:
@@ -2590,33 +2612,46 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
 def connect(cfg: Config) -> Config:
     """Start (or attach to) Ray, after checking that the run fits, so that nothing starts in vain.
     Returns the config with the device decided."""
-    # Ray would fold epoch lines that differ only in numbers
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not ray.is_initialized() and not cfg.address:
         # what ray.init registers: cgroup limits, not the host's
         from ray._private.utils import get_num_cpus
         machine = {"CPU": get_num_cpus(), "GPU": torch.cuda.device_count()}
         cfg = settle_device(cfg, Cluster(machine, None, local=True))
+        start_ray(cfg.address)
+        return cfg
+    start_ray(cfg.address)
+    return settle_device(cfg, cluster_of(cfg))
+
+
+def start_ray(address: str) -> None:
+    """Start a Ray of this machine's own (no address), or attach to the cluster at address, unless
+    this process already runs one; one line if the cluster does not answer."""
+    # Ray would fold epoch lines that differ only in numbers
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if ray.is_initialized():
+        return
+    if not address:
         # Ray turns token auth on for a cluster it starts,
         # and says so on every run: good, and not news.
         logging.getLogger("ray._private.authentication."
                           "authentication_token_setup").setLevel(logging.ERROR)
         ray.init(address="local", runtime_env=RUNTIME_ENV, logging_level=logging.WARNING,
                  include_dashboard=False)
-        return cfg
-    if not ray.is_initialized():
-        check_reachable(cfg.address)
-        try:
-            ray.init(address=cfg.address, runtime_env=RUNTIME_ENV, logging_level=logging.WARNING)
-        except ConnectionError as exc:
-            raise ConfigError(f"cannot attach to the Ray cluster at {cfg.address}: "
-                              f"{first_line(exc)}") from None
-    # A cluster this process already runs
-    # (tests, compare's rows) was started here and will not grow.
+        return
+    check_reachable(address)
+    try:
+        ray.init(address=address, runtime_env=RUNTIME_ENV, logging_level=logging.WARNING)
+    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
+        raise ConfigError(f"cannot attach to the Ray cluster at {address}: "
+                          f"{first_line(exc)}") from None
+
+
+def cluster_of(cfg: Config) -> Cluster:
+    """The Ray this process runs: what it has now and, attached to a cluster (--address), what its
+    autoscaler can add. A cluster this process started (tests, compare's rows) will not grow."""
     attached = bool(cfg.address)
-    return settle_device(cfg, Cluster(ray.cluster_resources(),
-                                      autoscaler_node_types() if attached else None,
-                                      local=not attached))
+    return Cluster(ray.cluster_resources(), autoscaler_node_types() if attached else None,
+                   local=not attached)
 
 
 def shorten_placement_group_cleaner_waits() -> None:
@@ -2643,14 +2678,8 @@ def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.tr
     """Run `loop` on the run's workers
     (Ray's, or under torchrun this very process) and wait for it."""
     training = loop is not eval_loop_per_worker
-    # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by
-    # default: with short epochs every report would wait for it, and a crash right after one would
-    # lose it.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)  # Ray hands it on
-    shorten_placement_group_cleaner_waits()
     logs = local_run_dir(cfg)
-    send_ray_output_to(os.path.join(logs, "ray.log"))
+    prepare_ray_train(cfg, os.path.join(logs, "ray.log"))
     options.launched["fit"] = time.time()
     callbacks = [QuietControllerLogs(),
                  RecoveryLog(cfg, os.path.join(logs, "recovery.json"), last_epoch,
@@ -2661,8 +2690,7 @@ def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.tr
     trainer = TorchTrainer(
         loop,
         train_loop_config={"config": cfg, "options": options},
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=cfg.gpu,
-                                     resources_per_worker=resources_per_worker(cfg)),
+        scaling_config=scaling_config(cfg, workers),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=None),
                              # no INFO per report
@@ -2676,6 +2704,24 @@ def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.tr
     except SystemExit:
         # Ray Train's own Ctrl-C handler, which fit() installs, aborts the run and exits
         raise KeyboardInterrupt from None
+
+
+def prepare_ray_train(cfg: Config, log_path: str) -> None:
+    """Ray Train's settings for a run of ray_dp's (training, evaluation, the doctor's probe), and
+    Ray's chatter sent to log_path."""
+    # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by
+    # default: with short epochs every report would wait for it, and a crash right after one would
+    # lose it.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)  # Ray hands it on
+    shorten_placement_group_cleaner_waits()
+    send_ray_output_to(log_path)
+
+
+def scaling_config(cfg: Config, workers) -> ScalingConfig:
+    """Where Ray places the workers, and what each holds: the same for every command."""
+    return ScalingConfig(num_workers=workers, use_gpu=cfg.gpu,
+                         resources_per_worker=resources_per_worker(cfg))
 
 
 def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
@@ -2980,17 +3026,484 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
 
 
 # ==================================================================================================
+# doctor: a pre-flight check of a Ray cluster, one line per check (what was found, and on failure
+# what to do): Ray, the nodes' software, resources, shared storage, a worker group and its
+# all-reduce, the data.
+# ==================================================================================================
+
+
+@dataclass(frozen=True)
+class Check:
+    ok: bool
+    says: str  # the figure; on failure, what is wrong and what to do
+
+
+class Doctor:
+    """The checks, in order; one that needs what an earlier one found is skipped when that failed.
+    Node-level questions go to one task per node; the worker group is the one a run would start."""
+
+    def __init__(self, cfg: Config, hang_timeout: float):
+        self.cfg, self.hang_timeout = cfg, hang_timeout
+        self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")  # Ray's messages; kept on failure
+        self.probe: Optional[dict] = None
+
+    def run(self) -> bool:
+        checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
+                  ("resources", self.resources, "Ray"), ("storage", self.storage, "Ray"),
+                  ("workers", self.workers, "resources"), ("all-reduce", self.allreduce, "workers"),
+                  ("data", self.data, "Ray")]
+        started, passed = time.time(), set()
+        for name, check, needs in checks:
+            if needs and needs not in passed:
+                print(f"skipped {name:<10} (needs {needs})", flush=True)
+                continue
+            result = check()
+            passed.update([name] if result.ok else [])
+            print(f"{'ok' if result.ok else 'FAILED':<7} {name:<10} {result.says}", flush=True)
+        failed, log = len(checks) - len(passed), os.path.join(self.logs, "ray.log")
+        if failed and os.path.isfile(log):
+            said_where = f"; Ray's messages are in {log}"
+        else:
+            shutil.rmtree(self.logs, ignore_errors=True)
+            said_where = ""
+        print(f"doctor: {failed} of {len(checks)} checks failed or were skipped "
+              f"({time.time() - started:.1f} s){said_where}" if failed else
+              f"doctor: all {len(checks)} checks passed in {time.time() - started:.1f} s",
+              flush=True)
+        return not failed
+
+    def ray(self) -> Check:
+        begun, where = time.time(), self.cfg.address or "this machine's own"
+        try:
+            start_ray(self.cfg.address)
+        except ConfigError as exc:
+            return Check(False, str(exc))
+        send_ray_output_to(os.path.join(self.logs, "ray.log"))
+        return Check(True, f"Ray {ray.__version__}, {where}, up in {time.time() - begun:.1f} s; "
+                           f"auth {node_software()['auth']} (this client)")
+
+    def versions(self) -> Check:
+        here, nodes = node_software(), self.on_every_node(node_software)
+        for node, found in nodes.items():
+            if isinstance(found, Exception):
+                return Check(False, f"node {node} did not answer: {said(found)}")
+            differ = [f"{key} {found[key]} (the driver {here[key]})"
+                      for key in SOFTWARE if found[key] != here[key]]
+            if differ:
+                return Check(False, f"node {node} ({found['host']}) has {', '.join(differ)}: "
+                                    f"install requirements.txt into the same Python on every "
+                                    f"node (cluster.yaml's setup_commands), and set "
+                                    f"RAY_AUTH_MODE the same everywhere")
+        same = ", ".join(f"{key} {here[key]}" for key in SOFTWARE)
+        return Check(True, f"{plural(len(nodes), 'node')}, the same as the driver's: {same}")
+
+    def resources(self) -> Check:
+        cluster = cluster_of(self.cfg)
+        have = (f"{plural(len(alive_nodes()), 'node')}, {cluster.now.get('CPU', 0):g} CPUs, "
+                f"{cluster.now.get('GPU', 0):g} GPUs now")
+        grows = (f"; its node types add up to {cluster.most}" if cluster.most is not None else
+                 "" if cluster.local else "; no autoscaler configuration found")
+        notes = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(notes):
+                self.cfg = settle_device(self.cfg, cluster)
+        except ConfigError as exc:
+            return Check(False, f"{have}{grows}; {exc}")
+        noted = " ".join(line.removeprefix("note: ") for line in notes.getvalue().splitlines())
+        kind = "GPU workers (nccl)" if self.cfg.gpu else "CPU workers (gloo)"
+        each = " + ".join(f"{amount:g} {kind}" for kind, amount in
+                          resources_per_worker(self.cfg).items())
+        return Check(True, f"{have}{grows}; --workers {self.cfg.processes}: {kind}, {each} "
+                           f"each{'; ' + noted if noted else ''}")
+
+    def storage(self) -> Check:
+        root = self.cfg.storage_path.rstrip("/")
+        folder = f"{root}/.ray-dp-doctor-{os.getpid()}-{time.time():.0f}"
+        written = self.on_every_node(write_marker, folder)
+        seen = self.on_every_node(read_markers, folder)
+        self.on_every_node(remove_markers, folder)
+        return storage_verdict(self.cfg.storage_path, written, seen)
+
+    def workers(self) -> Check:
+        cfg = self.cfg
+        prepare_ray_train(cfg, os.path.join(self.logs, "ray.log"))
+        trainer = TorchTrainer(
+            doctor_loop_per_worker, train_loop_config={"hang_timeout": self.hang_timeout},
+            scaling_config=scaling_config(cfg, cfg.processes),
+            run_config=RunConfig(name="probe", storage_path=self.logs,
+                                 logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+                                 callbacks=[QuietControllerLogs()]),
+            torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
+                                     timeout_s=int(math.ceil(self.hang_timeout))))
+        begun = time.time()
+        try:
+            self.probe = trainer.fit().return_value
+        except ray.train.TrainingFailedError as exc:
+            return Check(False, f"{probe_failure(exc)}; a rank that never answers is most often "
+                                f"bound to a network interface the others cannot reach: set "
+                                f"GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) on every node")
+        ranks = self.probe["ranks"]
+        up = max(rank["started"] for rank in ranks) - begun
+        bound = ", ".join(f"rank {r['rank']} on {r['node']} via {r['address']} ({r['interface']})"
+                          for r in ranks)
+        said = (f"{plural(len(ranks), 'worker')} up in {up:.1f} s (placed, started, "
+                f"{self.probe['backend']} process group); {bound}")
+        if (stray := unreachable_rank(ranks)):
+            return Check(False, f"{said}; rank {stray['rank']} on {stray['node']} sends its "
+                                f"collectives from {stray['address']}, which other nodes cannot "
+                                f"reach: set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) to the "
+                                f"interface that holds {stray['node']}")
+        return Check(True, said)
+
+    def allreduce(self) -> Check:
+        ranks = len(self.probe["ranks"])
+        sizes = ", ".join(
+            f"{human_bytes(t['bytes'])} {three_figures(t['seconds'] * 1e3)} ms"
+            + (f" {rate(bus_bandwidth(t['bytes'], t['seconds'], ranks))}" if ranks > 1 else "")
+            for t in self.probe["timings"])
+        return Check(True, f"{self.probe['backend']} on {plural(ranks, 'worker')}, time per "
+                           f"all-reduce{' and bus bandwidth' if ranks > 1 else ''}: {sizes}")
+
+    def data(self) -> Check:
+        cfg = replace(self.cfg, download=False)
+        try:
+            here = data_files(cfg)
+        except DataError as exc:
+            return missing_data(self.cfg, exc)
+        if not here["per_sample"]:
+            return Check(True, f"{cfg.dataset}: {here['train']} train / {here['test']} test "
+                               f"samples on the driver, which sends them to the workers (their "
+                               f"nodes need no files)")
+        for node, found in self.on_every_node(data_files, cfg).items():
+            if isinstance(found, Exception):
+                return Check(False, f"node {node}: {said(found)} (every node that trains "
+                                    f"reads the images itself)")
+            if found != here:
+                return Check(False, f"node {node} sees {found['train']} train / {found['test']} "
+                                    f"val images in {found['classes']} classes, the driver "
+                                    f"{here['train']} / {here['test']} in {here['classes']}")
+        return Check(True, f"{cfg.dataset} {cfg.data_dir}: {here['train']} train / {here['test']} "
+                           f"val images in {here['classes']} classes, the same on every node")
+
+    def on_every_node(self, function, *args) -> dict:
+        """function(*args) once on each node, by node address: its return value, or the exception
+        it raised (or a GetTimeoutError after --start-timeout)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        remote = ray.remote(num_cpus=0, max_retries=0)(function)
+        calls = {node_name(node): remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node["NodeID"], soft=False)).remote(*args) for node in alive_nodes()}
+        answers = {}
+        for name, call in calls.items():
+            try:
+                answers[name] = ray.get(call, timeout=self.cfg.start_timeout)
+            except Exception as exc:  # noqa: BLE001 - the node's own error is the answer
+                answers[name] = exc
+        return answers
+
+
+def doctor(cfg: Config, hang_timeout: float) -> bool:
+    where = f"the cluster at {cfg.address}" if cfg.address else "this machine (a local Ray)"
+    print(f"ray-dp doctor: {where}, --workers {cfg.workers}, storage {cfg.storage_path}, "
+          f"data {cfg.dataset}", flush=True)
+    return Doctor(cfg, hang_timeout).run()
+
+
+SOFTWARE = ("python", "ray", "torch", "torchvision", "auth")
+
+
+def node_software() -> dict:
+    """This process's Python, Ray, torch, torchvision, and the auth mode its Ray speaks."""
+    import platform
+    import socket
+
+    import torchvision
+    from ray._private.authentication.authentication_utils import get_authentication_mode_name
+    from ray._raylet import get_authentication_mode
+    return {"host": socket.gethostname(), "python": platform.python_version(),
+            "ray": ray.__version__, "torch": torch.__version__,
+            "torchvision": torchvision.__version__,
+            "auth": get_authentication_mode_name(get_authentication_mode())}
+
+
+def alive_nodes() -> list:
+    return [node for node in ray.nodes() if node["Alive"]]
+
+
+def node_name(node: dict) -> str:
+    """A node by its address; with its ID too where two share one (several raylets, one host)."""
+    address = node["NodeManagerAddress"]
+    shared = sum(n["NodeManagerAddress"] == address for n in alive_nodes()) > 1
+    return f"{address} ({node['NodeID'][:8]})" if shared else address
+
+
+def storage_files(path: str):
+    """(pyarrow file system, path in it) for --storage-path: a local directory or a URI."""
+    from pyarrow import fs
+    return fs.FileSystem.from_uri(path) if is_uri(path) else (fs.LocalFileSystem(), path)
+
+
+def write_marker(folder: str) -> Optional[str]:
+    """On one node: write a file named after the node into folder; None, or why it could not."""
+    from pyarrow import ArrowException
+    try:
+        files, path = storage_files(folder)
+        files.create_dir(path, recursive=True)
+        with files.open_output_stream(f"{path}/{ray.util.get_node_ip_address()}") as marker:
+            marker.write(b"written by ray_dp.py doctor\n")
+    except (OSError, ArrowException, ValueError) as exc:
+        return " ".join(str(exc).split())
+    return None
+
+
+def read_markers(folder: str):
+    """On one node: the names of the markers it sees in folder (a list), or why it cannot (str)."""
+    from pyarrow import ArrowException, fs
+    try:
+        files, path = storage_files(folder)
+        return [info.base_name for info in
+                files.get_file_info(fs.FileSelector(path, allow_not_found=True))]
+    except (OSError, ArrowException, ValueError) as exc:
+        return " ".join(str(exc).split())
+
+
+def remove_markers(folder: str) -> None:
+    from pyarrow import ArrowException
+    with contextlib.suppress(OSError, ArrowException, ValueError):
+        files, path = storage_files(folder)
+        files.delete_dir(path)
+
+
+def storage_verdict(storage: str, written: dict, seen: dict) -> Check:
+    """Shared storage, from what each node wrote (None, or why not) and what each one then saw."""
+    for node, error in written.items():
+        if error is not None:
+            return Check(False, f"node {node} cannot write under {storage}: {said(error)}; "
+                                f"choose a --storage-path every node can write (s3://... or a "
+                                f"shared file system)")
+    for reader, markers in seen.items():
+        if not isinstance(markers, list):
+            return Check(False, f"node {reader} cannot read {storage}: {said(markers)}")
+        if (missing := [writer for writer in written if writer.split()[0] not in markers]):
+            return Check(False, f"node {reader} cannot see what node {missing[0]} wrote under "
+                                f"{storage}: use s3:// or a shared file system (rank 0 saves the "
+                                f"checkpoints wherever it runs; every node reads them to resume)")
+    if len(written) == 1:
+        return Check(True, f"{storage}: the node wrote a marker and read it back")
+    return Check(True, f"{storage}: {len(written)} nodes each wrote a marker and each read all "
+                       f"{len(written)} back (shared)")
+
+
+def said(answer) -> str:
+    """A node's answer as words: an exception in one line, else as it is."""
+    return first_line(answer) if isinstance(answer, BaseException) else str(answer)
+
+
+def data_files(cfg: Config) -> dict:
+    """What --dataset finds here without downloading: its sizes and classes, and whether the
+    workers read it per sample (on their own nodes) or it is held in memory (sent by the driver)."""
+    train, test = load_dataset(cfg)
+    named = isinstance(train, TensorDataset) or getattr(train, "classes", None)
+    return {"train": len(train), "test": len(test),
+            "classes": len(class_names(train)) if named else None,
+            "per_sample": not isinstance(train, TensorDataset)}
+
+
+def download_source(dataset: str) -> Optional[str]:
+    from torchvision.datasets import CIFAR10, FashionMNIST
+    return {"fashion-mnist": FashionMNIST.mirrors[0], "cifar10": CIFAR10.url}.get(dataset)
+
+
+def missing_data(cfg: Config, error: DataError) -> Check:
+    """A data set not on the driver's disk: fine if a run can download it (the driver does, once,
+    and sends it to the workers)."""
+    import socket
+    import urllib.parse
+    source = download_source(cfg.dataset)
+    if not cfg.download or source is None:
+        return Check(False, str(error))
+    where = urllib.parse.urlsplit(source)
+    host = where.hostname
+    try:
+        socket.create_connection((host, where.port or {"http": 80}.get(where.scheme, 443)),
+                                 timeout=5).close()
+    except OSError as exc:
+        return Check(False, f"{cfg.dataset} is not in {cfg.data_dir} and {host} cannot be "
+                            f"reached to download it ({exc.strerror or exc}): copy its files "
+                            f"there on the driver's machine (--data-dir), or use --dataset digits "
+                            f"(offline)")
+    return Check(True, f"{cfg.dataset} is not in {cfg.data_dir} yet; {host} answers, so a run "
+                       f"downloads it there first (the driver only: it sends the data on)")
+
+
+PROBE_BYTES = (4 << 10, 256 << 10, 16 << 20, 64 << 20)
+
+
+class ProbeHang(RuntimeError):
+    """Ranks that did not come to a collective in time."""
+
+
+def doctor_loop_per_worker(config: dict) -> Optional[dict]:
+    """Each of the doctor's workers: where it runs and which address its collectives use, then an
+    all-reduce at each of PROBE_BYTES, each after a barrier that names the ranks that do not come
+    (a collective would only time out). Rank 0 returns what they all found."""
+    started = time.time()
+    backend, device = dist.get_backend(), ray.train.torch.get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # torch's monitored_barrier is gloo's alone: an NCCL run gets a gloo group beside its own
+    watch = None if backend == "gloo" else dist.new_group(backend="gloo")
+    hang = config["hang_timeout"]
+    everyone_comes(watch, hang, "the first collective")
+    me = {"rank": dist.get_rank(), "node": ray.util.get_node_ip_address(), "started": started,
+          **collective_address(backend)}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, me)
+    timings = []
+    for size in PROBE_BYTES:
+        everyone_comes(watch, hang, f"the {human_bytes(size)} all-reduce")
+        timings.append({"bytes": size, "seconds": time_allreduce(size, device)})
+    return ({"ranks": ranks, "timings": timings, "backend": backend} if dist.get_rank() == 0
+            else None)
+
+
+def everyone_comes(group, seconds: float, before: str) -> None:
+    try:
+        dist.monitored_barrier(group, timeout=timedelta(seconds=seconds), wait_all_ranks=True)
+    except RuntimeError as exc:  # rank 0 names the absent; the others only lose rank 0
+        absent = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(exc))
+        if absent:
+            raise ProbeHang(f"rank {absent[1]} did not come to {before} within {seconds:g} s "
+                            f"(--hang-timeout)") from None
+        raise
+
+
+def time_allreduce(size: int, device: torch.device) -> float:
+    """Median seconds of one all-reduce of `size` bytes (float32) on this worker's device."""
+    tensor = torch.ones(size // 4, device=device)
+    seconds = []
+    for _ in range(1 + (10 if size <= 1 << 20 else 3)):  # the first one warms up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begun = time.perf_counter()
+        dist.all_reduce(tensor)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - begun)
+    return statistics.median(seconds[1:])
+
+
+def collective_address(backend: str) -> dict:
+    """The address and network interface this worker's collectives go out of, found as the backend
+    finds them: {GLOO,NCCL}_SOCKET_IFNAME if set; else gloo takes the first address of the host's
+    name that it can bind, NCCL an InfiniBand interface, else any but loopback and docker."""
+    interfaces = interface_addresses()
+    variable = "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"
+    if os.environ.get(variable):
+        name = os.environ[variable].split(",")[0].lstrip("=^")
+        return {"interface": f"{name}, {variable}", "address": interfaces.get(name, "?")}
+    if backend != "gloo":
+        candidates = [name for name in interfaces if not name.startswith(("lo", "docker"))]
+        name = min(candidates, key=lambda n: not n.startswith("ib"), default="lo")
+        return {"interface": name, "address": interfaces.get(name, "?")}
+    import socket
+    address = first_bindable(socket.gethostname())
+    name = next((n for n, a in interfaces.items() if a == address),
+                "lo" if address.startswith("127.") else "?")
+    return {"interface": name, "address": address}
+
+
+SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's address
+
+
+def interface_addresses() -> dict:
+    """Each network interface's IPv4 address (Linux's SIOCGIFADDR); {} where it cannot be read."""
+    import fcntl
+    import socket
+    import struct
+    found = {}
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR,
+                                     struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address (or not Linux)
+                continue
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def first_bindable(host: str) -> str:
+    """gloo's choice: the first address of `host` that a socket can bind, else loopback."""
+    import socket
+    try:
+        candidates = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return "127.0.0.1"
+    for family, kind, protocol, _, address in candidates:
+        with socket.socket(family, kind, protocol) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return address[0]
+            except OSError:
+                continue
+    return "127.0.0.1"
+
+
+def unreachable_rank(ranks: list) -> Optional[dict]:
+    """A rank whose collectives leave from a loopback address while the nodes have addresses of
+    their own (other machines): the others cannot reach it, and the first collective hangs."""
+    nodes = {rank["node"] for rank in ranks}
+    if len(nodes) < 2 or all(node.startswith("127.") for node in nodes):
+        return None
+    return next((rank for rank in ranks if rank["address"].startswith("127.")), None)
+
+
+def probe_failure(error: ray.train.TrainingFailedError) -> str:
+    """Why the doctor's worker group failed: the ranks that did not come, where rank 0 named
+    them."""
+    for _, failure in sorted(getattr(error, "worker_failures", {}).items()):
+        if (found := re.search(r"ProbeHang: (.*)", str(failure))):
+            return found[1].strip()
+    return describe_training_error(error, {})
+
+
+def human_bytes(size: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:g} {unit}"
+    return f"{size} B"
+
+
+def bus_bandwidth(size: int, seconds: float, ranks: int) -> float:
+    """Bytes per second each link carries in a ring all-reduce (nccl-tests' busbw): the data
+    size over the time, times 2(n-1)/n."""
+    return size / seconds * 2 * (ranks - 1) / ranks
+
+
+def three_figures(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def rate(bytes_per_second: float) -> str:
+    if bytes_per_second >= 1e9:
+        return f"{three_figures(bytes_per_second / 1e9)} GB/s"
+    return f"{three_figures(bytes_per_second / 1e6)} MB/s"
+
+
+# ==================================================================================================
 # main: the command line, one command, one line for every way it can end.
 # ==================================================================================================
 
 
 def parse_command(argv) -> tuple[str, Config, dict]:
-    """(command, config, command options): `ray_dp.py [flags]` trains;
-    `ray_dp.py compare [flags]` compares."""
+    """(command, config, command options): `ray_dp.py [flags]` trains; `ray_dp.py compare
+    [flags]` compares; `ray_dp.py doctor [flags]` checks a cluster."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = "compare" if argv[:1] == ["compare"] else "train"
-    parser, flags = build_parser(command), argv[1:] if command == "compare" else argv
+    command = argv[0] if argv[:1] in (["compare"], ["doctor"]) else "train"
+    parser, flags = build_parser(command), argv if command == "train" else argv[1:]
     args = vars(parser.parse_args(flags))
+    if command == "doctor":
+        return "doctor", *doctor_config(args)
     # argparse fills in defaults only for attributes the namespace lacks:
     # what keeps NOT_TYPED was not typed.
     untyped = argparse.Namespace(**dict.fromkeys(args, NOT_TYPED))
@@ -3011,6 +3524,17 @@ def parse_command(argv) -> tuple[str, Config, dict]:
         # a rerun takes what the command line leaves unsaid from the run it resumes
         options["typed"] = typed
     return command, replace(cfg, name=cfg.name or default_run_name(command, cfg)), options
+
+
+def doctor_config(args: dict) -> tuple[Config, dict]:
+    """The doctor's flags checked as a run's would be, but for --storage-path, which the doctor
+    tries on every node instead."""
+    hang_timeout = args.pop("hang_timeout")
+    if not 1 <= hang_timeout <= MAX_SECONDS:
+        raise ConfigError(f"--hang-timeout must be 1 to {MAX_SECONDS} seconds, got {hang_timeout}")
+    cfg = with_absolute_paths(Config(**args))
+    validate(cfg, doctor=True)
+    return cfg, {"hang_timeout": hang_timeout}
 
 
 def list_models(cfg: None) -> None:
@@ -3038,8 +3562,9 @@ def main(argv=None) -> int:
     command, cfg = "train", None
     try:
         command, cfg, options = parse_command(argv)
-        commands = {"compare": compare, "eval": run_eval, "train": run, "models": list_models}
-        commands[command](cfg, **options)
+        commands = {"compare": compare, "eval": run_eval, "train": run, "models": list_models,
+                    "doctor": doctor}
+        outcome = commands[command](cfg, **options)
     except (ConfigError, DataError) as exc:
         print(f"ray_dp.py: error: {exc}", file=sys.stderr)
         return 2
@@ -3052,7 +3577,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"ray_dp.py: {interrupted(command, cfg)}", file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports a Ctrl-C
-    return 0
+    return 1 if command == "doctor" and not outcome else 0
 
 
 if __name__ == "__main__":
