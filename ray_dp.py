@@ -3462,7 +3462,8 @@ def probe_failure(error: ray.train.TrainingFailedError) -> str:
     """Why the doctor's worker group failed: the ranks that did not come, where rank 0 named
     them."""
     for _, failure in sorted(getattr(error, "worker_failures", {}).items()):
-        if (found := re.search(r"ProbeHang: (.*)", str(failure))):
+        # the exception itself, or a traceback that ends in it
+        if (found := re.search(r"ProbeHang: (.*)", f"{type(failure).__name__}: {failure}")):
             return found[1].strip()
     return describe_training_error(error, {})
 

@@ -3,6 +3,7 @@
 
     python bench/bench.py                # about 20 minutes on 2 cores; writes bench/results.md, results.json
     python bench/bench.py --repeats 1    # a quicker, noisier look
+    python bench/bench.py --startup-only # section 5 alone: start-up next to a bare TorchTrainer (~6 minutes)
 
 Each figure comes from ray_dp.py's own result.json (per-epoch seconds from the workers' clocks, the first
 epoch left out as warm-up) of real runs of the command line, so it measures what users run. The one
@@ -285,6 +286,62 @@ def data_wait(ray_runs):
             "DataLoader sec/epoch over in-memory sec/epoch": median_of(loader, steady) / median_of(ray_runs, steady)}
 
 
+QUICK_START = ["--workers", "2", "--dataset", "digits"]  # the README's offline quick start, as typed
+
+
+def startup(repeats):
+    """ray_dp's quick start next to a bare Ray Train run of the same shape (bench/bare_trainer.py:
+    workers that only report once), interleaved. Seconds from the command's start to the first step
+    (the bare run: its loop's first line) and to its exit; the quick start's training (first step to
+    the last epoch's end) is the work the bare run does not do."""
+    def bare():
+        started = time.time()
+        done = subprocess.run([PYTHON, os.path.join("bench", "bare_trainer.py"), "--workers", "2"], cwd=REPO,
+                              capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"bench: bare_trainer.py failed:\n{done.stderr[-2000:]}")
+        clocks = json.loads(done.stdout.strip().splitlines()[-1])
+        return {"to_first_step": clocks["first_step_at"] - started, "total": time.time() - started}
+
+    def quick_start():
+        with tempfile.TemporaryDirectory() as tmp:
+            started = time.time()
+            done = subprocess.run([PYTHON, "ray_dp.py", *QUICK_START, "--storage-path", tmp, "--name", "quick",
+                                   "--logdir", os.path.join(tmp, "tb")], cwd=REPO, capture_output=True, text=True)
+            ended = time.time()
+            if done.returncode:
+                sys.exit(f"bench: the quick start failed:\n{done.stderr[-2000:]}")
+            with open(os.path.join(tmp, "quick", "result.json")) as f:
+                result = json.load(f)
+        training = result["epochs"][-1]["ended_at"] - result["first_step_at"]
+        return {"to_first_step": result["first_step_at"] - started, "total": ended - started,
+                "training": training, "phases": result["startup"]}
+
+    results = interleave({"bare": bare, "ray_dp": quick_start}, repeats)
+    bare_first, ours_first = (median_of(results[k], lambda r: r["to_first_step"]) for k in ("bare", "ray_dp"))
+    bare_total = median_of(results["bare"], lambda r: r["total"])
+    ours_total = median_of(results["ray_dp"], lambda r: r["total"])
+    training = median_of(results["ray_dp"], lambda r: r["training"])
+    figures = {"bare TorchTrainer: seconds to its loop": bare_first,
+               "ray_dp quick start: seconds to the first step": ours_first,
+               "difference (target <= 1.5)": ours_first - bare_first,
+               "bare TorchTrainer: seconds in all": bare_total,
+               "ray_dp quick start: seconds in all": ours_total,
+               "ray_dp quick start: training (first step to last epoch's end)": training,
+               "ray_dp total - training - bare total (target <= 2)": ours_total - training - bare_total}
+    phases = {name: median_of(results["ray_dp"], lambda r, n=name: r["phases"].get(n, float("nan")))
+              for name in results["ray_dp"][0]["phases"]}
+    return {"figures": figures, "phases": phases}
+
+
+def startup_markdown(report, repeats) -> list:
+    return ["", f"## 5. Start-up: `python ray_dp.py {' '.join(QUICK_START)}` vs a bare TorchTrainer "
+                f"(bench/bare_trainer.py, the same Ray settings and scaling config; medians of {repeats} "
+                f"interleaved runs)", ""] + table(report["figures"]) + [
+            "", "The quick start's own breakdown (result.json's `startup`, medians, seconds):", ""] + table(
+        report["phases"])
+
+
 def machine():
     import ray
     return {"cpu": platform.processor() or platform.machine(), "cores": CORES,
@@ -319,15 +376,30 @@ def to_markdown(report):
                   "ResNet-18: 32 images each; no Ray)", "", "| step | ms |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in report["step_breakdown"].items()]
     lines += ["", "## 4. Share of training time waiting for data (2 workers)", ""] + table(report["data_wait"])
+    lines += startup_markdown(report["startup"], report["repeats"])
     return "\n".join(lines) + "\n"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per contender (default: 3)")
+    parser.add_argument("--startup-only", action="store_true",
+                        help="only section 5 (start-up), written to bench/startup.md and startup.json (~2 min "
+                             "per repeat)")
     args = parser.parse_args()
     started = time.time()
     report = {"machine": machine(), "repeats": args.repeats, "command": " ".join(["python bench/bench.py", *sys.argv[1:]])}
+    if args.startup_only:
+        report["startup"] = startup(args.repeats)
+        report["minutes"] = (time.time() - started) / 60
+        with open(os.path.join(REPO, "bench", "startup.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        markdown = "\n".join([f"# ray-dp start-up (`{report['command']}`, {report['minutes']:.0f} minutes)", "",
+                               f"Machine: {report['machine']}", *startup_markdown(report["startup"], args.repeats)])
+        with open(os.path.join(REPO, "bench", "startup.md"), "w") as f:
+            f.write(markdown + "\n")
+        print(markdown)
+        return
     print("1. launcher overhead", flush=True)
     report["launcher"], ray_runs = launcher_overhead(args.repeats)
     print("2. scaling", flush=True)
@@ -339,6 +411,8 @@ def main():
     report["step_breakdown"] = step_breakdown()
     print("4. data wait", flush=True)
     report["data_wait"] = data_wait(ray_runs)
+    print("5. start-up", flush=True)
+    report["startup"] = startup(args.repeats)
     report["minutes"] = (time.time() - started) / 60
     with open(os.path.join(REPO, "bench", "results.json"), "w") as f:
         json.dump(report, f, indent=2)

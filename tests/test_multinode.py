@@ -3,6 +3,7 @@ addresses; the tutorial's torchrun launch. Each must train exactly like one node
 import copy
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -136,10 +137,7 @@ def train_on(nodes, tmp_path, name, *flags, during_epoch_2=None):
     command = [sys.executable, "ray_dp.py", *RUN, "--cpu", "--address", nodes.address, "--storage-path",
                str(tmp_path / "runs"), "--name", name, "--logdir", str(tmp_path / "tb"), *flags]
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    deadline = time.time() + 60
-    while not ray_nodes_alive(nodes.address, env) == 2:  # the worker node may still be joining
-        assert time.time() < deadline, "the worker node never joined"
-        time.sleep(2)
+    deadline = both_nodes_joined(nodes, env)
     driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if during_epoch_2:
         snapshot = tmp_path / "runs" / name / "checkpoint_manager_snapshot.json"
@@ -151,6 +149,15 @@ def train_on(nodes, tmp_path, name, *flags, during_epoch_2=None):
     assert driver.returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert "Traceback" not in stdout + stderr and "Connection reset" not in stdout + stderr  # in ray.log
     return stdout, json.loads((tmp_path / "runs" / name / "result.json").read_text())
+
+
+def both_nodes_joined(nodes, env):
+    """Wait until the worker node has joined (it may still be starting); then a deadline a minute on."""
+    deadline = time.time() + 60
+    while not ray_nodes_alive(nodes.address, env) == 2:
+        assert time.time() < deadline, "the worker node never joined"
+        time.sleep(2)
+    return deadline
 
 
 def ray_nodes_alive(address, env):
@@ -191,8 +198,33 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_exactly_with_one_line_per_e
     assert list((tmp_path / "tb" / "two-nodes").glob("events.out.tfevents.*"))
 
 
+def doctor_on(nodes, tmp_path):
+    """`ray_dp.py doctor` attached to the two nodes: its output, once it passed."""
+    command = [sys.executable, "ray_dp.py", "doctor", "--address", nodes.address, "--workers", "2", "--cpu",
+               "--dataset", "digits", "--storage-path", str(tmp_path / "runs")]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    both_nodes_joined(nodes, env)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    return done.stdout
+
+
 @pytest.mark.ray
-def test_an_elastic_run_that_loses_a_node_waits_then_goes_on_with_the_workers_left(tmp_path, two_nodes):
+def test_the_doctor_passes_on_two_nodes_and_an_elastic_run_that_loses_one_goes_on_with_the_workers_left(
+        tmp_path, two_nodes):
+    # (one test, to start the two nodes once)
+    doctor = doctor_on(two_nodes, tmp_path)
+    assert "ok      versions   2 nodes, the same as the driver's: python " in doctor
+    assert "ok      resources  2 nodes, 2 CPUs, 0 GPUs now; no autoscaler configuration found; --workers 2: " \
+           "CPU workers (gloo), 1 CPU each" in doctor
+    assert f"ok      storage    {tmp_path / 'runs'}: 2 nodes each wrote a marker and each read all 2 back (shared)" \
+        in doctor
+    assert re.search(r"ok      workers    2 workers up in [\d.]+ s \(placed, started, gloo process group\); "
+                     r"rank 0 on 127.0.0.3 via [\d.]+ \(\w+\), rank 1 on 127.0.0.4 via ", doctor), doctor
+    assert "ok      all-reduce gloo on 2 workers" in doctor
+    assert doctor.splitlines()[-1].startswith("doctor: all 7 checks passed in ")
+
     stdout, result = train_on(two_nodes, tmp_path, "elastic", "--workers", "1:2", "--start-timeout", "10",
                               "--max-failures", "3", during_epoch_2=TwoNodes.kill_worker_node)
     assert "on 127.0.0.4 (its process or node died) during epoch 2; failure 1" in stdout

@@ -1,0 +1,189 @@
+"""`ray_dp.py doctor`: one line per check, exit 0 only when all pass; every failure that can be
+provoked on one machine is provoked (an unreachable address, another torch on a node, storage a
+node cannot write or another node cannot see, a rank that never comes to the probe)."""
+import os
+import re
+import time
+
+import pytest
+
+import ray_dp
+from helpers import run_distributed
+
+CHECKS = ["Ray", "versions", "resources", "storage", "workers", "all-reduce", "data"]
+
+
+def lines_by_check(stdout):
+    """{check name: (status, what it says)} from the doctor's output."""
+    found = {}
+    for line in stdout.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in ("ok", "FAILED", "skipped"):
+            name, _, says = rest.strip().partition(" ")
+            found[name] = (status, says.strip())
+    return found
+
+
+def test_an_unreachable_address_fails_the_first_check_and_skips_the_rest(no_cluster, capsys):
+    assert ray_dp.main(["doctor", "--address", "127.0.0.9:1"]) == 1
+    checks = lines_by_check(capsys.readouterr().out)
+    assert list(checks) == CHECKS
+    assert checks["Ray"] == ("FAILED", "no Ray cluster answers at 127.0.0.9:1: start one (ray start --head, or "
+                                       "ray up cluster.yaml), or drop --address to run on this machine")
+    assert {status for status, _ in list(checks.values())[1:]} == {"skipped"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hang-timeout", "0"], "--hang-timeout must be 1 to 604800 seconds, got 0.0"),
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--storage-path", "foo://bar"], None),  # tried on every node, not refused here
+])
+def test_the_doctors_flags_are_checked_before_any_cluster_starts(no_cluster, flags, message):
+    if message is None:
+        cfg, options = ray_dp.doctor_config(vars(ray_dp.build_parser("doctor").parse_args(flags)))
+        assert cfg.storage_path == "foo://bar" and options == {"hang_timeout": 30.0}
+        return
+    with pytest.raises(ray_dp.ConfigError, match=re.escape(message)):
+        ray_dp.parse_command(["doctor", *flags])
+
+
+def test_the_doctor_takes_only_its_own_flags(no_cluster, capsys):
+    assert ray_dp.main(["doctor", "--batch-size", "3"]) == 2
+    assert capsys.readouterr().err == "ray_dp.py: error: unrecognized arguments: --batch-size 3 (see --help)\n"
+
+
+def test_storage_is_shared_only_when_every_node_reads_what_every_node_wrote():
+    written = {"10.0.0.1": None, "10.0.0.2": None}
+    shared = ray_dp.storage_verdict("/nfs/runs", written, {"10.0.0.1": ["10.0.0.1", "10.0.0.2"],
+                                                          "10.0.0.2": ["10.0.0.2", "10.0.0.1"]})
+    assert shared == ray_dp.Check(True, "/nfs/runs: 2 nodes each wrote a marker and each read all 2 back "
+                                        "(shared)")
+    local = ray_dp.storage_verdict("/home/me/runs", written, {"10.0.0.1": ["10.0.0.1"],
+                                                              "10.0.0.2": ["10.0.0.2"]})
+    assert not local.ok and local.says.startswith(
+        "node 10.0.0.1 cannot see what node 10.0.0.2 wrote under /home/me/runs: use s3:// or a shared file system")
+    unwritable = ray_dp.storage_verdict("/runs", {"10.0.0.1": None, "10.0.0.2": "Permission denied"},
+                                        {"10.0.0.1": ["10.0.0.1"], "10.0.0.2": ["10.0.0.1"]})
+    assert not unwritable.ok and unwritable.says.startswith("node 10.0.0.2 cannot write under /runs: Permission denied")
+
+
+def test_a_rank_on_loopback_is_unreachable_only_when_the_nodes_are_other_machines():
+    def rank(number, node, address):
+        return {"rank": number, "node": node, "address": address}
+    assert ray_dp.unreachable_rank([rank(0, "10.0.0.1", "10.0.0.1"), rank(1, "10.0.0.2", "127.0.1.1")])["rank"] == 1
+    assert ray_dp.unreachable_rank([rank(0, "10.0.0.1", "10.0.0.1"), rank(1, "10.0.0.2", "10.0.0.2")]) is None
+    # one machine, or the tests' loopback nodes: loopback reaches every rank
+    assert ray_dp.unreachable_rank([rank(0, "10.0.0.1", "127.0.0.1"), rank(1, "10.0.0.1", "127.0.0.1")]) is None
+    assert ray_dp.unreachable_rank([rank(0, "127.0.0.3", "127.0.0.1"), rank(1, "127.0.0.4", "127.0.0.1")]) is None
+
+
+def test_gloo_binds_the_interface_gloo_socket_ifname_names(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert ray_dp.collective_address("gloo") == {"interface": "lo, GLOO_SOCKET_IFNAME", "address": "127.0.0.1"}
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    found = ray_dp.collective_address("gloo")
+    assert found["address"] == ray_dp.first_bindable(__import__("socket").gethostname())
+
+
+def test_bus_bandwidth_is_nccl_tests_busbw():
+    # 64 MB in 0.1 s on 4 ranks: algbw 671 MB/s, busbw x 2(n-1)/n = 1.5
+    assert ray_dp.bus_bandwidth(64 << 20, 0.1, 4) == pytest.approx((64 << 20) / 0.1 * 1.5)
+    assert [ray_dp.human_bytes(size) for size in ray_dp.PROBE_BYTES] == ["4 KB", "256 KB", "16 MB", "64 MB"]
+
+
+def rank_1_comes_late(hang_timeout):
+    """On every rank of a gloo group: rank 1 misses the first barrier by far."""
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        time.sleep(hang_timeout + 3)
+    try:
+        ray_dp.everyone_comes(None, hang_timeout, "the first collective")
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "came"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_does_not_come_is_named_after_the_hang_timeout():
+    said = run_distributed(rank_1_comes_late, 3, 2)
+    assert said[0] == "ProbeHang: rank 1 did not come to the first collective within 2 s (--hang-timeout)"
+
+
+def all_reduce_sums(size):
+    import torch
+    import torch.distributed as dist
+    seconds = ray_dp.time_allreduce(size, torch.device("cpu"))
+    probe = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(probe)
+    return seconds, probe.tolist()
+
+
+def test_the_probe_times_a_real_all_reduce():
+    results = run_distributed(all_reduce_sums, 2, 4 << 10)
+    assert all(0 < seconds < 5 and sums == [3.0, 3.0, 3.0] for seconds, sums in results)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_doctor_passes_on_the_local_cluster_and_leaves_nothing_behind(tmp_path, capsys):
+    storage = tmp_path / "runs"
+    assert ray_dp.main(["doctor", "--workers", "2", "--dataset", "digits", "--storage-path", str(storage)]) == 0
+    stdout = capsys.readouterr().out
+    checks = lines_by_check(stdout)
+    assert list(checks) == CHECKS and {status for status, _ in checks.values()} == {"ok"}, stdout
+    import ray
+    import torch
+    assert f"ray {ray.__version__}, torch {torch.__version__}" in checks["versions"][1]
+    assert "--workers 2: CPU workers (gloo), 1 CPU each" in checks["resources"][1]
+    assert re.match(r"2 workers up in [\d.]+ s .*rank 0 on .* via .*, rank 1 on ", checks["workers"][1])
+    assert re.findall(r"(\d+ [KM]B) [\d.]+ ms [\d.]+ [MG]B/s", checks["all-reduce"][1]) == [
+        "4 KB", "256 KB", "16 MB", "64 MB"]
+    assert checks["data"][1].startswith("digits: 1437 train / 360 test samples on the driver")
+    assert stdout.splitlines()[-1].startswith("doctor: all 7 checks passed in ")
+    assert os.listdir(storage) == []  # the markers are gone
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("ray_cluster")
+def test_another_torch_on_a_node_storage_it_cannot_write_and_a_hang_each_fail_with_what_to_do(
+        tmp_path, monkeypatch, capsys):
+    driver, real_software = os.getpid(), ray_dp.node_software
+
+    def node_with_other_torch():  # a closure: Ray ships it by value to the node
+        found = real_software()
+        return found if os.getpid() == driver else {**found, "torch": "0.0.0"}
+
+    real_loop = ray_dp.doctor_loop_per_worker
+
+    def rank_1_never_comes(config):
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            time.sleep(300)
+        return real_loop(config)
+
+    monkeypatch.setattr(ray_dp, "node_software", node_with_other_torch)
+    monkeypatch.setattr(ray_dp, "doctor_loop_per_worker", rank_1_never_comes)
+    (tmp_path / "a-file").write_text("x")
+    blocked = tmp_path / "a-file" / "runs"
+    begun = time.time()
+    assert ray_dp.main(["doctor", "--workers", "2", "--dataset", "digits", "--storage-path", str(blocked),
+                        "--hang-timeout", "3"]) == 1
+    stdout = capsys.readouterr().out
+    checks = lines_by_check(stdout)
+    import torch
+    assert checks["versions"][0] == "FAILED" and re.match(
+        rf"node [\d.]+ \(.*\) has torch 0.0.0 \(the driver {re.escape(torch.__version__)}\): install "
+        rf"requirements.txt into the same Python on every node", checks["versions"][1])
+    assert checks["storage"][0] == "FAILED" and checks["storage"][1].startswith(f"node ")
+    assert f"cannot write under {blocked}: " in checks["storage"][1]
+    assert checks["workers"] == ("FAILED", "rank 1 did not come to the first collective within 3 s (--hang-timeout); "
+                                           "a rank that never answers is most often bound to a network interface "
+                                           "the others cannot reach: set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) on "
+                                           "every node")
+    assert checks["all-reduce"] == ("skipped", "(needs workers)")
+    assert checks["Ray"][0] == checks["resources"][0] == checks["data"][0] == "ok"
+    last = stdout.splitlines()[-1]
+    assert last.startswith("doctor: 4 of 7 checks failed or were skipped") and "ray.log" in last
+    assert time.time() - begun < 120  # the sleeping rank was not waited for
