@@ -61,6 +61,21 @@ def test_digits_is_a_fixed_28x28_split_of_all_1797_digits():
     assert set(test.tensors[1].tolist()) == set(range(10))
 
 
+def test_digits_are_scikit_learns_own_read_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+    pixels, labels = ray_dp.sklearn_digits_file()
+    digits = load_digits()
+    assert (pixels.reshape(-1, 8, 8) == digits.images).all() and (labels == digits.target).all()
+    assert len(labels) == 1797
+    # (in a fresh interpreter: this one has imported scikit-learn just above)
+    check = "import sys, ray_dp; ray_dp.load_digits(); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          cwd=ray_dp.__file__.rpartition("/")[0]).stdout.strip() == "False"
+
+
 def test_models_map_images_to_10_logits():
     for name, shape in [("lenet", (1, 28, 28)), ("lenet", (3, 32, 32)), ("mlp", (1, 28, 28)), ("resnet18", (3, 32, 32))]:
         assert ray_dp.build_model(name, shape)(torch.zeros(2, *shape)).shape == (2, 10)
