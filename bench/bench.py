@@ -3,7 +3,7 @@
 
     python bench/bench.py                # about 20 minutes on 2 cores; writes bench/results.md, results.json
     python bench/bench.py --repeats 1    # a quicker, noisier look
-    python bench/bench.py --startup-only # section 5 alone: start-up next to a bare TorchTrainer (~6 minutes)
+    python bench/bench.py --startup-only # section 5 alone: start-up next to a bare TorchTrainer (~2 minutes)
 
 Each figure comes from ray_dp.py's own result.json (per-epoch seconds from the workers' clocks, the first
 epoch left out as warm-up) of real runs of the command line, so it measures what users run. The one
