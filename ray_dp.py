@@ -289,7 +289,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
                   "reachable (and its auth), the same Python/Ray/torch/torchvision on every "
                   "node, resources for --workers, storage every node shares, a worker group of "
-                  "--workers started and its all-reduce timed at 4 KB to 64 MB (and the network "
+                  "--workers started and its all-reduce timed at 4 KiB to 64 MiB (and the network "
                   "interface each rank uses), the data. Exits 0 only if every check passed."}
     parser = _Parser(prog="ray_dp.py" if command == "train" else f"ray_dp.py {command}",
                      description=descriptions[command], formatter_class=_HelpFormatter,
@@ -301,7 +301,8 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
     if command == "doctor":
         parser.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
                             help="seconds every rank has to come to each probe collective before "
-                                 "the ones that did not are named")
+                                 "the ones that did not are named; also the longest one probe "
+                                 "collective may take (the process group's timeout)")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = dict(f.metadata)
@@ -450,7 +451,7 @@ def validate(cfg: Config, doctor: bool = False) -> None:
     directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
                    "predict-out": cfg.predict_out}
     for flag, typed in directories.items():
-        if flag == "storage-path" and doctor:
+        if doctor and flag != "data-dir":  # the doctor writes no logs or predictions
             continue
         path = os.path.dirname(typed) if flag == "predict-out" else typed
         if path and is_uri(path):
@@ -687,8 +688,11 @@ def sklearn_digits_file() -> tuple:
     spec = importlib.util.find_spec("sklearn")
     if spec is None:
         raise DataError("--dataset digits needs scikit-learn: pip install -r requirements.txt")
-    table = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" /
-                       "digits.csv.gz", delimiter=",")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():
+        raise DataError(f"--dataset digits: scikit-learn's {path} is missing: reinstall it "
+                        f"(pip install -r requirements.txt)")
+    table = np.loadtxt(path, delimiter=",")
     return table[:, :-1], table[:, -1].astype(np.int64)
 
 
@@ -710,10 +714,7 @@ class DataError(RuntimeError):
 
 def load_torchvision(dataset_class, root: str,
                      download: bool) -> tuple[TensorDataset, TensorDataset]:
-    from filelock import FileLock
-    os.makedirs(root, exist_ok=True)
-    # Workers sharing a node would otherwise download and unpack the same files at once.
-    with FileLock(os.path.join(root, f".{dataset_class.__name__}.lock")):
+    with download_lock(root, dataset_class.__name__) if download else contextlib.nullcontext():
         try:
             splits = [dataset_class(root, train=train, download=download)
                       for train in (True, False)]
@@ -725,6 +726,25 @@ def load_torchvision(dataset_class, root: str,
                             f"put its files there with --data-dir DIR, or use --dataset digits "
                             f"(offline)") from None
     return tuple(images_to_tensors(split) for split in splits)
+
+
+@contextlib.contextmanager
+def download_lock(root: str, name: str):
+    """Workers sharing a node would otherwise download and unpack the same files at once. (Reading
+    alone, --no-download and the doctor, writes nothing.)"""
+    from filelock import FileLock
+    try:
+        os.makedirs(root, exist_ok=True)
+        lock = FileLock(os.path.join(root, f".{name}.lock"))
+        lock.acquire()
+    except OSError as exc:
+        raise DataError(f"--data-dir {root}: cannot create the download's lock file there "
+                        f"({exc.strerror or exc}); use a writable --data-dir, or --no-download "
+                        f"where the files already are") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def images_to_tensors(split) -> TensorDataset:
@@ -1956,13 +1976,14 @@ class RayOutput:
 _ray_output: Optional[RayOutput] = None  # one per driver process
 
 
-def send_ray_output_to(log_path: str) -> None:
-    """From now on, Ray's forwarded chatter goes to log_path (a run's ray.log)."""
+def send_ray_output_to(log_path: Optional[str]) -> None:
+    """From now on, Ray's forwarded chatter goes to log_path (a run's ray.log; None: nowhere)."""
     global _ray_output
     if _ray_output is None:
         _ray_output = RayOutput()
     _ray_output.install()  # again after each ray.init, which adds a printing handler of its own
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    if log_path:
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
     _ray_output.log_path = log_path
 
 
@@ -3062,31 +3083,43 @@ class Doctor:
         self.cfg, self.hang_timeout = cfg, hang_timeout
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")  # Ray's messages; kept on failure
         self.probe: Optional[dict] = None
+        self.nodes: dict = {}  # node name -> node ID, once Ray is up
 
     def run(self) -> bool:
         checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
                   ("resources", self.resources, "Ray"), ("storage", self.storage, "Ray"),
                   ("workers", self.workers, "resources"), ("all-reduce", self.allreduce, "workers"),
                   ("data", self.data, "Ray")]
-        started, passed = time.time(), set()
-        for name, check, needs in checks:
-            if needs and needs not in passed:
-                print(f"skipped {name:<10} (needs {needs})", flush=True)
-                continue
-            result = check()
-            passed.update([name] if result.ok else [])
-            print(f"{'ok' if result.ok else 'FAILED':<7} {name:<10} {result.says}", flush=True)
-        failed, log = len(checks) - len(passed), os.path.join(self.logs, "ray.log")
-        if failed and os.path.isfile(log):
-            said_where = f"; Ray's messages are in {log}"
-        else:
-            shutil.rmtree(self.logs, ignore_errors=True)
-            said_where = ""
+        started, passed, log = time.time(), set(), os.path.join(self.logs, "ray.log")
+        try:
+            for name, check, needs in checks:
+                if needs and needs not in passed:
+                    print(f"skipped {name:<10} (needs {needs})", flush=True)
+                    continue
+                result = self.checked(check)
+                passed.update([name] if result.ok else [])
+                print(f"{'ok' if result.ok else 'FAILED':<7} {name:<10} {result.says}",
+                      flush=True)
+        finally:
+            failed = len(checks) - len(passed)
+            kept = failed and os.path.isfile(log)
+            if not kept:
+                send_ray_output_to(None)
+                shutil.rmtree(self.logs, ignore_errors=True)
+        where = f"; Ray's messages are in {log}" if kept else ""
         print(f"doctor: {failed} of {len(checks)} checks failed or were skipped "
-              f"({time.time() - started:.1f} s){said_where}" if failed else
+              f"({time.time() - started:.1f} s){where}" if failed else
               f"doctor: all {len(checks)} checks passed in {time.time() - started:.1f} s",
               flush=True)
         return not failed
+
+    @staticmethod
+    def checked(check) -> Check:
+        """A check's verdict; an error it did not foresee fails it, in one line (Ctrl-C stops)."""
+        try:
+            return check()
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is this check's failure
+            return Check(False, f"{first_line(exc)} (the check itself failed)")
 
     def ray(self) -> Check:
         begun, where = time.time(), self.cfg.address or "this machine's own"
@@ -3095,6 +3128,7 @@ class Doctor:
         except ConfigError as exc:
             return Check(False, str(exc))
         send_ray_output_to(os.path.join(self.logs, "ray.log"))
+        self.nodes = {node_name(node): node["NodeID"] for node in alive_nodes()}
         return Check(True, f"Ray {ray.__version__}, {where}, up in {time.time() - begun:.1f} s; "
                            f"auth {node_software()['auth']} (this client)")
 
@@ -3115,7 +3149,7 @@ class Doctor:
 
     def resources(self) -> Check:
         cluster = cluster_of(self.cfg)
-        have = (f"{plural(len(alive_nodes()), 'node')}, {cluster.now.get('CPU', 0):g} CPUs, "
+        have = (f"{plural(len(self.nodes), 'node')}, {cluster.now.get('CPU', 0):g} CPUs, "
                 f"{cluster.now.get('GPU', 0):g} GPUs now")
         grows = (f"; its node types add up to {cluster.most}" if cluster.most is not None else
                  "" if cluster.local else "; no autoscaler configuration found")
@@ -3137,8 +3171,10 @@ class Doctor:
         folder = f"{root}/.ray-dp-doctor-{os.getpid()}-{time.time():.0f}"
         written = self.on_every_node(write_marker, folder)
         seen = self.on_every_node(read_markers, folder)
-        self.on_every_node(remove_markers, folder)
-        return storage_verdict(self.cfg.storage_path, written, seen)
+        made = {self.nodes[name]: answer["created"] for name, answer in written.items()
+                if isinstance(answer, dict) and answer["created"]}
+        self.on_every_node(remove_markers, folder, made)
+        return storage_verdict(self.cfg.storage_path, written, seen, self.nodes)
 
     def workers(self) -> Check:
         cfg = self.cfg
@@ -3154,6 +3190,8 @@ class Doctor:
         begun = time.time()
         try:
             self.probe = trainer.fit().return_value
+        except SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs
+            raise KeyboardInterrupt from None
         except ray.train.TrainingFailedError as exc:
             return Check(False, f"{probe_failure(exc)}; a rank that never answers is most often "
                                 f"bound to a network interface the others cannot reach: set "
@@ -3162,14 +3200,14 @@ class Doctor:
         up = max(rank["started"] for rank in ranks) - begun
         bound = ", ".join(f"rank {r['rank']} on {r['node']} via {r['address']} ({r['interface']})"
                           for r in ranks)
-        said = (f"{plural(len(ranks), 'worker')} up in {up:.1f} s (placed, started, "
-                f"{self.probe['backend']} process group); {bound}")
+        found = (f"{plural(len(ranks), 'worker')} up in {up:.1f} s (placed, started, "
+                 f"{self.probe['backend']} process group); {bound}")
         if (stray := unreachable_rank(ranks)):
-            return Check(False, f"{said}; rank {stray['rank']} on {stray['node']} sends its "
+            return Check(False, f"{found}; rank {stray['rank']} on {stray['node']} sends its "
                                 f"collectives from {stray['address']}, which other nodes cannot "
                                 f"reach: set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) to the "
                                 f"interface that holds {stray['node']}")
-        return Check(True, said)
+        return Check(True, found)
 
     def allreduce(self) -> Check:
         ranks = len(self.probe["ranks"])
@@ -3196,22 +3234,28 @@ class Doctor:
                                     f"reads the images itself)")
             if found != here:
                 return Check(False, f"node {node} sees {found['train']} train / {found['test']} "
-                                    f"val images in {found['classes']} classes, the driver "
-                                    f"{here['train']} / {here['test']} in {here['classes']}")
+                                    f"val images in {plural(found['classes'], 'class')}, the "
+                                    f"driver {here['train']} / {here['test']} in "
+                                    f"{plural(here['classes'], 'class')}")
         return Check(True, f"{cfg.dataset} {cfg.data_dir}: {here['train']} train / {here['test']} "
-                           f"val images in {here['classes']} classes, the same on every node")
+                           f"val images in {plural(here['classes'], 'class')}, the same on every "
+                           f"node")
 
     def on_every_node(self, function, *args) -> dict:
-        """function(*args) once on each node, by node address: its return value, or the exception
-        it raised (or a GetTimeoutError after --start-timeout)."""
+        """function(*args) once on each node, all at once, by node name: its return value, or the
+        exception it raised, or a TimeoutError for a node that did not answer within
+        --start-timeout."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         remote = ray.remote(num_cpus=0, max_retries=0)(function)
-        calls = {node_name(node): remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            node["NodeID"], soft=False)).remote(*args) for node in alive_nodes()}
+        calls = {name: remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node_id, soft=False)).remote(*args) for name, node_id in self.nodes.items()}
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls),
+                            timeout=self.cfg.start_timeout)
         answers = {}
         for name, call in calls.items():
             try:
-                answers[name] = ray.get(call, timeout=self.cfg.start_timeout)
+                answers[name] = (ray.get(call) if call in ready else TimeoutError(
+                    f"no answer within {self.cfg.start_timeout:g} s (--start-timeout)"))
             except Exception as exc:  # noqa: BLE001 - the node's own error is the answer
                 answers[name] = exc
         return answers
@@ -3258,21 +3302,24 @@ def storage_files(path: str):
     return fs.FileSystem.from_uri(path) if is_uri(path) else (fs.LocalFileSystem(), path)
 
 
-def write_marker(folder: str) -> Optional[str]:
-    """On one node: write a file named after the node into folder; None, or why it could not."""
+def write_marker(folder: str) -> dict:
+    """On one node: a file named after the node's ID written into folder. {"error": None or why
+    not, "created": the first directory of folder's that did not exist, for remove_markers}."""
     from pyarrow import ArrowException
     try:
         files, path = storage_files(folder)
+        created = None if is_uri(folder) else next(
+            (str(part) for part in reversed(Path(path).parents) if not part.exists()), None)
         files.create_dir(path, recursive=True)
-        with files.open_output_stream(f"{path}/{ray.util.get_node_ip_address()}") as marker:
-            marker.write(b"written by ray_dp.py doctor\n")
+        with files.open_output_stream(f"{path}/{ray.get_runtime_context().get_node_id()}") as f:
+            f.write(b"written by ray_dp.py doctor\n")
     except (OSError, ArrowException, ValueError) as exc:
-        return " ".join(str(exc).split())
-    return None
+        return {"error": " ".join(str(exc).split()), "created": None}
+    return {"error": None, "created": created}
 
 
 def read_markers(folder: str):
-    """On one node: the names of the markers it sees in folder (a list), or why it cannot (str)."""
+    """On one node: the markers it sees in folder (a list of node IDs), or why it cannot (str)."""
     from pyarrow import ArrowException, fs
     try:
         files, path = storage_files(folder)
@@ -3282,16 +3329,22 @@ def read_markers(folder: str):
         return " ".join(str(exc).split())
 
 
-def remove_markers(folder: str) -> None:
+def remove_markers(folder: str, created: dict) -> None:
+    """On one node: the markers' folder, and the directories this node made for it (created: by
+    node ID), so that the doctor leaves nothing behind."""
     from pyarrow import ArrowException
     with contextlib.suppress(OSError, ArrowException, ValueError):
         files, path = storage_files(folder)
         files.delete_dir(path)
+        if (made := created.get(ray.get_runtime_context().get_node_id())):
+            files.delete_dir(made)
 
 
-def storage_verdict(storage: str, written: dict, seen: dict) -> Check:
-    """Shared storage, from what each node wrote (None, or why not) and what each one then saw."""
-    for node, error in written.items():
+def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> Check:
+    """Shared storage, from what each node wrote (write_marker's answer) and then saw (its list of
+    node IDs), by node name."""
+    for node, answer in written.items():
+        error = answer if isinstance(answer, BaseException) else answer["error"]
         if error is not None:
             return Check(False, f"node {node} cannot write under {storage}: {said(error)}; "
                                 f"choose a --storage-path every node can write (s3://... or a "
@@ -3299,7 +3352,7 @@ def storage_verdict(storage: str, written: dict, seen: dict) -> Check:
     for reader, markers in seen.items():
         if not isinstance(markers, list):
             return Check(False, f"node {reader} cannot read {storage}: {said(markers)}")
-        if (missing := [writer for writer in written if writer.split()[0] not in markers]):
+        if (missing := [writer for writer in written if node_ids[writer] not in markers]):
             return Check(False, f"node {reader} cannot see what node {missing[0]} wrote under "
                                 f"{storage}: use s3:// or a shared file system (rank 0 saves the "
                                 f"checkpoints wherever it runs; every node reads them to resume)")
@@ -3318,6 +3371,7 @@ def data_files(cfg: Config) -> dict:
     """What --dataset finds here without downloading: its sizes and classes, and whether the
     workers read it per sample (on their own nodes) or it is held in memory (sent by the driver)."""
     train, test = load_dataset(cfg)
+    train[0]  # decoded as a run's first look at the data decodes it: a file that is no image fails
     named = isinstance(train, TensorDataset) or getattr(train, "classes", None)
     return {"train": len(train), "test": len(test),
             "classes": len(class_names(train)) if named else None,
@@ -3414,9 +3468,12 @@ def collective_address(backend: str) -> dict:
     name that it can bind, NCCL an InfiniBand interface, else any but loopback and docker."""
     interfaces = interface_addresses()
     variable = "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"
-    if os.environ.get(variable):
-        name = os.environ[variable].split(",")[0].lstrip("=^")
-        return {"interface": f"{name}, {variable}", "address": interfaces.get(name, "?")}
+    if (named := os.environ.get(variable)):
+        # NCCL's syntax: a list of name prefixes; '=' exact names, '^' names to leave out
+        exact = "=" if backend == "gloo" else ""  # gloo takes whole names only
+        chosen = [name for name in interfaces if named_interface(name, exact + named)]
+        return {"interface": f"{chosen[0] if chosen else '?'}, {variable}={named}",
+                "address": interfaces.get(chosen[0], "?") if chosen else "?"}
     if backend != "gloo":
         candidates = [name for name in interfaces if not name.startswith(("lo", "docker"))]
         name = min(candidates, key=lambda n: not n.startswith("ib"), default="lo")
@@ -3429,6 +3486,14 @@ def collective_address(backend: str) -> dict:
 
 
 SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's address
+
+
+def named_interface(name: str, spec: str) -> bool:
+    """Whether interface `name` is one that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = spec picks."""
+    exclude, spec = spec.startswith("^"), spec.lstrip("^")
+    exact, spec = spec.startswith("="), spec.lstrip("=")
+    hit = any(name == part if exact else name.startswith(part) for part in spec.split(",") if part)
+    return hit != exclude
 
 
 def interface_addresses() -> dict:
@@ -3471,7 +3536,8 @@ def unreachable_rank(ranks: list) -> Optional[dict]:
     nodes = {rank["node"] for rank in ranks}
     if len(nodes) < 2 or all(node.startswith("127.") for node in nodes):
         return None
-    return next((rank for rank in ranks if rank["address"].startswith("127.")), None)
+    return next((rank for rank in ranks if rank["address"].startswith("127.")
+                 or rank["address"] == "::1"), None)
 
 
 def probe_failure(error: ray.train.TrainingFailedError) -> str:
@@ -3485,7 +3551,7 @@ def probe_failure(error: ray.train.TrainingFailedError) -> str:
 
 
 def human_bytes(size: int) -> str:
-    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if size >= scale:
             return f"{size / scale:g} {unit}"
     return f"{size} B"
@@ -3549,7 +3615,8 @@ def doctor_config(args: dict) -> tuple[Config, dict]:
     hang_timeout = args.pop("hang_timeout")
     if not 1 <= hang_timeout <= MAX_SECONDS:
         raise ConfigError(f"--hang-timeout must be 1 to {MAX_SECONDS} seconds, got {hang_timeout}")
-    cfg = with_absolute_paths(Config(**args))
+    # MIN:MAX: the most workers the run may have is what has to start
+    cfg = with_absolute_paths(replace(Config(**args), min_workers=0))
     validate(cfg, doctor=True)
     return cfg, {"hang_timeout": hang_timeout}
 

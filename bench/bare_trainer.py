@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""The baseline for ray_dp's start-up: a bare Ray Train run whose workers do nothing but report once,
-started as `ray_dp.py --workers N` starts its own (a local Ray, the same runtime environment variables,
-report interval, scaling config, backend and Ray Train settings). Prints one JSON line of clock
-times: this script's start, its imports done, Ray up, rank 0's loop started.
+"""The baseline for ray_dp's start-up: a bare Ray Train run whose workers do nothing but report
+once, started as `ray_dp.py --workers N` starts its own (a local Ray, the same runtime environment
+variables, report interval, scaling config, backend and Ray Train settings). Prints one JSON line of
+clock times: this script's start, its imports done, Ray up, rank 0's loop started.
 
     python bench/bare_trainer.py --workers 2
 """
@@ -35,11 +35,11 @@ def main():
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     # ray_dp's settings: the controller's report poll, Ray's env vars for the workers, the
-    # placement-group cleaner's shorter waits (Ray Train's defaults otherwise add 10 s or more at the end)
+    # placement-group cleaner's shorter waits (Ray Train's defaults add 10 s or more at the end)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    PlacementGroupCleanerCallback.__init__.__defaults__ = (1.0, 1.0, 0.1)
+    from ray.train.v2._internal.callbacks import placement_group_callback
+    placement_group_callback.PlacementGroupCleanerCallback.__init__.__defaults__ = (1.0, 1.0, 0.1)
     ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
                                        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}})

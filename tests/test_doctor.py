@@ -3,6 +3,7 @@ provoked on one machine is provoked (an unreachable address, another torch on a 
 node cannot write or another node cannot see, a rank that never comes to the probe)."""
 import os
 import re
+import shutil
 import time
 
 import pytest
@@ -53,18 +54,28 @@ def test_the_doctor_takes_only_its_own_flags(no_cluster, capsys):
 
 
 def test_storage_is_shared_only_when_every_node_reads_what_every_node_wrote():
-    written = {"10.0.0.1": None, "10.0.0.2": None}
-    shared = ray_dp.storage_verdict("/nfs/runs", written, {"10.0.0.1": ["10.0.0.1", "10.0.0.2"],
-                                                          "10.0.0.2": ["10.0.0.2", "10.0.0.1"]})
+    ids = {"10.0.0.1": "id-a", "10.0.0.2": "id-b"}
+    wrote = {"error": None, "created": None}
+    written = {"10.0.0.1": wrote, "10.0.0.2": wrote}
+    shared = ray_dp.storage_verdict("/nfs/runs", written, {"10.0.0.1": ["id-a", "id-b"],
+                                                          "10.0.0.2": ["id-b", "id-a"]}, ids)
     assert shared == ray_dp.Check(True, "/nfs/runs: 2 nodes each wrote a marker and each read all 2 back "
                                         "(shared)")
-    local = ray_dp.storage_verdict("/home/me/runs", written, {"10.0.0.1": ["10.0.0.1"],
-                                                              "10.0.0.2": ["10.0.0.2"]})
+    local = ray_dp.storage_verdict("/home/me/runs", written, {"10.0.0.1": ["id-a"], "10.0.0.2": ["id-b"]}, ids)
     assert not local.ok and local.says.startswith(
         "node 10.0.0.1 cannot see what node 10.0.0.2 wrote under /home/me/runs: use s3:// or a shared file system")
-    unwritable = ray_dp.storage_verdict("/runs", {"10.0.0.1": None, "10.0.0.2": "Permission denied"},
-                                        {"10.0.0.1": ["10.0.0.1"], "10.0.0.2": ["10.0.0.1"]})
+    # two nodes on one address (containers on one host): told apart by node ID, not by address
+    same_host = {"10.0.0.1 (id-a)": "id-a", "10.0.0.1 (id-b)": "id-b"}
+    apart = ray_dp.storage_verdict("/runs", dict.fromkeys(same_host, wrote),
+                                   {"10.0.0.1 (id-a)": ["id-a"], "10.0.0.1 (id-b)": ["id-b"]}, same_host)
+    assert not apart.ok and "cannot see what node 10.0.0.1 (id-b) wrote" in apart.says
+    unwritable = ray_dp.storage_verdict("/runs", {"10.0.0.1": wrote, "10.0.0.2": {"error": "Permission denied",
+                                                                                "created": None}},
+                                        {"10.0.0.1": ["id-a"], "10.0.0.2": ["id-a"]}, ids)
     assert not unwritable.ok and unwritable.says.startswith("node 10.0.0.2 cannot write under /runs: Permission denied")
+    lost = ray_dp.storage_verdict("/runs", {"10.0.0.1": wrote, "10.0.0.2": TimeoutError("no answer within 60 s")},
+                                  {}, ids)
+    assert lost.says.startswith("node 10.0.0.2 cannot write under /runs: TimeoutError: no answer within 60 s")
 
 
 def test_a_rank_on_loopback_is_unreachable_only_when_the_nodes_are_other_machines():
@@ -79,16 +90,39 @@ def test_a_rank_on_loopback_is_unreachable_only_when_the_nodes_are_other_machine
 
 def test_gloo_binds_the_interface_gloo_socket_ifname_names(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    assert ray_dp.collective_address("gloo") == {"interface": "lo, GLOO_SOCKET_IFNAME", "address": "127.0.0.1"}
+    assert ray_dp.collective_address("gloo") == {"interface": "lo, GLOO_SOCKET_IFNAME=lo", "address": "127.0.0.1"}
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     found = ray_dp.collective_address("gloo")
     assert found["address"] == ray_dp.first_bindable(__import__("socket").gethostname())
 
 
+def test_socket_ifname_is_read_as_nccl_reads_it():
+    assert ray_dp.named_interface("eth0", "eth")  # a prefix
+    assert not ray_dp.named_interface("eth0", "=eth")  # '=': exact names
+    assert ray_dp.named_interface("ens5", "^docker,lo") and not ray_dp.named_interface("lo", "^docker,lo")
+    assert ray_dp.named_interface("ib0", "eth,ib")
+
+
+def test_the_doctor_checks_the_most_workers_and_leaves_logs_and_batches_alone(no_cluster, tmp_path, monkeypatch):
+    (tmp_path / "runs").write_text("a file where a run would keep its TensorBoard events")
+    monkeypatch.chdir(tmp_path)
+    _, cfg, options = ray_dp.parse_command(["doctor", "--workers", "1:3"])
+    assert (cfg.workers, cfg.min_workers, cfg.processes) == (3, 0, 3)
+
+
+def test_a_folder_with_a_file_that_is_no_image_fails_the_data_check(tmp_path):
+    for split in ("train", "val"):
+        (tmp_path / split / "cat").mkdir(parents=True)
+        (tmp_path / split / "cat" / "a.png").write_text("not an image")
+    cfg = ray_dp.Config(dataset="folder", data_dir=str(tmp_path))
+    with pytest.raises(Exception, match="cannot identify image file"):
+        ray_dp.data_files(cfg)
+
+
 def test_bus_bandwidth_is_nccl_tests_busbw():
     # 64 MB in 0.1 s on 4 ranks: algbw 671 MB/s, busbw x 2(n-1)/n = 1.5
     assert ray_dp.bus_bandwidth(64 << 20, 0.1, 4) == pytest.approx((64 << 20) / 0.1 * 1.5)
-    assert [ray_dp.human_bytes(size) for size in ray_dp.PROBE_BYTES] == ["4 KB", "256 KB", "16 MB", "64 MB"]
+    assert [ray_dp.human_bytes(size) for size in ray_dp.PROBE_BYTES] == ["4 KiB", "256 KiB", "16 MiB", "64 MiB"]
 
 
 def rank_1_comes_late(hang_timeout):
@@ -127,7 +161,7 @@ def test_the_probe_times_a_real_all_reduce():
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("ray_cluster")
 def test_the_doctor_passes_on_the_local_cluster_and_leaves_nothing_behind(tmp_path, capsys):
-    storage = tmp_path / "runs"
+    storage = tmp_path / "runs" / "of" / "mine"
     assert ray_dp.main(["doctor", "--workers", "2", "--dataset", "digits", "--storage-path", str(storage)]) == 0
     stdout = capsys.readouterr().out
     checks = lines_by_check(stdout)
@@ -137,11 +171,11 @@ def test_the_doctor_passes_on_the_local_cluster_and_leaves_nothing_behind(tmp_pa
     assert f"ray {ray.__version__}, torch {torch.__version__}" in checks["versions"][1]
     assert "--workers 2: CPU workers (gloo), 1 CPU each" in checks["resources"][1]
     assert re.match(r"2 workers up in [\d.]+ s .*rank 0 on .* via .*, rank 1 on ", checks["workers"][1])
-    assert re.findall(r"(\d+ [KM]B) [\d.]+ ms [\d.]+ [MG]B/s", checks["all-reduce"][1]) == [
-        "4 KB", "256 KB", "16 MB", "64 MB"]
+    assert re.findall(r"(\d+ [KM]iB) [\d.]+ ms [\d.]+ [MG]B/s", checks["all-reduce"][1]) == [
+        "4 KiB", "256 KiB", "16 MiB", "64 MiB"]
     assert checks["data"][1].startswith("digits: 1437 train / 360 test samples on the driver")
     assert stdout.splitlines()[-1].startswith("doctor: all 7 checks passed in ")
-    assert os.listdir(storage) == []  # the markers are gone
+    assert not (tmp_path / "runs").exists()  # the markers are gone, and the directories made for them
 
 
 @pytest.mark.ray
@@ -185,5 +219,8 @@ def test_another_torch_on_a_node_storage_it_cannot_write_and_a_hang_each_fail_wi
     assert checks["all-reduce"] == ("skipped", "(needs workers)")
     assert checks["Ray"][0] == checks["resources"][0] == checks["data"][0] == "ok"
     last = stdout.splitlines()[-1]
-    assert last.startswith("doctor: 4 of 7 checks failed or were skipped") and "ray.log" in last
+    assert last.startswith("doctor: 4 of 7 checks failed or were skipped") and last.endswith("/ray.log")
+    log = last.rpartition(" ")[2]
+    assert "ProbeHang" in open(log).read()  # the workers' tracebacks: in the log, not on the console
+    shutil.rmtree(os.path.dirname(log))
     assert time.time() - begun < 120  # the sleeping rank was not waited for
