@@ -3122,14 +3122,15 @@ class Doctor:
             return Check(False, f"{first_line(exc)} (the check itself failed)")
 
     def ray(self) -> Check:
-        begun, where = time.time(), self.cfg.address or "this machine's own"
+        begun = time.time()
+        where = f"at {self.cfg.address}, attached" if self.cfg.address else "started on this machine"
         try:
             start_ray(self.cfg.address)
         except ConfigError as exc:
             return Check(False, str(exc))
         send_ray_output_to(os.path.join(self.logs, "ray.log"))
         self.nodes = {node_name(node): node["NodeID"] for node in alive_nodes()}
-        return Check(True, f"Ray {ray.__version__}, {where}, up in {time.time() - begun:.1f} s; "
+        return Check(True, f"Ray {ray.__version__} {where} in {time.time() - begun:.1f} s; "
                            f"auth {node_software()['auth']} (this client)")
 
     def versions(self) -> Check:
