@@ -3129,7 +3129,7 @@ class Doctor:
         except ConfigError as exc:
             return Check(False, str(exc))
         send_ray_output_to(os.path.join(self.logs, "ray.log"))
-        self.nodes = {node_name(node): node["NodeID"] for node in alive_nodes()}
+        self.nodes = node_names(alive_nodes())
         return Check(True, f"Ray {ray.__version__} {where} in {time.time() - begun:.1f} s; "
                            f"auth {node_software()['auth']} (this client)")
 
@@ -3290,11 +3290,12 @@ def alive_nodes() -> list:
     return [node for node in ray.nodes() if node["Alive"]]
 
 
-def node_name(node: dict) -> str:
-    """A node by its address; with its ID too where two share one (several raylets, one host)."""
-    address = node["NodeManagerAddress"]
-    shared = sum(n["NodeManagerAddress"] == address for n in alive_nodes()) > 1
-    return f"{address} ({node['NodeID'][:8]})" if shared else address
+def node_names(nodes: list) -> dict:
+    """{name: node ID}: a node by its address; with its ID too where two share one (several
+    raylets on one host)."""
+    addresses = [node["NodeManagerAddress"] for node in nodes]
+    return {(f"{address} ({node['NodeID'][:8]})" if addresses.count(address) > 1 else address):
+            node["NodeID"] for node, address in zip(nodes, addresses)}
 
 
 def storage_files(path: str):

@@ -78,6 +78,13 @@ def test_storage_is_shared_only_when_every_node_reads_what_every_node_wrote():
     assert lost.says.startswith("node 10.0.0.2 cannot write under /runs: TimeoutError: no answer within 60 s")
 
 
+def test_nodes_are_named_by_address_and_by_id_where_two_share_one():
+    nodes = [{"NodeManagerAddress": "10.0.0.1", "NodeID": "a" * 56}, {"NodeManagerAddress": "10.0.0.1", "NodeID": "b" * 56},
+             {"NodeManagerAddress": "10.0.0.2", "NodeID": "c" * 56}]
+    assert ray_dp.node_names(nodes) == {"10.0.0.1 (aaaaaaaa)": "a" * 56, "10.0.0.1 (bbbbbbbb)": "b" * 56,
+                                        "10.0.0.2": "c" * 56}
+
+
 def test_a_rank_on_loopback_is_unreachable_only_when_the_nodes_are_other_machines():
     def rank(number, node, address):
         return {"rank": number, "node": node, "address": address}
