@@ -12,6 +12,7 @@ exception, the breakdown of a DDP step, times the pieces directly on two local p
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -171,7 +172,7 @@ def scaling(args, repeats, two_thread_baseline=False):
 
 
 def allreduce_variants(workers, repeats):
-    cpus = CORES / workers  # share the cores
+    cpus = math.floor(CORES / workers * 10_000) / 10_000  # share the cores (Ray counts 0.0001 CPU)
     # --momentum 0: the lesson's plain SGD, which scratch mode always uses, so each step does the same maths.
     runs = {"ddp": lambda: run(flags(batch=48) + ["--momentum", "0"], workers=workers, cpus_per_worker=cpus)}
     for algorithm in ("naive", "ring", "library"):
