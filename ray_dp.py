@@ -850,7 +850,6 @@ def resnet18(in_channels: int = 1, num_classes: int = NUM_CLASSES) -> nn.Sequent
 #         return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(sample_shape), num_classes))
 # and --model tiny trains it. Any torchvision classification model works by name too (--model list).
 MODELS: dict = {}
-# --image-size when not given, for data sets read per sample: what each model was made for.
 
 
 def model(name: str):
