@@ -3122,7 +3122,8 @@ class Doctor:
 
     def ray(self) -> Check:
         begun = time.time()
-        where = f"at {self.cfg.address}, attached" if self.cfg.address else "started on this machine"
+        where = (f"at {self.cfg.address}, attached" if self.cfg.address
+                 else "started on this machine")
         try:
             start_ray(self.cfg.address)
         except ConfigError as exc:
