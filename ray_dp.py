@@ -3162,7 +3162,7 @@ class Doctor:
             return Check(False, f"{have}{grows}; {exc}")
         noted = " ".join(line.removeprefix("note: ") for line in notes.getvalue().splitlines())
         kind = "GPU workers (nccl)" if self.cfg.gpu else "CPU workers (gloo)"
-        each = " + ".join(f"{amount:g} {kind}" for kind, amount in
+        each = " + ".join(f"{amount:g} {resource}" for resource, amount in
                           resources_per_worker(self.cfg).items())
         return Check(True, f"{have}{grows}; --workers {self.cfg.processes}: {kind}, {each} "
                            f"each{'; ' + noted if noted else ''}")
