@@ -55,6 +55,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -63,8 +64,32 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
 
 import ray
-import ray.train
-import ray.train.torch
+
+# Ray Train's V2 API as ray_dp uses it: 2.60.0 is what requirements.txt pins and the tests run;
+# 2.59 runs it too, 2.55 lacks ray.train.LoggingConfig. A driver runs the Ray of the cluster it
+# attaches to, so an older cluster meets this first.
+SUPPORTED_RAY = ("2.59", "2.61")  # from, up to but not including
+
+
+def ray_version_problem(version: str) -> Optional[str]:
+    """One line when the installed Ray is not one ray_dp runs with, else None."""
+    from packaging.version import Version
+    low, high = SUPPORTED_RAY
+    if Version(low) <= Version(version) < Version(high):
+        return None
+    return (f"ray_dp needs Ray >= {low} and < {high} (Ray Train's V2 API), but Ray {version} is "
+            f"installed: pip install -r requirements.txt (ray[train]==2.60.0), on every node of "
+            f"the cluster too")
+
+
+if (_problem := ray_version_problem(ray.__version__)):
+    if __name__ == "__main__":  # the command line: one line, before anything else fails
+        print(f"ray_dp.py: error: {_problem}", file=sys.stderr)
+        sys.exit(2)
+    raise ImportError(_problem)
+
+import ray.train  # noqa: E402 (after the version check: older Rays fail right here)
+import ray.train.torch  # noqa: E402
 from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -98,8 +123,26 @@ DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
 MAX_SECONDS = 7 * 24 * 3600  # a week: longer timeouts are "never", which is what hangs look like
 
 
-def option(default, help, **argparse_kwargs):
-    return field(default=default, metadata={"help": help, **argparse_kwargs})
+NO_LESSON = object()  # a field the lesson's recipe leaves to the flag's own default
+
+
+def option(default, help, *, rerun: str = "fixed", eval: str = "train", doctor: bool = False,
+           lesson=NO_LESSON, **argparse_kwargs):
+    """A Config field: its flag's default and help, and what each path does with it, declared
+    here so that no list elsewhere can forget a new flag (the safe roles are the defaults).
+    rerun (a run resumed under its --name): "fixed", the run's own value, a typed other value is
+    refused; "adopt", the run's own value unless typed (--epochs extends a run); "free", what this
+    command says. eval (--eval-only): "train", a training flag, refused when typed; "checkpoint",
+    the checkpoint's value, a typed other value is refused; "adopt", the checkpoint's unless typed;
+    "free", what this command says. doctor: the doctor takes the flag. lesson: --mode scratch's and
+    compare's default, the d2l lesson's recipe."""
+    assert rerun in ("fixed", "adopt", "free") and eval in ("train", "checkpoint", "adopt", "free")
+    return field(default=default, metadata={"help": help, "rerun": rerun, "eval": eval,
+                                            "doctor": doctor, "lesson": lesson,
+                                            **argparse_kwargs})
+
+
+ROLE_KEYS = ("rerun", "eval", "doctor", "lesson")  # option()'s metadata that argparse never sees
 
 
 # resolved once on the driver (parse_command, then connect): a value from then on
@@ -112,30 +155,30 @@ class Config:
     workers: int = option(2, "number of training workers (processes); each gets one GPU on a GPU "
                           "cluster. MIN:MAX makes the run elastic: it starts with as many as fit, "
                           "at least MIN, and continues from the last checkpoint when workers come "
-                          "or go", metavar="N|MIN:MAX")
+                          "or go", metavar="N|MIN:MAX", rerun="free", eval="free", doctor=True)
     # Set by --workers MIN:MAX (0: a fixed --workers); not a flag of its own.
-    min_workers: int = option(0, "", cli=False)
+    min_workers: int = option(0, "", cli=False, rerun="free", eval="free")
     cpus_per_worker: Optional[float] = option(
         None, "CPU cores reserved per worker; fractions allowed (default: 1; on a machine ray_dp "
               "starts Ray on itself, more workers than cores share the cores evenly)",
-        type=float, metavar="CPUS")
-    gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)")
+        type=float, metavar="CPUS", rerun="free", eval="free", doctor=True)
+    gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)", rerun="free", eval="free", doctor=True)
     epochs: int = option(10, "number of passes over the training set (--mode scratch and "
-                         "compare: 20)", metavar="N")
+                         "compare: 20)", metavar="N", rerun="adopt", lesson=20)
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step summed over all workers "
                              "(per-worker micro-batch = batch-size / (workers x accum-steps); "
-                             "--mode scratch and compare: 32, the lesson's)", metavar="N")
+                             "--mode scratch and compare: 32, the lesson's)", metavar="N", lesson=32)
     amp: bool = option(False, "mixed precision: forward passes under bf16 autocast (GPU; runs on "
-                       "CPU too); bf16 keeps fp32's range, so no GradScaler is needed")
-    compile: bool = option(False, "torch.compile the model (the first epoch pays for compiling)")
+                       "CPU too); bf16 keeps fp32's range, so no GradScaler is needed", eval="adopt")
+    compile: bool = option(False, "torch.compile the model (the first epoch pays for compiling)", rerun="free")
     lr: float = option(0.05, "SGD learning rate (peak, at epoch 1; "
-                       "--mode scratch and compare: 0.2)", metavar="LR")
+                       "--mode scratch and compare: 0.2)", metavar="LR", lesson=0.2)
     lr_schedule: str = option("cosine", "learning rate over epochs: cosine decay to 0 over "
                               "--epochs (extending a run stretches it), or constant "
                               "(--mode scratch and compare: constant)",
-                              choices=("cosine", "constant"))
+                              choices=("cosine", "constant"), lesson="constant")
     momentum: float = option(0.9, "SGD momentum (compare: 0, like the lesson's plain SGD, which "
-                             "--mode scratch always uses)", metavar="M")
+                             "--mode scratch always uses)", metavar="M", lesson=0.0)
     accum_steps: int = option(1, "micro-batches accumulated per optimizer step (gradients synced "
                               "only on the last)", metavar="K")
     allreduce: str = option("naive", "--mode scratch: how gradients are summed: naive (the lesson: "
@@ -146,13 +189,13 @@ class Config:
     model: str = option("lenet", "network: lenet, mlp, resnet18 (the lessons', for small "
                         "images), or any torchvision classification model by name, e.g. "
                         "resnet50, mobilenet_v3_small, vit_b_16 (--model list shows them)",
-                        metavar="NAME")
+                        metavar="NAME", eval="checkpoint")
     weights: str = option("", "start from this state_dict file (e.g. torchvision's ImageNet "
                           ".pth); tensors whose shapes do not fit (a classifier for other "
                           "classes) stay new", metavar="PATH")
     image_size: Optional[int] = option(None, "--dataset folder: images are resized to N x N pixels "
                                        "(default: 28 for lenet and mlp, 32 for resnet18, 224 for "
-                                       "torchvision models)", type=int, metavar="N")
+                                       "torchvision models)", type=int, metavar="N", eval="checkpoint")
     augment: bool = option(True, "--dataset folder: random resized crops and horizontal flips when "
                            "training (--no-augment: resize and center crop, as for evaluation)")
     optimizer: str = option("sgd", "sgd (with --momentum) or adamw", choices=("sgd", "adamw"))
@@ -170,49 +213,49 @@ class Config:
               "per-sample data decoded in the worker; N: a torch DataLoader with N loader "
               "processes per worker (persistent; pinned memory on GPU) (default: 0 for in-memory "
               "data sets, 2 for folder)",
-        type=int, metavar="N")
+        type=int, metavar="N", rerun="free")
     # The data's per-channel (mean, std), computed once on the driver for per-sample data sets.
-    normalize: Optional[tuple] = option(None, "", cli=False)
+    normalize: Optional[tuple] = option(None, "", cli=False, eval="checkpoint")
     synthetic_size: int = option(512, "--dataset synthetic: training images "
-                                 "(the test set has 100)", metavar="N")
+                                 "(the test set has 100)", metavar="N", eval="checkpoint")
     dataset: str = option("fashion-mnist", "data set; digits (1,797 real digits from scikit-learn) "
                           "needs no download; folder: your images, --data-dir PATH holding "
-                          "train/<class>/* and val/<class>/*")
+                          "train/<class>/* and val/<class>/*", eval="checkpoint", doctor=True)
     data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory); "
-                           "--dataset folder: the folder", metavar="DIR")
-    download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir")
+                           "--dataset folder: the folder", metavar="DIR", rerun="free", eval="adopt", doctor=True)
+    download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir", rerun="free", eval="free", doctor=True)
     seed: int = option(0, "random seed for model init and data order (the same on every worker)",
-                       metavar="N")
+                       metavar="N", eval="checkpoint")
     storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for "
-                               "checkpoints and result.json", metavar="PATH")
+                               "checkpoints and result.json", metavar="PATH", rerun="free", eval="free", doctor=True)
     name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume "
-                       "(default: mode-model-dataset-date-time-pid)", metavar="NAME")
+                       "(default: mode-model-dataset-date-time-pid)", metavar="NAME", rerun="free", eval="free")
     logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/, "
                          "one sub-run per run: watch with tensorboard --logdir LOGDIR",
-                         metavar="LOGDIR")
+                         metavar="LOGDIR", rerun="free", eval="free")
     log_every: int = option(10, "log the train loss (averaged over workers) to TensorBoard every "
-                            "this many steps", metavar="STEPS")
+                            "this many steps", metavar="STEPS", rerun="free")
     quiet: bool = option(False, "no progress bar (there is none anyway when the output is "
-                         "not a terminal)")
+                         "not a terminal)", rerun="free", eval="free")
     max_failures: int = option(0, "restart the worker group this many times after a worker dies, "
-                               "from the last checkpoint (-1: without limit)", metavar="K")
+                               "from the last checkpoint (-1: without limit)", metavar="K", rerun="free", eval="free")
     timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before "
                             "the run fails (torch.distributed's process-group timeout)",
-                            metavar="SECONDS")
+                            metavar="SECONDS", rerun="free", eval="free")
     start_timeout: float = option(60.0, "seconds to wait for the workers to start (at the "
                                   "start, and after a failure or resize) before Ray tries again "
-                                  "with what fits", metavar="SECONDS")
+                                  "with what fits", metavar="SECONDS", rerun="free", eval="free", doctor=True)
     fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of "
-                         "resuming it")
+                         "resuming it", rerun="free")
     address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a "
-                          "fresh local one)", metavar="ADDRESS")
+                          "fresh local one)", metavar="ADDRESS", rerun="free", eval="free", doctor=True)
     eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of "
                             "training: a run directory (its last checkpoint), "
                             "a checkpoint_epoch_NNN directory, or a checkpoint.pt file",
-                            metavar="PATH")
+                            metavar="PATH", rerun="free", eval="free")
     predict_out: str = option("", "with --eval-only: write each test sample's index, label, "
                               "predicted class and probability to this CSV file",
-                              metavar="FILE.csv")
+                              metavar="FILE.csv", rerun="free", eval="free")
 
     @property
     def processes(self) -> int:
@@ -245,12 +288,29 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default in ("", None) else super()._get_help_string(action)
 
 
+def fields_where(role: str, *values) -> set:
+    """The Config fields whose declared role (option()) is one of `values`."""
+    return {f.name for f in fields(Config) if f.metadata[role] in values}
+
+
 # --mode scratch and compare, for what the command line leaves unsaid: the lesson's recipe, plain
 # SGD at a constant learning rate, large enough and long enough to leave the plateau where the
 # lesson's init (randn * 0.01) sits at chance for hundreds of steps (measured on digits: README,
-# Teaching).
-LESSON_DEFAULTS = {"batch_size": 32, "lr": 0.2, "lr_schedule": "constant", "epochs": 20,
-                   "momentum": 0.0}
+# Teaching). Declared with each field (lesson=).
+LESSON_DEFAULTS = {f.name: f.metadata["lesson"] for f in fields(Config)
+                   if f.metadata["lesson"] is not NO_LESSON}
+# What a rerun of a run may change (how long it trains, on how many workers of what kind, where it
+# reads and writes, what it logs): anything else would silently train a different model.
+RERUN_MAY_CHANGE = fields_where("rerun", "free", "adopt")
+# What a rerun takes from the run it resumes when the command does not say.
+RERUN_ADOPTS = fields_where("rerun", "fixed", "adopt")
+# --eval-only: flags that only training uses (typing one is an error, not silently ignored), and
+# what the checkpoint fixes or suggests.
+EVAL_REFUSES = fields_where("eval", "train")
+EVAL_FROM_CHECKPOINT = fields_where("eval", "checkpoint", "adopt")
+# what `ray_dp.py doctor` takes: where, how many workers of what kind, storage, data
+DOCTOR_FLAGS = fields_where("doctor", True)
+CONFIG_FIELDS = [f.name for f in fields(Config)]  # in the order --help lists them
 
 
 class _WorkersAction(argparse.Action):
@@ -272,11 +332,6 @@ class _WorkersAction(argparse.Action):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one sentence instead of usage + error
         raise ConfigError(f"{message} (see --help)")
-
-
-# what `ray_dp.py doctor` takes: where, how many workers of what kind, storage, data
-DOCTOR_FLAGS = ("address", "workers", "gpu", "cpus_per_worker", "storage_path", "dataset",
-                "data_dir", "download", "start_timeout")
 
 
 def build_parser(command: str = "train") -> argparse.ArgumentParser:
@@ -305,7 +360,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
                                  "collective may take (the process group's timeout)")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        kwargs = dict(f.metadata)
+        kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
         if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS):
             continue
         if f.name == "dataset":
@@ -367,9 +422,24 @@ def not_a_directory(path: str) -> Optional[str]:
     return None
 
 
-def validate(cfg: Config, doctor: bool = False) -> None:
-    """One line for the first thing wrong with the flags. The doctor trains nothing (no batch to
-    split) and tries --storage-path on every node itself."""
+def check_location(cfg: Config) -> None:
+    """--name and --storage-path name a place inside --storage-path: checked before anything looks
+    there (a rerun's checkpoint, --fresh's directory)."""
+    if not cfg.storage_path:
+        raise ConfigError("--storage-path, --logdir and --data-dir cannot be empty")
+    if not is_run_name(cfg.name):
+        raise ConfigError(f"--name must be one directory name (printable; no '/', '\\', '.' or "
+                          f"'..'; at most 255 bytes), got {cfg.name!r}")
+    if is_uri(cfg.storage_path):
+        check_uri("storage-path", cfg.storage_path)
+
+
+def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
+    """One line for the first thing wrong with the final configuration (what the flags, the
+    lesson's defaults, torchrun and the run it resumes or the checkpoint it evaluates made of it).
+    The doctor trains nothing (no batch to split) and tries --storage-path on every node itself;
+    a run that resumes starts from its checkpoint, not from --weights (which may have moved)."""
+    check_location(cfg)
     cpus = cfg.cpus_per_worker
     checks = [
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
@@ -381,12 +451,10 @@ def validate(cfg: Config, doctor: bool = False) -> None:
          f"--cpus-per-worker must be a positive number, got {cpus}"),
         (cpus is None or cpus >= 1 or round(cpus, 4) == cpus,
          f"--cpus-per-worker below 1 must be a multiple of 0.0001 (Ray's resolution), got {cpus}"),
-        (is_run_name(cfg.name),
-         f"--name must be one directory name (printable; no '/', '\\', '.' or '..'; at most 255 "
-         f"bytes), got {cfg.name!r}"),
         (all((cfg.storage_path, cfg.logdir, cfg.data_dir)),
          "--storage-path, --logdir and --data-dir cannot be empty"),
         (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
+        (cfg.seed >= 0, f"--seed must be 0 or more, got {cfg.seed}"),
         (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
         (math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}"),
@@ -416,6 +484,8 @@ def validate(cfg: Config, doctor: bool = False) -> None:
                                          or cfg.clip_grad_norm or cfg.label_smoothing)),
          "--optimizer, --weight-decay, --weights, --clip-grad-norm and --label-smoothing need "
          "--mode ddp (scratch mode is the lesson's plain SGD)"),
+        (not (cfg.mode == "scratch" and cfg.image_size),
+         "--image-size needs --mode ddp (scratch mode is the lesson's LeNet on 28 x 28 images)"),
         (cfg.image_size is None or cfg.image_size >= 1,
          f"--image-size must be at least 1 pixel, got {cfg.image_size}"),
         (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
@@ -428,7 +498,8 @@ def validate(cfg: Config, doctor: bool = False) -> None:
          f"--clip-grad-norm must be 0 (off) or more, got {cfg.clip_grad_norm}"),
         (0 <= cfg.label_smoothing < 1,
          f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
-        (not cfg.weights or os.path.isfile(cfg.weights), f"--weights {cfg.weights} is not a file"),
+        (not cfg.weights or resuming or os.path.isfile(cfg.weights),
+         f"--weights {cfg.weights} is not a file"),
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
@@ -440,6 +511,8 @@ def validate(cfg: Config, doctor: bool = False) -> None:
          f"--predict-out must name a .csv file, got {cfg.predict_out}"),
         (not os.path.isdir(cfg.predict_out),
          f"--predict-out {cfg.predict_out} is a directory; name a .csv file"),
+        (not cfg.predict_out or cfg.predict_out != cfg.eval_only,
+         f"--predict-out {cfg.predict_out} is the checkpoint being evaluated"),
     ]
     for ok, message in checks:
         if not ok:
@@ -460,24 +533,34 @@ def validate(cfg: Config, doctor: bool = False) -> None:
             raise ConfigError(f"--{flag} {typed}: {blocker} is a file, not a directory")
         elif path and flag != "data-dir" and (blocker := not_writable(path)):
             raise ConfigError(f"--{flag} {typed}: {blocker} is not writable")
-    # every size an elastic run may have
-    for workers in range(cfg.min_workers or cfg.workers, (cfg.workers + 1) * (not doctor)):
-        per_step = workers * cfg.accum_steps
-        # evaluation has no global batch to split
-        if cfg.batch_size % per_step and not cfg.eval_only:
-            lower, upper = (cfg.batch_size // per_step * per_step,
-                            (cfg.batch_size // per_step + 1) * per_step)
-            near = f"; e.g. {lower} or {upper}" if lower else f"; e.g. {upper}"
-            raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x "
-                              f"accum-steps = {per_step} (the global batch is split evenly into "
-                              f"per-worker micro-batches{near})")
+    if not doctor and not cfg.eval_only:  # evaluation has no global batch to split
+        check_batch_split(cfg)
+
+
+def check_batch_split(cfg: Config) -> None:
+    """The global batch splits evenly into per-worker micro-batches at every size an elastic run
+    may take (MIN:MAX), as at a fixed --workers."""
+    sizes = range(cfg.min_workers or cfg.workers, cfg.workers + 1)
+    step = math.lcm(*(workers * cfg.accum_steps for workers in sizes))
+    if not cfg.batch_size % step:
+        return
+    lower, upper = cfg.batch_size // step * step, (cfg.batch_size // step + 1) * step
+    near = f"e.g. {lower} or {upper}" if lower else f"e.g. {upper}"
+    if len(sizes) == 1:
+        raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = "
+                          f"{step} (the global batch is split evenly into per-worker "
+                          f"micro-batches; {near})")
+    each = ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
+    raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps at "
+                      f"every size --workers {sizes[0]}:{sizes[-1]} may take ({each} workers x "
+                      f"{cfg.accum_steps}: a multiple of {step}; {near})")
 
 
 def check_model_name(name: str) -> None:
-    if name in MODELS or name in torchvision_models():
+    if name in MODELS or name in torchvision_names() or name in torchvision_models():
         return
     import difflib
-    close = difflib.get_close_matches(name, [*MODELS, *torchvision_models()], n=3, cutoff=0.5)
+    close = difflib.get_close_matches(name, [*MODELS, *torchvision_names()], n=3, cutoff=0.5)
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
     raise ConfigError(f"--model {name} is not a model of ray_dp or torchvision{hint} "
                       f"(--model list shows them)")
@@ -490,7 +573,7 @@ def with_absolute_paths(cfg: Config) -> Config:
     """Ray's workers run in directories of their own:
     every local path they are handed is absolute."""
     paths = {name: os.path.abspath(getattr(cfg, name))
-             for name in ("data_dir", "logdir", "storage_path", "predict_out")
+             for name in ("data_dir", "logdir", "storage_path", "predict_out", "weights")
              if getattr(cfg, name) and not is_uri(getattr(cfg, name))}
     return replace(cfg, **paths)
 
@@ -777,10 +860,28 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     cfg = with_data_statistics(cfg, train_set)
     if not isinstance(train_set, TensorDataset):  # the transforms now normalise
         train_set, test_set = load_dataset(cfg)
-    info = DataInfo((len(train_set), len(test_set)), tuple(train_set[0][0].shape),
+    info = DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set),
                     class_names(train_set), not isinstance(train_set, TensorDataset),
                     (train_set, test_set))
     return cfg, info
+
+
+def input_shape(cfg: Config, data) -> tuple:
+    """One sample's (C, H, W) as the model sees it: data held in memory is resized to --image-size
+    batch by batch (resized), data read per sample by its transforms."""
+    shape = tuple(data[0][0].shape)
+    if isinstance(data, TensorDataset) and cfg.image_size:
+        return (shape[0], cfg.image_size, cfg.image_size)
+    return shape
+
+
+def resized(images: torch.Tensor, size: Optional[int]) -> torch.Tensor:
+    """A batch of in-memory images at --image-size (bilinear; antialiased when shrinking), on the
+    device that holds them: the data set itself stays at its own size in memory."""
+    if not size or images.shape[-1] == size == images.shape[-2]:
+        return images
+    return F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False,
+                         antialias=size < images.shape[-1])
 
 
 def samples_per_epoch(cfg: Config, train_size: int) -> int:
@@ -877,6 +978,11 @@ def build_mlp(sample_shape: tuple, num_classes: int) -> nn.Module:
                          nn.Linear(256, num_classes))
 
 
+# torchvision's models by name; torchvision.NAME names one that a model of ray_dp's shadows (the
+# lessons' small-image resnet18 is ray_dp's; torchvision.resnet18 is the ImageNet one).
+TORCHVISION = "torchvision."
+
+
 def torchvision_models() -> list:
     """The classification models torchvision builds by name
     (resnet50, mobilenet_v3_small, vit_b_16, ...)."""
@@ -884,13 +990,82 @@ def torchvision_models() -> list:
     return torchvision.models.list_models(module=torchvision.models)
 
 
+def torchvision_names() -> list:
+    """How --model names torchvision's models: bare, or torchvision.NAME where ray_dp has one."""
+    return [TORCHVISION + name if name in MODELS else name for name in torchvision_models()]
+
+
+# Built without their auxiliary classifiers, whose extra outputs only their own training recipes
+# use (a training-mode forward would return a tuple); init_weights=True is torchvision's default,
+# said so that it does not warn on every worker.
+TORCHVISION_OPTIONS = {"googlenet": {"aux_logits": False, "init_weights": True},
+                       "inception_v3": {"aux_logits": False, "init_weights": True}}
+
+
 def build_model(name: str, sample_shape: tuple[int, ...],
                 num_classes: int = NUM_CLASSES) -> nn.Module:
     if name in MODELS:
         return MODELS[name](tuple(sample_shape), num_classes)
     import torchvision.models
-    net = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    name = name.removeprefix(TORCHVISION)
+    net = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
+                                       **TORCHVISION_OPTIONS.get(name, {}))
     return with_input_channels(net, sample_shape[0])
+
+
+def model_outline(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) -> nn.Module:
+    """The model without its memory, for questions about its shape: built on the meta device, or
+    on the CPU for the few that compute their layout from tensors' values (RegNets)."""
+    try:
+        with torch.device("meta"):
+            return build_model(name, sample_shape, num_classes)
+    except NotImplementedError:  # "Cannot copy out of meta tensor"
+        return build_model(name, sample_shape, num_classes)
+
+
+@functools.lru_cache(maxsize=64)
+def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Optional[str]:
+    """Why `name` cannot take images of sample_shape (C, H, W), in a line, or None: a forward pass
+    of two images on the model's outline."""
+    try:
+        net = model_outline(name, sample_shape, num_classes).eval()
+        device = next(net.parameters()).device
+        with torch.no_grad():
+            net(torch.zeros(2, *sample_shape, device=device))
+    except Exception as exc:  # noqa: BLE001 - what the model says is the reason, whatever kind
+        return first_line(exc)
+    return None
+
+
+def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) -> Optional[int]:
+    """The smallest square image size above `fails` that the model takes (by bisection, up to
+    512 px; models that take one size only, like the ViTs' 224, are found too), or None."""
+    def takes(size: int) -> bool:
+        return image_size_problem(name, (channels, size, size), num_classes) is None
+    low, high = fails, 512
+    if not takes(high):
+        return next((size for size in (224, 299, 384) if size > fails and takes(size)), None)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if takes(middle) else (middle, high)
+    return high
+
+
+def check_model_fits(cfg: Config, data: "DataInfo") -> None:
+    """Every listed model on every data set either trains or is refused here, in one line, before
+    any cluster starts: images too small for the model name the size that works and its flag."""
+    shape = tuple(data.sample_shape)
+    problem = image_size_problem(cfg.model, shape, len(data.classes))
+    if problem is None:
+        return
+    side = shape[-1]
+    size = smallest_image_size(cfg.model, shape[0], len(data.classes), side)
+    what = f"{cfg.dataset}'s images as given ({side} x {side} px)"
+    if size is None:
+        raise ConfigError(f"--model {cfg.model} cannot take {what} nor any size up to 512 px: "
+                          f"{problem}")
+    raise ConfigError(f"--model {cfg.model} cannot take {what}: {problem}; the smallest size it "
+                      f"takes is {size} x {size} px: add --image-size {size}")
 
 
 def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
@@ -929,17 +1104,20 @@ def check_weights(cfg: Config, info: "DataInfo") -> Optional[str]:
     weights = read_weights(cfg.weights)
     kept, new = load_weights(build_model(cfg.model, info.sample_shape, len(info.classes)), weights)
     if not kept:
+        twin = TORCHVISION + cfg.model
+        fits_twin = twin in torchvision_names() and load_weights(
+            build_model(twin, info.sample_shape, len(info.classes)), weights)[0]
+        hint = f"; they fit torchvision's {cfg.model}: use --model {twin}" if fits_twin else ""
         raise ConfigError(f"--weights {cfg.weights} does not fit {cfg.model}: none of its "
-                          f"{len(weights)} tensors has the name and shape of one of the model's")
+                          f"{len(weights)} tensors has the name and shape of one of the "
+                          f"model's{hint}")
     listed = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
     return (f"--weights {cfg.weights}: kept {len(kept)} of the model's {len(kept) + len(new)} "
             f"tensors" + (f"; new (fine-tuned from scratch): {listed}" if new else ""))
 
 
 def has_batchnorm(name: str) -> bool:
-    """Built on the meta device: no memory, no time."""
-    with torch.device("meta"):
-        net = build_model(name, (3, 32, 32))
+    net = model_outline(name, (3, 32, 32))
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
 
 
@@ -1131,8 +1309,9 @@ class InMemoryBatches:
     indexed by the sampler's micro-batches, with no loader processes and no per-sample collation.
     Iterates like a DataLoader: len() steps, a fresh pass per epoch in the sampler's order."""
 
-    def __init__(self, data: TensorDataset, sampler: DistributedSampler, micro_batch: int):
-        self.data, self.sampler = data, sampler
+    def __init__(self, data: TensorDataset, sampler: DistributedSampler, micro_batch: int,
+                 image_size: Optional[int] = None):
+        self.data, self.sampler, self.image_size = data, sampler, image_size
         self.batch_sampler = BatchSampler(sampler, micro_batch, drop_last=True)
 
     def __len__(self) -> int:
@@ -1142,7 +1321,60 @@ class InMemoryBatches:
         images, labels = self.data.tensors
         for index in self.batch_sampler:
             index = torch.tensor(index, device=images.device)
-            yield images[index], labels[index]
+            yield resized(images[index], self.image_size), labels[index]
+
+
+# Random streams: (--seed, stream, ...) seeds each one (stream_seed). What must be equal on every
+# rank (the model's initial weights, the data order) is drawn from --seed itself; what must differ
+# gets a stream of its own, reproducible on a rerun and a resume: each sample's augmentation in
+# each epoch, each rank's dropout in each epoch.
+AUGMENTATION_STREAM, RANK_STREAM = 1, 2
+
+
+def stream_seed(seed: int, stream: int, *keys: int) -> int:
+    """A seed for one random stream, independent of every other stream's (numpy's SeedSequence
+    hashes the keys)."""
+    return int(np.random.SeedSequence([seed, stream, *keys]).generate_state(1, np.uint64)[0])
+
+
+class EpochKeys(torch.utils.data.Sampler):
+    """A sampler's indices as (epoch, index) keys, for SampleStreams: the epoch rides along to the
+    loader processes, whose own state lasts across epochs (persistent workers)."""
+
+    def __init__(self, sampler: DistributedSampler):
+        self.sampler, self.epoch = sampler, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        return ((self.epoch, index) for index in self.sampler)
+
+
+class SampleStreams(torch.utils.data.Dataset):
+    """A per-sample data set whose random augmentation is each sample's own: sample i's crop and
+    flip in epoch e come from a stream seeded by (--seed, e, i), whichever rank or loader process
+    reads it and however many workers there are. N workers then see the augmentations one process
+    would on the same global batch (not N copies of one rank's), and a rerun or a resume the same
+    ones again. Only the CPU generator is seeded (torchvision's transforms draw from it), and
+    restored after, so that the training process's own stream (dropout) goes on untouched."""
+
+    def __init__(self, data, seed: int):
+        self.data, self.seed = data, seed
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, key: tuple):
+        epoch, index = key
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(
+                stream_seed(self.seed, AUGMENTATION_STREAM, epoch, index))
+            return self.data[index]
 
 
 def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device):
@@ -1150,7 +1382,9 @@ def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device
     sampler = train_sampler(data, rank, world, cfg.seed)
     workers = loader_workers(cfg, data)
     if not workers and isinstance(data, TensorDataset):
-        return InMemoryBatches(data, sampler, cfg.micro_batch)
+        return InMemoryBatches(data, sampler, cfg.micro_batch, cfg.image_size)
+    if not isinstance(data, TensorDataset):
+        data, sampler = SampleStreams(data, cfg.seed), EpochKeys(sampler)
     # For data that must be read or decoded per sample: loader processes that live as long as the
     # run (persistent: not re-forked every epoch), pinned host memory so that copies to the GPU are
     # asynchronous.
@@ -1249,6 +1483,8 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
     """One pass over this worker's shard (`train_batches`);
     returns the train loss averaged over ALL workers' samples."""
     model.train()
+    # this rank's own dropout (and other in-model randomness) for this epoch
+    torch.manual_seed(stream_seed(cfg.seed, RANK_STREAM, rank_and_world()[0], epoch))
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(cfg, epoch)
     batches.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
@@ -1299,7 +1535,8 @@ def epoch_metrics(loss_sum: float, samples: int, lr: float, seconds: float, data
 
 @torch.no_grad()
 def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: bool = False,
-             num_classes: int = NUM_CLASSES, workers: int = 0) -> dict:
+             num_classes: int = NUM_CLASSES, workers: int = 0,
+             image_size: Optional[int] = None) -> dict:
     """Exact test metrics: each worker scores its own disjoint shard, then ONE all-reduce adds up
     [loss sum, confusion matrix] (and, with details, every sample's prediction at its own index).
 
@@ -1313,7 +1550,7 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
     # class, prob
     predictions = torch.zeros(len(data) if details else 0, 2, dtype=torch.float64, device=device)
     indices = shard_indices(len(data), rank, world)
-    for index, x, y in eval_batches(data, indices, batch_size, workers):
+    for index, x, y in eval_batches(data, indices, batch_size, workers, image_size):
         x, y = x.to(device), y.to(device)
         logits = net(x)
         loss_sum += F.cross_entropy(logits, y, reduction="sum")
@@ -1334,13 +1571,14 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
     return metrics
 
 
-def eval_batches(data, indices: torch.Tensor, batch_size: int, workers: int):
+def eval_batches(data, indices: torch.Tensor, batch_size: int, workers: int,
+                 image_size: Optional[int] = None):
     """(indices, images, labels) of this rank's shard, in order:
-    indexed in memory, or read per sample."""
+    indexed in memory (at --image-size), or read per sample."""
     if isinstance(data, TensorDataset):
         images, labels = data.tensors
         for index in indices.split(batch_size):
-            yield index, images[index], labels[index]
+            yield index, resized(images[index], image_size), labels[index]
         return
     loader = DataLoader(Subset(data, indices.tolist()), batch_size=batch_size, num_workers=workers)
     for index, (images, labels) in zip(indices.split(batch_size), loader):
@@ -1357,7 +1595,7 @@ def evaluate_as_saved(model: nn.Module, test_set, cfg: Config, device: torch.dev
             dist.broadcast(buffer, src=0)
     with inference(model) as net, autocast(cfg, device):
         return evaluate(net, test_set, device, eval_batch_size(test_set), num_classes=num_classes,
-                        workers=loader_workers(cfg, test_set))
+                        workers=loader_workers(cfg, test_set), image_size=cfg.image_size)
 
 
 def eval_batch_size(data) -> int:
@@ -1408,9 +1646,11 @@ def checkpoint_dir_name(epoch: int) -> str:
 
 
 def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config,
-                     history: list) -> dict:
+                     history: list, classes: list) -> dict:
+    """What a checkpoint holds; `classes`, the names of the model's outputs in order, is what an
+    evaluation scores against (not what the test set's labels happen to reach)."""
     return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch,
-            "config": asdict(cfg), "history": history}
+            "config": asdict(cfg), "history": history, "classes": list(classes)}
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1504,11 +1744,11 @@ RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json
 
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, int]:
-    """Before any cluster starts. --fresh: the directory it will delete must be this run's and
-    nothing else. A rerun: the checkpoint it will resume from must load (a corrupt one is one
-    sentence here, not a failure on every worker) and must have been trained the way this command
-    says; what the command does not say (flags not typed, when `typed` is given) it takes from that
-    checkpoint.
+    """Part of resolving a training run's configuration, before it is validated and before any
+    cluster starts. --fresh: the directory it will delete must be this run's and nothing else. A
+    rerun: the checkpoint it will resume from must load (a corrupt one is one sentence here, not a
+    failure on every worker) and must have been trained the way this command says; what the command
+    does not say (flags not typed, when `typed` is given) it takes from that checkpoint.
     Returns the config to run and the epoch the run resumes after (-1: from the start)."""
     from pyarrow import fs
     storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
@@ -1529,14 +1769,25 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, int
         raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; "
                           f"rerun with --fresh to start over, "
                           f"or --eval-only an earlier checkpoint_epoch_* directory") from None
-    cfg = follow_stored(cfg, state["config"], typed)
-    check_same_training(cfg, state["config"])
-    if (cfg.lr_schedule == "cosine" and state["config"].get("epochs") != cfg.epochs
+    stored = stored_config(state)
+    cfg = follow_stored(cfg, stored, typed)
+    check_same_training(cfg, stored)
+    if (cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs
             and state["epoch"] + 1 < cfg.epochs):
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
-              f"{state['config']['epochs']}): epoch {state['epoch'] + 2} trains at lr "
+              f"{stored['epochs']}): epoch {state['epoch'] + 2} trains at lr "
               f"{learning_rate(cfg, state['epoch'] + 1):.4g}", flush=True)
     return cfg, state["epoch"]
+
+
+def stored_config(state: dict) -> dict:
+    """A checkpoint's config as today's Config fields: a field the checkpoint predates has its
+    default (what the run trained with, since the flag did not exist), one that no longer exists
+    is left out; values as the Config holds them (a tuple comes back from a checkpoint as a
+    list)."""
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()
+             if k in CONFIG_FIELDS}
+    return {**{f.name: f.default for f in fields(Config)}, **saved}
 
 
 def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
@@ -1544,29 +1795,19 @@ def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
     shortest command that names the run resumes it as it was, whatever today's defaults are)."""
     if typed is None:
         return cfg
-    adopt = {name: stored[name] for name in asdict(cfg) if name in stored and name not in typed
-             and (name not in RESUMABLE_FIELDS or name == "epochs")
-             and stored[name] != getattr(cfg, name)}
-    if adopt:
-        print(f"note: run '{cfg.name}' resumes with its own "
-              f"{', '.join(as_flag(k, v) for k, v in adopt.items())}", flush=True)
+    adopt = {name: stored[name] for name in CONFIG_FIELDS if name in RERUN_ADOPTS - typed
+             if stored[name] != getattr(cfg, name)}
+    shown = [as_flag(k, v) for k, v in adopt.items() if k != "normalize"]  # not a flag
+    if shown:
+        print(f"note: run '{cfg.name}' resumes with its own {', '.join(shown)}", flush=True)
     return replace(cfg, **adopt)
-
-
-# What a rerun of a run may change: how long it trains, on how many workers of what kind, where it
-# reads and writes, what it logs. Anything else would silently train a different model.
-RESUMABLE_FIELDS = {"epochs", "workers", "min_workers", "cpus_per_worker", "gpu", "max_failures",
-                    "timeout", "start_timeout",
-                    "fresh", "address", "storage_path", "name", "logdir", "log_every", "quiet",
-                    "data_dir", "download", "loader_workers", "compile", "eval_only", "predict_out"}
 
 
 def check_same_training(cfg: Config, stored: dict) -> None:
     now = asdict(cfg)
     # scratch: plain SGD
-    ignored = RESUMABLE_FIELDS | ({"momentum"} if cfg.mode == "scratch" else set())
-    changed = [name for name in now
-               if name not in ignored and name in stored and stored[name] != now[name]]
+    ignored = RERUN_MAY_CHANGE | ({"momentum"} if cfg.mode == "scratch" else set())
+    changed = [name for name in now if name not in ignored and stored[name] != now[name]]
     if changed:
         was = ", ".join(as_flag(name, stored[name]) for name in changed)
         says = ", ".join(as_flag(name, now[name]) for name in changed)
@@ -2197,45 +2438,57 @@ def state_dict_to_params(state: dict) -> list[torch.Tensor]:
 # ==================================================================================================
 
 
-# What a checkpoint fixes (its config says) and what only training uses: with --eval-only, typing a
-# contradicting value of the first or any of the second is an error rather than silently ignored.
-MODEL_FIELDS = ("model", "dataset")
-TRAINING_FIELDS = ("mode", "epochs", "batch_size", "lr", "lr_schedule", "momentum", "accum_steps",
-                   "allreduce", "sync_bn", "seed", "loader_workers", "compile", "fresh")
-
-
 def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
-    """The config for evaluating --eval-only's checkpoint (model and data set from the checkpoint),
-    and the checkpoint."""
+    """The config for evaluating --eval-only's checkpoint, and the checkpoint. What the checkpoint
+    fixes (the model, the data it was trained on, the images as it saw them: option(eval=...))
+    comes from its config; a typed training flag, or a typed value that contradicts the
+    checkpoint, is an error rather than silently ignored."""
     path = checkpoint_file(cfg.eval_only)
     checkpoint = load_checkpoint(path)
-    trained = checkpoint["config"]
-    for name in sorted(typed & set(TRAINING_FIELDS)):
-        raise ConfigError(f"--{name.replace('_', '-')} is a training flag and has no effect with "
-                          f"--eval-only")
-    for name in MODEL_FIELDS:
-        if name in typed and getattr(cfg, name) != trained[name]:
-            raise ConfigError(f"the checkpoint holds a {trained['model']} trained on "
-                              f"{trained['dataset']}; --{name} {getattr(cfg, name)} contradicts it")
-    if cfg.predict_out == path:
-        raise ConfigError(f"--predict-out {cfg.predict_out} is the checkpoint being evaluated")
+    trained = stored_config(checkpoint)
+    for name in CONFIG_FIELDS:
+        if name in typed & EVAL_REFUSES:
+            raise ConfigError(f"--{name.replace('_', '-')} is a training flag and has no effect "
+                              f"with --eval-only")
+    fixed = fields_where("eval", "checkpoint")
+    contradicting = [name for name in CONFIG_FIELDS
+                     if name in typed & fixed and getattr(cfg, name) != trained[name]]
+    if contradicting:
+        was = ", ".join(as_flag(name, trained[name]) for name in contradicting)
+        says = ", ".join(as_flag(name, getattr(cfg, name)) for name in contradicting)
+        raise ConfigError(f"the checkpoint holds a {trained['model']} trained on "
+                          f"{trained['dataset']} with {was}; {says} contradicts it (drop it)")
     # A scratch-mode checkpoint is a LeNet state_dict too, so every checkpoint is evaluated the ddp
-    # way; bf16 autocast as in training, unless --amp says otherwise.
-    amp = cfg.amp if "amp" in typed else trained.get("amp", False)
-    # Images as the model saw them in training (size, normalisation), whatever today's defaults.
-    seen = {k: trained[k] for k in ("image_size", "normalize") if k in trained}
-    if "data_dir" not in typed and "data_dir" in trained:  # e.g. the folder it was trained on
-        seen["data_dir"] = trained["data_dir"]
-    evaluated = replace(cfg, model=trained["model"], dataset=trained["dataset"], mode="ddp",
-                        eval_only=path, amp=amp, **seen)
-    return evaluated, checkpoint
+    # way; images as the model saw them in training (size, normalisation), whatever today's
+    # defaults; bf16 autocast and the data's folder as in training unless typed.
+    taken = {name: trained[name] for name in EVAL_FROM_CHECKPOINT
+             if name in fixed or name not in typed}
+    return replace(cfg, **taken, mode="ddp", eval_only=path), checkpoint
 
 
-def write_predictions(path: str, test_set, predictions: list) -> None:
+def checkpoint_classes(cfg: Config, checkpoint: dict, train_set, test_set) -> list:
+    """The names of the checkpoint's outputs (a checkpoint from before they were kept: its training
+    set's), refused in one line when the test set's own names or labels say otherwise: its labels
+    would be scored against another class's output."""
+    names = checkpoint.get("classes") or class_names(train_set)
+    own = getattr(test_set, "classes", None)
+    if own and [str(name) for name in own] != names:
+        raise ConfigError(f"the checkpoint's classes are {', '.join(names)}; {cfg.dataset} "
+                          f"{cfg.data_dir if cfg.dataset == 'folder' else ''}".rstrip()
+                          + f" has {', '.join(map(str, own))}: evaluate it on the data it was "
+                            f"trained on")
+    labels = labels_of(test_set)
+    if labels and not 0 <= min(labels) <= max(labels) < len(names):
+        raise ConfigError(f"{cfg.dataset}'s test labels run from {min(labels)} to {max(labels)}, "
+                          f"but the checkpoint has {plural(len(names), 'class')} (0 to "
+                          f"{len(names) - 1})")
+    return names
+
+
+def write_predictions(path: str, test_set, predictions: list, names: list) -> None:
     """--predict-out: every test sample's label and prediction, by number and name, with its
     probability; and, for images read from files, the file."""
     import csv
-    names = class_names(test_set)
     files = [file for file, _ in test_set.samples] if hasattr(test_set, "samples") else None
     text = io.StringIO()
     writer = csv.writer(text)
@@ -2278,6 +2531,7 @@ class LoopOptions:
     # the workers are torchrun's processes (Ray Train's local mode), not Ray's
     torchrun: bool = False
     weights: Optional[object] = None  # --eval-only: the model's weights, in Ray's object store
+    classes: tuple = ()  # --eval-only: the names of the model's outputs, from the checkpoint
     start_from: Optional[object] = None  # --weights: the file's tensors, in Ray's object store
     data: Optional[object] = None  # (train, test) held in memory, in Ray's object store
     launched: dict = field(default_factory=dict)  # the driver's clocks: the start-up breakdown
@@ -2316,12 +2570,17 @@ class TorchrunLauncher:
     events."""
 
     def __init__(self, cfg: Config, worker: Worker, launched: Optional[dict] = None):
-        self.cfg, self.launched = cfg, launched or {}
+        self.cfg, self.worker, self.launched = cfg, worker, launched or {}
         self.tensorboard = TensorBoardWriter(cfg) if worker.is_main else None
 
     def latest_checkpoint(self) -> Optional[dict]:
-        files = epoch_checkpoints(self.cfg.run_dir)
-        return load_checkpoint(str(files[-1])) if files else None
+        """Rank 0 reads the latest checkpoint (after its own --fresh) and hands every rank its
+        contents: the ranks resume from one checkpoint at one epoch, shared file system or not."""
+        state = None
+        if self.worker.is_main:
+            files = epoch_checkpoints(self.cfg.run_dir)
+            state = load_checkpoint(str(files[-1])) if files else None
+        return from_rank_0(state, self.worker.device)
 
     def report(self, metrics: dict, state: Optional[dict], epoch: int) -> None:
         if state is not None:
@@ -2346,6 +2605,11 @@ def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOpt
     cfg, options = loop_config["config"], loop_config["options"]
     worker = Worker.from_ray(cfg)
     bound_collectives(cfg.timeout)
+    if options.torchrun:
+        # Each torchrun process resolved its own config, from what it saw of the run directory
+        # (another machine may see none, or see it before rank 0's --fresh deleted it): rank 0's
+        # is the run's. (Ray's workers all get the driver's.)
+        cfg = from_rank_0(cfg, worker.device)
     launcher = (TorchrunLauncher(cfg, worker, options.launched) if options.torchrun
                 else RayLauncher(cfg, worker))
     return cfg, worker, launcher, options
@@ -2370,6 +2634,16 @@ def resume(launcher: "Launcher") -> tuple[int, list, Optional[dict]]:
     both modes'."""
     state = launcher.latest_checkpoint()
     return (0, [], None) if state is None else (state["epoch"] + 1, state["history"], state)
+
+
+def from_rank_0(value, device: torch.device):
+    """Rank 0's value on every rank (a collective: every rank calls it); the value itself where
+    there is one rank."""
+    if rank_and_world()[1] == 1:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0, device=device)
+    return shared[0]
 
 
 def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: int, history: list,
@@ -2402,15 +2676,20 @@ def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: i
 def train_loop_per_worker(config: dict) -> dict:
     """--mode ddp (and dp): the DDP tutorial's loop."""
     marks = {"loop": time.time()}
-    cfg, worker, launcher, options = worker_setup(config)
+    return train_worker(*worker_setup(config), marks)
+
+
+def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: LoopOptions,
+                 marks: dict) -> dict:
+    """One worker's training, whoever launched it (Ray, torchrun, or a test's process group)."""
     if cfg.min_workers:  # elastic: the same global batch, split over the workers there are now
         cfg = replace(cfg, workers=worker.world)
     train_set, test_set = worker_data(cfg, options)
     marks["data"] = time.time()
-    classes = len(class_names(train_set))
+    classes = class_names(train_set)
     # identical initial weights on every rank (DDP also broadcasts rank 0's)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, train_set[0][0].shape, classes)
+    model = build_model(cfg.model, input_shape(cfg, train_set), len(classes))
     start_epoch, history, state = resume(launcher)
     if state is None and cfg.weights:  # --weights: where a new run starts from
         load_weights(model, starting_weights(cfg, options))
@@ -2432,9 +2711,10 @@ def train_loop_per_worker(config: dict) -> dict:
         cfg, worker, launcher, start_epoch, history,
         train_fn=lambda epoch: train_epoch(model, optimizer, batches, cfg, worker.device, epoch,
                                            options.progress and worker.is_main),
-        eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device, classes),
+        eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device, len(classes)),
         state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(),
-                                                      optimizer.state_dict(), epoch, cfg, hist),
+                                                      optimizer.state_dict(), epoch, cfg, hist,
+                                                      classes),
         marks=marks)
 
 
@@ -2457,7 +2737,7 @@ def scratch_loop_per_worker(config: dict) -> dict:
                                                    options.progress and worker.is_main),
         eval_fn=lambda: evaluate(lambda X: lenet(X, params), test_set, worker.device),
         state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch,
-                                                      cfg, hist),
+                                                      cfg, hist, class_names(train_set)),
         marks=marks)
 
 
@@ -2468,13 +2748,14 @@ def eval_loop_per_worker(config: dict) -> dict:
     # put in Ray's object store by the driver: no shared disk needed
     weights = ray.get(options.weights)
     _, test_set = worker_data(cfg, options)
-    classes = len(class_names(test_set))
-    model = build_model(cfg.model, test_set[0][0].shape, classes)
+    classes = len(options.classes)  # the checkpoint's, not what the test labels reach
+    model = build_model(cfg.model, input_shape(cfg, test_set), classes)
     model.load_state_dict(weights)
     model.to(worker.device).eval()
     with autocast(cfg, worker.device):
         metrics = evaluate(model, test_set, worker.device, eval_batch_size(test_set), details=True,
-                           num_classes=classes, workers=loader_workers(cfg, test_set))
+                           num_classes=classes, workers=loader_workers(cfg, test_set),
+                           image_size=cfg.image_size)
     return {"metrics": metrics, "world_size": worker.world, "device": worker.device.type}
 
 
@@ -2852,21 +3133,23 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
     return f"{reason}; the full errors are in {os.path.join(logs, 'ray.log')}"
 
 
-def run(cfg: Config, typed: Optional[set] = None,
-        data: Optional[DataInfo] = None) -> Optional[dict]:
-    """Train: check everything, start (or attach to) Ray, train, summarize. Under torchrun each of
-    its processes runs this; rank 0 alone speaks and writes."""
+def run(cfg: Config, last_epoch: int = -1, data: Optional[DataInfo] = None) -> Optional[dict]:
+    """Train the resolved and validated cfg, resuming after last_epoch (check_run_dir): check the
+    data and the model against it, start (or attach to) Ray, train, summarize. Under torchrun each
+    of its processes runs this; rank 0 alone speaks and writes, and decides for all (which
+    checkpoint, which config: the loop shares rank 0's)."""
     torchrun = under_torchrun()
     speaks = not torchrun or os.environ["RANK"] == "0"
     # The start-up breakdown's first marks: this process's start and imports, if this run pays them.
     first = not ray.is_initialized()
     launched = {"started": STARTED_AT, "imported": IMPORTED_AT} if first else {}
     with contextlib.redirect_stdout(sys.stdout if speaks else io.StringIO()):
-        # every rank: they all train what a rerun adopts
-        cfg, last_epoch = check_run_dir(cfg, typed)
         if data is None:
             cfg, data = check_data(cfg)
-        weights_note = check_weights(cfg, data)
+        check_model_fits(cfg, data)
+        # a run that resumes starts from its checkpoint: --weights is neither read nor needed
+        resumes = last_epoch >= 0
+        weights_note = None if resumes else check_weights(cfg, data)
         cfg = cfg if torchrun else connect(cfg)
         if speaks:
             # under torchrun before the other ranks look for checkpoints: they wait for rank 0
@@ -2880,8 +3163,8 @@ def run(cfg: Config, typed: Optional[set] = None,
     # and data held in memory. (torchrun has no object store: its processes read them.)
     shared = not torchrun
     options = LoopOptions(progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
-                          start_from=(ray.put(read_weights(cfg.weights)) if cfg.weights and shared
-                                      else None),
+                          start_from=(ray.put(read_weights(cfg.weights))
+                                      if cfg.weights and shared and not resumes else None),
                           data=ray.put(data.datasets) if shared and not data.per_sample else None,
                           launched=launched)
     if torchrun:
@@ -2907,8 +3190,10 @@ def run(cfg: Config, typed: Optional[set] = None,
 def run_eval(cfg: Config, checkpoint: dict) -> dict:
     """--eval-only: the same test metrics as training,
     plus per-class accuracy and the confusion matrix."""
-    _, test_set = load_dataset(cfg)
-    names = class_names(test_set)
+    train_set, test_set = load_dataset(cfg)
+    names = checkpoint_classes(cfg, checkpoint, train_set, test_set)
+    check_model_fits(cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, test_set),
+                                   names, not isinstance(test_set, TensorDataset)))
     if os.path.isfile(cfg.run_dir):
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if epoch_checkpoints(cfg.run_dir):
@@ -2918,7 +3203,8 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     print(f"ray-dp: evaluating {cfg.eval_only} ({cfg.model} on {cfg.dataset}, "
           f"{len(test_set)} test samples) on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers",
           flush=True)
-    options = LoopOptions(weights=ray.put(checkpoint["model"]))  # the workers need no shared disk
+    # the workers need no shared disk
+    options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(names))
     out = fit(cfg, eval_loop_per_worker, options).return_value
     metrics = out["metrics"]
     predictions, confusion = metrics.pop("predictions"), metrics["confusion"]
@@ -2928,7 +3214,7 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     write_json(os.path.join(cfg.run_dir, "result.json"),
                run_record(cfg, metrics, out, cfg.eval_only, per_class=per_class))
     if cfg.predict_out:
-        write_predictions(cfg.predict_out, test_set, predictions)
+        write_predictions(cfg.predict_out, test_set, predictions, names)
     print(format_eval(metrics, per_class, out), flush=True)
     return metrics
 
@@ -3049,12 +3335,15 @@ def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> No
 
 def compare(base: Config, scale_lr: bool) -> list[dict]:
     configs = compare_configs(base, scale_lr)
-    data = []
-    for cfg in configs:  # every row's input is checked before any cluster starts
-        validate(cfg)
-        data.append(check_data(cfg)[1])
+    resolved = []
+    for cfg in configs:  # every row is resolved and checked before any cluster starts
+        cfg, last_epoch = check_run_dir(cfg)
+        validate(cfg, resuming=last_epoch >= 0)
+        cfg, data = check_data(cfg)
+        check_model_fits(cfg, data)
+        resolved.append((cfg, last_epoch, data))
     connect(max(configs, key=lambda c: c.workers))
-    summaries = [run(cfg, data=row_data) for cfg, row_data in zip(configs, data)]
+    summaries = [run(*row) for row in resolved]
     rows = compare_rows(configs, summaries)
     print(write_compare(base.run_dir, rows, [s["epochs"] for s in summaries]))
     print(f"wrote compare.csv, compare.md and compare.png to {base.run_dir}", flush=True)
@@ -3235,12 +3524,12 @@ class Doctor:
                                     f"reads the images itself)")
             if found != here:
                 return Check(False, f"node {node} sees {found['train']} train / {found['test']} "
-                                    f"val images in {plural(found['classes'], 'class')}, the "
-                                    f"driver {here['train']} / {here['test']} in "
-                                    f"{plural(here['classes'], 'class')}")
+                                    f"val images in {classes_of(found, here)}, the driver "
+                                    f"{here['train']} / {here['test']} in "
+                                    f"{classes_of(here, found)}")
         return Check(True, f"{cfg.dataset} {cfg.data_dir}: {here['train']} train / {here['test']} "
-                           f"val images in {plural(here['classes'], 'class')}, the same on every "
-                           f"node")
+                           f"val images in {plural(len(here['classes']), 'class')}, the same on "
+                           f"every node")
 
     def on_every_node(self, function, *args) -> dict:
         """function(*args) once on each node, all at once, by node name: its return value, or the
@@ -3376,8 +3665,16 @@ def data_files(cfg: Config) -> dict:
     train[0]  # decoded as a run's first look at the data decodes it: a file that is no image fails
     named = isinstance(train, TensorDataset) or getattr(train, "classes", None)
     return {"train": len(train), "test": len(test),
-            "classes": len(class_names(train)) if named else None,
+            "classes": class_names(train) if named else None,
             "per_sample": not isinstance(train, TensorDataset)}
+
+
+def classes_of(seen: dict, other: dict) -> str:
+    """A folder's classes, in the words that tell them from another node's: how many, and the
+    names only one of the two has."""
+    names, others = seen["classes"] or [], other["classes"] or []
+    only = [name for name in names if name not in others]
+    return plural(len(names), "class") + (f" (only here: {', '.join(only)})" if only else "")
 
 
 def download_source(dataset: str) -> Optional[str]:
@@ -3596,19 +3893,27 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
     if args["model"] == "list":
         return "models", None, {}
-    if command == "compare" or args["mode"] == "scratch":
-        args.update({k: v for k, v in LESSON_DEFAULTS.items() if k not in typed})
-    if under_torchrun():
-        args = torchrun_launch(args, typed)
-    cfg = with_absolute_paths(Config(**args))
-    validate(cfg)
+    cfg = resolve(command, args, typed)
     if cfg.eval_only:
         cfg, options["checkpoint"] = eval_config(cfg, typed)
         command = "eval"
-    elif command == "train":
+    cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
+    if command == "train":
+        check_location(cfg)  # where the run it may resume is
         # a rerun takes what the command line leaves unsaid from the run it resumes
-        options["typed"] = typed
-    return command, replace(cfg, name=cfg.name or default_run_name(command, cfg)), options
+        cfg, options["last_epoch"] = check_run_dir(cfg, typed)
+    validate(cfg, resuming=options.get("last_epoch", -1) >= 0)
+    return command, cfg, options
+
+
+def resolve(command: str, args: dict, typed: set) -> Config:
+    """The flags as typed, completed by everything but the run directory's and the checkpoint's
+    values: the lesson's defaults for scratch and compare, torchrun's world, absolute paths."""
+    if command == "compare" or args["mode"] == "scratch":
+        args = {**args, **{k: v for k, v in LESSON_DEFAULTS.items() if k not in typed}}
+    if under_torchrun():
+        args = torchrun_launch(args, typed)
+    return with_absolute_paths(Config(**args))
 
 
 def doctor_config(args: dict) -> tuple[Config, dict]:
@@ -3627,7 +3932,7 @@ def list_models(cfg: None) -> None:
     """--model list: ray_dp's models, then torchvision's."""
     print("ray_dp: " + " ".join(MODELS))
     print("torchvision (ImageNet-size; --weights to start from a downloaded .pth): "
-          + " ".join(torchvision_models()))
+          + " ".join(torchvision_names()))
 
 
 def interrupted(command: str, cfg: Optional[Config]) -> str:

@@ -24,7 +24,7 @@ BAD_INPUTS = [
     (["--workers", "3:2"], "--workers MIN:MAX needs 1 <= MIN <= MAX, got 3:2"),
     (["--workers", "0:2"], "--workers MIN:MAX needs 1 <= MIN <= MAX, got 0:2"),
     (["--workers", "2:x"], "--workers takes N or MIN:MAX in whole numbers, got '2:x'"),
-    (["--workers", "2:3", "--batch-size", "64"], "--batch-size 64 must divide by workers x accum-steps = 3"),
+    (["--workers", "2:3", "--batch-size", "64"], "at every size --workers 2:3 may take (2 and 3 workers x 1: a multiple of 6; e.g. 60 or 66)"),
     (["--mode", "dp", "--workers", "1:2"], "--mode dp runs one worker; it cannot be elastic"),
     (["--max-failures", "-2"], "--max-failures must be -1 (no limit) or more, got -2"),
     (["--timeout", "0"], "--timeout must be 1 to 604800 seconds"),
@@ -107,7 +107,7 @@ def run_dir(tmp_path):
     """A run directory with one real (tiny, untrained) checkpoint, as training leaves it."""
     cfg = ray_dp.Config(dataset="digits")
     model = ray_dp.build_model("lenet", (1, 28, 28))
-    state = ray_dp.checkpoint_state(model.state_dict(), {}, 0, cfg, [])
+    state = ray_dp.checkpoint_state(model.state_dict(), {}, 0, cfg, [], [str(c) for c in range(10)])
     (tmp_path / "run" / "checkpoint_epoch_000").mkdir(parents=True)
     torch.save(state, tmp_path / "run" / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE)
     return tmp_path / "run"
