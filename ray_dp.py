@@ -1861,7 +1861,7 @@ def start_fresh(cfg: Config) -> None:
 
 
 def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'s' * (count != 1)}"
+    return f"{count} {noun}{('es' if noun.endswith('s') else 's') * (count != 1)}"
 
 
 def format_epoch(m: dict, epochs: int) -> str:

@@ -65,3 +65,22 @@ def digits_folder(root):
             pixels = (image[0] * 255).round().clamp(0, 255).to(torch.uint8).numpy()
             Image.fromarray(pixels, mode="L").save(folder / f"{i:04d}.png")
     return root
+
+
+def save_run(run_dir, saved=(0,), **config):
+    """A run directory as torchrun leaves it (checkpoint_epoch_NNN/checkpoint.pt, no Ray snapshot)."""
+    cfg = ray_dp.Config(**{"dataset": "digits", "name": run_dir.name, "storage_path": str(run_dir.parent), **config})
+    model = ray_dp.build_model(cfg.model, (1, 28, 28))
+    for epoch in saved:
+        path = run_dir / ray_dp.checkpoint_dir_name(epoch) / ray_dp.CHECKPOINT_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(ray_dp.checkpoint_state(model.state_dict(), {}, epoch, cfg, [], [str(c) for c in range(10)]), path)
+    return run_dir
+
+
+def error_of(argv, capsys):
+    """main(argv)'s one-line error (exit 2)."""
+    assert ray_dp.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ray_dp.py: error: ") and err.count("\n") == 1, err
+    return err

@@ -12,29 +12,11 @@ import torch.distributed as dist
 import yaml
 
 import ray_dp
-from helpers import REPO, run_distributed
+from helpers import REPO, error_of, run_distributed, save_run
 
 DIGITS = ["--dataset", "digits"]
 
 DIGITS_INFO = ray_dp.DataInfo((1437, 360), (1, 28, 28), [str(c) for c in range(10)], False)
-
-
-def save_run(run_dir, saved=(0,), **config):
-    """A run directory as torchrun leaves it (checkpoint_epoch_NNN/checkpoint.pt, no Ray snapshot)."""
-    cfg = ray_dp.Config(dataset="digits", name=run_dir.name, storage_path=str(run_dir.parent), **config)
-    model = ray_dp.build_model(cfg.model, (1, 28, 28))
-    for epoch in saved:
-        path = run_dir / ray_dp.checkpoint_dir_name(epoch) / ray_dp.CHECKPOINT_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(ray_dp.checkpoint_state(model.state_dict(), {}, epoch, cfg, [], [str(c) for c in range(10)]), path)
-    return run_dir
-
-
-def error_of(argv, capsys):
-    assert ray_dp.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("ray_dp.py: error: ") and err.count("\n") == 1, err
-    return err
 
 
 @pytest.mark.parametrize("name", ["../victim", "{victim}", ".", "..", "../runs"])
