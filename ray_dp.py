@@ -1219,7 +1219,7 @@ class SyncBatchNormCPU(nn.BatchNorm2d):
         if not self.training or world == 1:
             return super().forward(x)
         shape = (1, x.shape[1], 1, 1)
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays)
         count, mean, m2 = rank_statistics(x32)
         # Rank r's row holds its [count, mean, M2]; the sum over ranks is then every rank's rows.
         rows = torch.zeros(world, 1 + 2 * x.shape[1], dtype=x32.dtype, device=x.device)

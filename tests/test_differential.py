@@ -1,0 +1,215 @@
+"""The differential layer (#22): valid flag combinations, each trained for a few steps by ray_dp's own worker loop
+(train_worker: the loop Ray and torchrun run) on 2 or 3 gloo processes, and by one process on the same global
+batch. The N-worker run must end where the one process does, and score every test sample once.
+
+Tolerance. The N-worker run adds the same per-sample gradient terms as the one process, in another order (each
+rank's mean, then the all-reduce's sum, against one mean over the global batch), so the two differ by rounding
+alone, which the network then amplifies: for the lessons' ResNet-18 on 24 random images, one process's own fp32
+gradients differ from its fp64 ones by ~1.5e-3 (of 0.24) after a single step, so no fp32 bound could tell a
+wrong gradient from rounding there. The exact combinations therefore train in fp64 (the default dtype in every
+process; rounding ~1e-16, amplified by at most ~1e4 over 8 steps): bound 1e-9 absolute + 1e-7 relative, which a
+real error (a sample counted twice or left out, BatchNorm statistics of one rank, one rank's augmentation)
+exceeds by orders of magnitude. --amp is bf16 autocast, which rounds activations to 8 bits of mantissa in
+convolutions whose blocking differs with the micro-batch: those combinations train LeNet in fp32 with a bound of
+2e-2. Test metrics are compared within the same bounds; test counts exactly.
+"""
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ray_dp
+from helpers import run_distributed
+from test_trust import tiny_folder
+
+BASE = dict(dataset="synthetic", synthetic_size=48, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
+            name="differential")
+# Decoded in the training process (loader processes: one combination has them; each costs a second to start).
+FOLDER = dict(dataset="folder64", batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True, name="differential",
+              loader_workers=0)
+
+# BatchNorm networks on these tiny random batches amplify rounding about a hundredfold per step (shufflenet in fp64:
+# 1e-13 after one step, 1e-9 after four, 2e-6 after eight, on 2 workers as on one process against itself in
+# another order): they train 2 steps, where the bound still tells rounding from error. The lessons' ResNet-18 costs
+# seconds a step here: on the folder's small images.
+RESNET = dict(FOLDER, model="resnet18", sync_bn=True, image_size=12, epochs=1)
+SHUFFLENET = dict(model="shufflenet_v2_x0_5", sync_bn=True, synthetic_size=24, epochs=1)
+
+# (name, workers, config, workers of a rerun that resumes after the first epoch or None)
+COMBOS = [
+    ("sgd-momentum-cosine", 2, {}, None),
+    ("plain-sgd-constant", 2, dict(momentum=0.0, lr_schedule="constant"), None),
+    ("accum-2", 2, dict(accum_steps=2), None),
+    ("accum-3", 2, dict(accum_steps=3), None),
+    ("weight-decay", 2, dict(weight_decay=0.01), None),
+    ("warm-up", 2, dict(warmup_epochs=1), None),
+    ("clip", 2, dict(clip_grad_norm=0.5), None),
+    ("label-smoothing", 2, dict(label_smoothing=0.1), None),
+    ("adamw", 2, dict(optimizer="adamw", lr=0.002), None),
+    ("adamw-wd-clip", 2, dict(optimizer="adamw", lr=0.002, weight_decay=0.05, clip_grad_norm=1.0), None),
+    ("amp", 2, dict(amp=True), None),
+    ("amp-accum-2", 2, dict(amp=True, accum_steps=2), None),
+    ("mlp", 2, dict(model="mlp"), None),
+    ("image-size-in-memory", 2, dict(model="mlp", image_size=20), None),
+    ("3w-sgd", 3, {}, None),
+    ("3w-accum-2", 3, dict(accum_steps=2), None),
+    ("3w-accum-4", 3, dict(accum_steps=4), None),
+    ("3w-adamw-warm-up", 3, dict(optimizer="adamw", lr=0.002, warmup_epochs=1), None),
+    ("3w-smoothing-clip-wd", 3, dict(label_smoothing=0.2, clip_grad_norm=0.3, weight_decay=0.01), None),
+    ("3w-amp", 3, dict(amp=True), None),
+    ("resnet18-sync-bn", 2, dict(RESNET), None),
+    ("3w-resnet18-sync-bn-accum-2-adamw", 3, dict(RESNET, accum_steps=2, optimizer="adamw", lr=0.001), None),
+    ("shufflenet-sync-bn", 2, dict(SHUFFLENET), None),
+    ("3w-shufflenet-sync-bn-wd-clip", 3, dict(SHUFFLENET, weight_decay=0.01, clip_grad_norm=1.0), None),
+    ("folder-augment", 2, dict(FOLDER), None),
+    ("3w-folder-augment-accum-2", 3, dict(FOLDER, accum_steps=2), None),
+    ("folder-loader-process", 2, dict(FOLDER, loader_workers=1), None),
+    ("folder-no-augment-image-size", 2, dict(FOLDER, augment=False, image_size=20), None),
+    ("3w-folder-mlp-smoothing", 3, dict(FOLDER, model="mlp", label_smoothing=0.1), None),
+    ("rerun-2w-to-3w", 2, {}, 3),
+    ("rerun-accum-adamw-2w-to-3w", 2, dict(accum_steps=2, optimizer="adamw", lr=0.002), 3),
+    ("rerun-folder-augment-2w-to-3w", 2, dict(FOLDER), 3),
+    ("rerun-sync-bn-2w-to-3w", 2, dict(SHUFFLENET, synthetic_size=12, epochs=2), 3),  # a step an epoch
+]
+
+
+class Stop(Exception):
+    """The run ends here, as a killed one would, after its checkpoint."""
+
+
+class Recorder:
+    """A launcher for a test's process group: the checkpoint to resume from, and rank 0's reports and
+    checkpoints kept (copied: a state_dict shares the model's storage)."""
+
+    def __init__(self, resume_from=None, stop_after=None):
+        self.resume_from, self.stop_after = resume_from, stop_after
+        self.saved, self.reports = None, []
+
+    def latest_checkpoint(self):
+        return copy.deepcopy(self.resume_from)
+
+    def report(self, metrics, state, epoch):
+        self.reports.append({k: v for k, v in metrics.items() if k.startswith("test_") or k == "train_loss"})
+        if state is not None:
+            self.saved = copy.deepcopy(state)
+        if epoch == self.stop_after:
+            raise Stop
+
+
+@ray_dp.dataset("folder64")
+def load_folder64(cfg):
+    """--dataset folder, its images as fp64 (for the fp64 combinations): the same per-sample path."""
+    return tuple(AsDouble(split) for split in ray_dp.load_folder(cfg))
+
+
+class AsDouble(torch.utils.data.Dataset):
+    def __init__(self, data):
+        self.data, self.classes = data, data.classes
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        # torchvision's transforms draw in the default dtype, which loader processes started by spawn do not
+        # inherit: fp32 here, as in every real run, so that every process draws the same crops
+        with default_dtype(torch.float32):
+            image, label = self.data[index]
+        return image.double(), label
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def train(cfg, world, rank, resume_from=None, stop_after=None):
+    """ray_dp's worker loop on this process (rank of world), in fp64 but for --amp; rank 0's last checkpoint and its
+    reports."""
+    recorder = Recorder(resume_from, stop_after)
+    with default_dtype(torch.float32 if cfg.amp else torch.float64), contextlib.suppress(Stop):
+        ray_dp.train_worker(ray_dp.replace(cfg, workers=world), ray_dp.Worker(rank, world, torch.device("cpu")),
+                            recorder, ray_dp.LoopOptions(), {})
+    return {"state": recorder.saved, "reports": recorder.reports}
+
+
+def on_process_group(configs, resumes):
+    """Every combination whose run (or rerun) has this world size, on this rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # loader processes forked, as torchrun's and Ray's workers fork them (not spawned: seconds each to import)
+    torch.multiprocessing.set_start_method("fork", force=True)
+    out = {}
+    for name, workers, cfg, rerun in configs:
+        if workers == world:
+            out[name] = train(cfg, world, rank, stop_after=0 if rerun else None)
+        if rerun == world:
+            out[name] = train(cfg, world, rank, resume_from=resumes[name])
+    return out if rank == 0 else None
+
+
+def resolved(tmp_dir):
+    """Each combination's Config as the driver resolves it (the folder's normalisation computed once)."""
+    folder = tiny_folder(tmp_dir / "images", classes=("a", "b", "c"), per_class=10, size=12)
+    configs = []
+    for name, workers, overrides, rerun in COMBOS:
+        settings = {**BASE, **overrides}
+        if settings["dataset"] == "folder64":
+            settings["data_dir"] = str(folder)
+        cfg = ray_dp.Config(**settings, workers=workers)
+        ray_dp.validate(cfg)
+        with default_dtype(torch.float32 if cfg.amp else torch.float64):
+            cfg, data = ray_dp.check_data(cfg)
+        ray_dp.check_model_fits(cfg, data)
+        configs.append((name, workers, cfg, rerun))
+    return configs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """N-worker runs (the reruns' first epoch on 2 workers, their second on 3), then one process each."""
+    configs = resolved(tmp_path_factory.mktemp("differential"))
+    on_two = run_distributed(on_process_group, 2, configs, {})[0]
+    resumes = {name: on_two[name]["state"] for name, _, _, rerun in configs if rerun}
+    on_three = run_distributed(on_process_group, 3, configs, resumes)[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = {name: train(cfg, 1, 0) for name, _, cfg, _ in configs}
+    finally:
+        torch.set_num_threads(threads)
+    many = {name: (on_three if workers == 3 or rerun == 3 else on_two)[name]
+            for name, workers, _, rerun in configs}
+    return {name: (many[name], one[name], cfg) for name, _, cfg, _ in configs}
+
+
+def bounds(cfg):
+    return (2e-2, 2e-2) if cfg.amp else (1e-9, 1e-7)
+
+
+def test_the_table_has_at_least_30_combinations():
+    assert len(COMBOS) >= 30 and len({name for name, *_ in COMBOS}) == len(COMBOS)
+
+
+@pytest.mark.parametrize("name", [name for name, *_ in COMBOS])
+def test_n_workers_end_where_one_process_does(name, runs):
+    many, one, cfg = runs[name]
+    atol, rtol = bounds(cfg)
+    assert many["state"]["epoch"] == one["state"]["epoch"] == cfg.epochs - 1
+    assert many["state"]["model"].keys() == one["state"]["model"].keys()
+    for key, expected in one["state"]["model"].items():
+        got = many["state"]["model"][key]
+        if expected.is_floating_point():
+            torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=lambda m: f"{key}: {m}")
+        else:  # BatchNorm's step counts
+            assert torch.equal(got, expected), key
+    test_size = len(ray_dp.load_dataset(cfg)[1])
+    for got, expected in zip(many["reports"][-1:], one["reports"][-1:]):
+        assert got["test_count"] == expected["test_count"] == test_size  # every sample scored once
+        for metric in ("test_loss", "test_acc", "train_loss"):
+            assert got[metric] == pytest.approx(expected[metric], abs=atol, rel=rtol), metric
