@@ -180,12 +180,19 @@ def runs(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = {name: train(cfg, 1, 0) for name, _, cfg, _ in configs}
+        one = {name: train(reference(cfg), 1, 0) for name, _, cfg, _ in configs}
     finally:
         torch.set_num_threads(threads)
     many = {name: (on_three if workers == 3 or rerun == 3 else on_two)[name]
             for name, workers, _, rerun in configs}
     return {name: (many[name], one[name], cfg) for name, _, cfg, _ in configs}
+
+
+def reference(cfg):
+    """One process on the same global batch, in one pass (no accumulation): the sum the N workers' micro-batches
+    must add up to. With BatchNorm the micro-batches are what its statistics are taken over (SyncBatchNorm: over
+    the same samples on N workers as on one process), so those keep --accum-steps."""
+    return cfg if cfg.sync_bn else ray_dp.replace(cfg, accum_steps=1)
 
 
 def bounds(cfg):
