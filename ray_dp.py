@@ -162,16 +162,20 @@ class Config:
         None, "CPU cores reserved per worker; fractions allowed (default: 1; on a machine ray_dp "
               "starts Ray on itself, more workers than cores share the cores evenly)",
         type=float, metavar="CPUS", rerun="free", eval="free", doctor=True)
-    gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)", rerun="free", eval="free", doctor=True)
+    gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)",
+                                 rerun="free", eval="free", doctor=True)
     epochs: int = option(10, "number of passes over the training set (--mode scratch and "
                          "compare: 20)", metavar="N", rerun="adopt", lesson=20)
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step summed over all workers "
                              "(per-worker micro-batch = batch-size / (workers x accum-steps); "
-                             "--mode scratch and compare: 32, the lesson's)", metavar="N", lesson=32)
+                             "--mode scratch and compare: 32, the lesson's)", metavar="N",
+                             lesson=32)
     amp: bool = option(False, "mixed precision: forward passes under bf16 autocast (GPU; runs on "
-                       "CPU too); bf16 keeps fp32's range, so no GradScaler is needed", eval="adopt")
-    compile: bool = option(False, "torch.compile the model (the first epoch pays for compiling)", rerun="free")
-    lr: float = option(0.05, "SGD learning rate (peak, at epoch 1; "
+                       "CPU too); bf16 keeps fp32's range, so no GradScaler is needed",
+                       eval="adopt")
+    compile: bool = option(False, "torch.compile the model (the first epoch pays for compiling)",
+                           rerun="free")
+    lr: float = option(0.05, "learning rate of --optimizer (peak, after any warm-up; "
                        "--mode scratch and compare: 0.2)", metavar="LR", lesson=0.2)
     lr_schedule: str = option("cosine", "learning rate over epochs: cosine decay to 0 over "
                               "--epochs (extending a run stretches it), or constant "
@@ -188,14 +192,16 @@ class Config:
                            "BatchNorm only)")
     model: str = option("lenet", "network: lenet, mlp, resnet18 (the lessons', for small "
                         "images), or any torchvision classification model by name, e.g. "
-                        "resnet50, mobilenet_v3_small, vit_b_16 (--model list shows them)",
+                        "resnet50, mobilenet_v3_small, vit_b_16, torchvision.resnet18 "
+                        "(torchvision's own; --model list shows them)",
                         metavar="NAME", eval="checkpoint")
     weights: str = option("", "start from this state_dict file (e.g. torchvision's ImageNet "
                           ".pth); tensors whose shapes do not fit (a classifier for other "
                           "classes) stay new", metavar="PATH")
-    image_size: Optional[int] = option(None, "--dataset folder: images are resized to N x N pixels "
-                                       "(default: 28 for lenet and mlp, 32 for resnet18, 224 for "
-                                       "torchvision models)", type=int, metavar="N", eval="checkpoint")
+    image_size: Optional[int] = option(
+        None, "images are resized to N x N pixels (default: --dataset folder: 28 for lenet and "
+              "mlp, 32 for resnet18, 224 for torchvision models; the built-in sets: their own "
+              "size, 28 or 32)", type=int, metavar="N", eval="checkpoint")
     augment: bool = option(True, "--dataset folder: random resized crops and horizontal flips when "
                            "training (--no-augment: resize and center crop, as for evaluation)")
     optimizer: str = option("sgd", "sgd (with --momentum) or adamw", choices=("sgd", "adamw"))
@@ -222,14 +228,19 @@ class Config:
                           "needs no download; folder: your images, --data-dir PATH holding "
                           "train/<class>/* and val/<class>/*", eval="checkpoint", doctor=True)
     data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory); "
-                           "--dataset folder: the folder", metavar="DIR", rerun="free", eval="adopt", doctor=True)
-    download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir", rerun="free", eval="free", doctor=True)
-    seed: int = option(0, "random seed for model init and data order (the same on every worker)",
+                           "--dataset folder: the folder", metavar="DIR", rerun="free",
+                           eval="adopt", doctor=True)
+    download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir",
+                            rerun="free", eval="free", doctor=True)
+    seed: int = option(0, "random seed: model init and data order (the same on every worker), "
+                       "each sample's augmentation and each worker's dropout (their own)",
                        metavar="N", eval="checkpoint")
     storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for "
-                               "checkpoints and result.json", metavar="PATH", rerun="free", eval="free", doctor=True)
+                               "checkpoints and result.json", metavar="PATH", rerun="free",
+                               eval="free", doctor=True)
     name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume "
-                       "(default: mode-model-dataset-date-time-pid)", metavar="NAME", rerun="free", eval="free")
+                       "(default: mode-model-dataset-date-time-pid)", metavar="NAME",
+                       rerun="free", eval="free")
     logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/, "
                          "one sub-run per run: watch with tensorboard --logdir LOGDIR",
                          metavar="LOGDIR", rerun="free", eval="free")
@@ -238,17 +249,20 @@ class Config:
     quiet: bool = option(False, "no progress bar (there is none anyway when the output is "
                          "not a terminal)", rerun="free", eval="free")
     max_failures: int = option(0, "restart the worker group this many times after a worker dies, "
-                               "from the last checkpoint (-1: without limit)", metavar="K", rerun="free", eval="free")
+                               "from the last checkpoint (-1: without limit)", metavar="K",
+                               rerun="free", eval="free")
     timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before "
                             "the run fails (torch.distributed's process-group timeout)",
                             metavar="SECONDS", rerun="free", eval="free")
     start_timeout: float = option(60.0, "seconds to wait for the workers to start (at the "
                                   "start, and after a failure or resize) before Ray tries again "
-                                  "with what fits", metavar="SECONDS", rerun="free", eval="free", doctor=True)
+                                  "with what fits", metavar="SECONDS", rerun="free", eval="free",
+                                  doctor=True)
     fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of "
                          "resuming it", rerun="free")
     address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a "
-                          "fresh local one)", metavar="ADDRESS", rerun="free", eval="free", doctor=True)
+                          "fresh local one)", metavar="ADDRESS", rerun="free", eval="free",
+                          doctor=True)
     eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of "
                             "training: a run directory (its last checkpoint), "
                             "a checkpoint_epoch_NNN directory, or a checkpoint.pt file",
@@ -439,7 +453,8 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     lesson's defaults, torchrun and the run it resumes or the checkpoint it evaluates made of it).
     The doctor trains nothing (no batch to split) and tries --storage-path on every node itself;
     a run that resumes starts from its checkpoint, not from --weights (which may have moved)."""
-    check_location(cfg)
+    if not doctor:
+        check_location(cfg)
     cpus = cfg.cpus_per_worker
     checks = [
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
@@ -857,6 +872,10 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
                           f"training samples of {cfg.dataset} allow for one step")
+    if cfg.image_size and not isinstance(train_set, TensorDataset) and cfg.dataset != "folder":
+        raise ConfigError(f"--image-size resizes --dataset folder's images and data sets held in "
+                          f"memory; {cfg.dataset} is read per sample by its own loader, which sets "
+                          f"the size")
     cfg = with_data_statistics(cfg, train_set)
     if not isinstance(train_set, TensorDataset):  # the transforms now normalise
         train_set, test_set = load_dataset(cfg)
