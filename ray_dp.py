@@ -120,29 +120,32 @@ MODEL_IMAGE_SIZE = {"lenet": 28, "mlp": 28, "resnet18": 32}
 DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
 
 
+MAX_SEED = 2 ** 32 - 1  # what every generator takes, scratch mode's seed * 100_003 + epoch too
 MAX_SECONDS = 7 * 24 * 3600  # a week: longer timeouts are "never", which is what hangs look like
 
 
 NO_LESSON = object()  # a field the lesson's recipe leaves to the flag's own default
 
 
-def option(default, help, *, rerun: str = "fixed", eval: str = "train", doctor: bool = False,
-           lesson=NO_LESSON, **argparse_kwargs):
+def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", doctor: bool = False,
+           lesson=NO_LESSON, path: bool = False, **argparse_kwargs):
     """A Config field: its flag's default and help, and what each path does with it, declared
     here so that no list elsewhere can forget a new flag (the safe roles are the defaults).
     rerun (a run resumed under its --name): "fixed", the run's own value, a typed other value is
     refused; "adopt", the run's own value unless typed (--epochs extends a run); "free", what this
-    command says. eval (--eval-only): "train", a training flag, refused when typed; "checkpoint",
-    the checkpoint's value, a typed other value is refused; "adopt", the checkpoint's unless typed;
-    "free", what this command says. doctor: the doctor takes the flag. lesson: --mode scratch's and
-    compare's default, the d2l lesson's recipe."""
-    assert rerun in ("fixed", "adopt", "free") and eval in ("train", "checkpoint", "adopt", "free")
-    return field(default=default, metadata={"help": help, "rerun": rerun, "eval": eval,
-                                            "doctor": doctor, "lesson": lesson,
+    command says. evaluation (--eval-only): "train", a training flag, refused when typed;
+    "checkpoint", the checkpoint's value, a typed other value is refused; "adopt", the checkpoint's
+    unless typed; "free", what this command says. doctor: the doctor takes the flag. lesson:
+    --mode scratch's and compare's default, the d2l lesson's recipe. path: a local path, made
+    absolute on the driver (Ray's workers run in directories of their own)."""
+    assert rerun in ("fixed", "adopt", "free")
+    assert evaluation in ("train", "checkpoint", "adopt", "free")
+    return field(default=default, metadata={"help": help, "rerun": rerun, "evaluation": evaluation,
+                                            "doctor": doctor, "lesson": lesson, "path": path,
                                             **argparse_kwargs})
 
 
-ROLE_KEYS = ("rerun", "eval", "doctor", "lesson")  # option()'s metadata that argparse never sees
+ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path")  # never argparse's
 
 
 # resolved once on the driver (parse_command, then connect): a value from then on
@@ -155,15 +158,16 @@ class Config:
     workers: int = option(2, "number of training workers (processes); each gets one GPU on a GPU "
                           "cluster. MIN:MAX makes the run elastic: it starts with as many as fit, "
                           "at least MIN, and continues from the last checkpoint when workers come "
-                          "or go", metavar="N|MIN:MAX", rerun="free", eval="free", doctor=True)
+                          "or go", metavar="N|MIN:MAX", rerun="free", evaluation="free",
+                          doctor=True)
     # Set by --workers MIN:MAX (0: a fixed --workers); not a flag of its own.
-    min_workers: int = option(0, "", cli=False, rerun="free", eval="free")
+    min_workers: int = option(0, "", cli=False, rerun="free", evaluation="free")
     cpus_per_worker: Optional[float] = option(
         None, "CPU cores reserved per worker; fractions allowed (default: 1; on a machine ray_dp "
               "starts Ray on itself, more workers than cores share the cores evenly)",
-        type=float, metavar="CPUS", rerun="free", eval="free", doctor=True)
+        type=float, metavar="CPUS", rerun="free", evaluation="free", doctor=True)
     gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)",
-                                 rerun="free", eval="free", doctor=True)
+                                 rerun="free", evaluation="free", doctor=True)
     epochs: int = option(10, "number of passes over the training set (--mode scratch and "
                          "compare: 20)", metavar="N", rerun="adopt", lesson=20)
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step summed over all workers "
@@ -172,7 +176,7 @@ class Config:
                              lesson=32)
     amp: bool = option(False, "mixed precision: forward passes under bf16 autocast (GPU; runs on "
                        "CPU too); bf16 keeps fp32's range, so no GradScaler is needed",
-                       eval="adopt")
+                       evaluation="adopt")
     compile: bool = option(False, "torch.compile the model (the first epoch pays for compiling)",
                            rerun="free")
     lr: float = option(0.05, "learning rate of --optimizer (peak, after any warm-up; "
@@ -194,14 +198,14 @@ class Config:
                         "images), or any torchvision classification model by name, e.g. "
                         "resnet50, mobilenet_v3_small, vit_b_16, torchvision.resnet18 "
                         "(torchvision's own; --model list shows them)",
-                        metavar="NAME", eval="checkpoint")
+                        metavar="NAME", evaluation="checkpoint")
     weights: str = option("", "start from this state_dict file (e.g. torchvision's ImageNet "
                           ".pth); tensors whose shapes do not fit (a classifier for other "
-                          "classes) stay new", metavar="PATH")
+                          "classes) stay new", metavar="PATH", path=True)
     image_size: Optional[int] = option(
         None, "images are resized to N x N pixels (default: --dataset folder: 28 for lenet and "
               "mlp, 32 for resnet18, 224 for torchvision models; the built-in sets: their own "
-              "size, 28 or 32)", type=int, metavar="N", eval="checkpoint")
+              "size, 28 or 32)", type=int, metavar="N", evaluation="checkpoint")
     augment: bool = option(True, "--dataset folder: random resized crops and horizontal flips when "
                            "training (--no-augment: resize and center crop, as for evaluation)")
     optimizer: str = option("sgd", "sgd (with --momentum) or adamw", choices=("sgd", "adamw"))
@@ -219,57 +223,57 @@ class Config:
               "per-sample data decoded in the worker; N: a torch DataLoader with N loader "
               "processes per worker (persistent; pinned memory on GPU) (default: 0 for in-memory "
               "data sets, 2 for folder)",
-        type=int, metavar="N", rerun="free")
+        type=int, metavar="N", rerun="free", evaluation="free")
     # The data's per-channel (mean, std), computed once on the driver for per-sample data sets.
-    normalize: Optional[tuple] = option(None, "", cli=False, eval="checkpoint")
+    normalize: Optional[tuple] = option(None, "", cli=False, evaluation="checkpoint")
     synthetic_size: int = option(512, "--dataset synthetic: training images "
-                                 "(the test set has 100)", metavar="N", eval="checkpoint")
+                                 "(the test set has 100)", metavar="N", evaluation="checkpoint")
     dataset: str = option("fashion-mnist", "data set; digits (1,797 real digits from scikit-learn) "
                           "needs no download; folder: your images, --data-dir PATH holding "
-                          "train/<class>/* and val/<class>/*", eval="checkpoint", doctor=True)
+                          "train/<class>/* and val/<class>/*", evaluation="checkpoint", doctor=True)
     data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory); "
-                           "--dataset folder: the folder", metavar="DIR", rerun="free",
-                           eval="adopt", doctor=True)
+                           "--dataset folder: the folder", metavar="DIR", rerun="adopt",
+                           evaluation="adopt", doctor=True, path=True)
     download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir",
-                            rerun="free", eval="free", doctor=True)
+                            rerun="free", evaluation="free", doctor=True)
     seed: int = option(0, "random seed: model init and data order (the same on every worker), "
                        "each sample's augmentation and each worker's dropout (their own)",
-                       metavar="N", eval="checkpoint")
+                       metavar="N", evaluation="checkpoint")
     storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for "
                                "checkpoints and result.json", metavar="PATH", rerun="free",
-                               eval="free", doctor=True)
+                               evaluation="free", doctor=True, path=True)
     name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume "
                        "(default: mode-model-dataset-date-time-pid)", metavar="NAME",
-                       rerun="free", eval="free")
+                       rerun="free", evaluation="free")
     logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/, "
                          "one sub-run per run: watch with tensorboard --logdir LOGDIR",
-                         metavar="LOGDIR", rerun="free", eval="free")
+                         metavar="LOGDIR", rerun="free", evaluation="free", path=True)
     log_every: int = option(10, "log the train loss (averaged over workers) to TensorBoard every "
                             "this many steps", metavar="STEPS", rerun="free")
     quiet: bool = option(False, "no progress bar (there is none anyway when the output is "
-                         "not a terminal)", rerun="free", eval="free")
+                         "not a terminal)", rerun="free", evaluation="free")
     max_failures: int = option(0, "restart the worker group this many times after a worker dies, "
                                "from the last checkpoint (-1: without limit)", metavar="K",
-                               rerun="free", eval="free")
+                               rerun="free", evaluation="free")
     timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before "
                             "the run fails (torch.distributed's process-group timeout)",
-                            metavar="SECONDS", rerun="free", eval="free")
+                            metavar="SECONDS", rerun="free", evaluation="free")
     start_timeout: float = option(60.0, "seconds to wait for the workers to start (at the "
                                   "start, and after a failure or resize) before Ray tries again "
-                                  "with what fits", metavar="SECONDS", rerun="free", eval="free",
-                                  doctor=True)
+                                  "with what fits", metavar="SECONDS", rerun="free",
+                                  evaluation="free", doctor=True)
     fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of "
                          "resuming it", rerun="free")
     address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a "
-                          "fresh local one)", metavar="ADDRESS", rerun="free", eval="free",
+                          "fresh local one)", metavar="ADDRESS", rerun="free", evaluation="free",
                           doctor=True)
     eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of "
                             "training: a run directory (its last checkpoint), "
                             "a checkpoint_epoch_NNN directory, or a checkpoint.pt file",
-                            metavar="PATH", rerun="free", eval="free")
+                            metavar="PATH", rerun="free", evaluation="free")
     predict_out: str = option("", "with --eval-only: write each test sample's index, label, "
                               "predicted class and probability to this CSV file",
-                              metavar="FILE.csv", rerun="free", eval="free")
+                              metavar="FILE.csv", rerun="free", evaluation="free", path=True)
 
     @property
     def processes(self) -> int:
@@ -320,11 +324,20 @@ RERUN_MAY_CHANGE = fields_where("rerun", "free", "adopt")
 RERUN_ADOPTS = fields_where("rerun", "fixed", "adopt")
 # --eval-only: flags that only training uses (typing one is an error, not silently ignored), and
 # what the checkpoint fixes or suggests.
-EVAL_REFUSES = fields_where("eval", "train")
-EVAL_FROM_CHECKPOINT = fields_where("eval", "checkpoint", "adopt")
+EVAL_REFUSES = fields_where("evaluation", "train")
+EVAL_FROM_CHECKPOINT = fields_where("evaluation", "checkpoint", "adopt")
 # what `ray_dp.py doctor` takes: where, how many workers of what kind, storage, data
 DOCTOR_FLAGS = fields_where("doctor", True)
+PATH_FIELDS = fields_where("path", True)
+# What each field's values may be (a checkpoint's config is checked against them): from its type.
+FIELD_TYPES = {f.name: {"int": int, "float": (int, float), "str": str, "bool": bool,
+                        "Optional[int]": (type(None), int),
+                        "Optional[float]": (type(None), int, float),
+                        "Optional[bool]": (type(None), bool),
+                        "Optional[tuple]": (type(None), tuple)}[f.type] for f in fields(Config)}
+EVAL_FIXED = fields_where("evaluation", "checkpoint")
 CONFIG_FIELDS = [f.name for f in fields(Config)]  # in the order --help lists them
+CLI_FIELDS = {f.name for f in fields(Config) if f.metadata.get("cli", True)}  # a flag's
 
 
 class _WorkersAction(argparse.Action):
@@ -469,7 +482,7 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (all((cfg.storage_path, cfg.logdir, cfg.data_dir)),
          "--storage-path, --logdir and --data-dir cannot be empty"),
         (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
-        (cfg.seed >= 0, f"--seed must be 0 or more, got {cfg.seed}"),
+        (0 <= cfg.seed <= MAX_SEED, f"--seed must be 0 to {MAX_SEED}, got {cfg.seed}"),
         (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
         (math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}"),
@@ -533,6 +546,9 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         if not ok:
             raise ConfigError(message)
     check_model_name(cfg.model)
+    if cfg.dataset not in DATASETS:  # one a checkpoint names, trained where another was registered
+        raise ConfigError(f"--dataset {cfg.dataset} is not a data set of this ray_dp.py "
+                          f"(registered: {', '.join(sorted(DATASETS))})")
     if cfg.sync_bn and not has_batchnorm(cfg.model):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
@@ -561,6 +577,8 @@ def check_batch_split(cfg: Config) -> None:
         return
     lower, upper = cfg.batch_size // step * step, (cfg.batch_size // step + 1) * step
     near = f"e.g. {lower} or {upper}" if lower else f"e.g. {upper}"
+    if upper > 16 * cfg.batch_size:  # no batch near the one typed divides: the range is the problem
+        near = f"narrow the range: no batch near {cfg.batch_size} divides by all of them"
     if len(sizes) == 1:
         raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = "
                           f"{step} (the global batch is split evenly into per-worker "
@@ -572,7 +590,7 @@ def check_batch_split(cfg: Config) -> None:
 
 
 def check_model_name(name: str) -> None:
-    if name in MODELS or name in torchvision_names() or name in torchvision_models():
+    if name in MODELS or name.removeprefix(TORCHVISION) in torchvision_models():
         return
     import difflib
     close = difflib.get_close_matches(name, [*MODELS, *torchvision_names()], n=3, cutoff=0.5)
@@ -587,8 +605,7 @@ NOT_TYPED = object()
 def with_absolute_paths(cfg: Config) -> Config:
     """Ray's workers run in directories of their own:
     every local path they are handed is absolute."""
-    paths = {name: os.path.abspath(getattr(cfg, name))
-             for name in ("data_dir", "logdir", "storage_path", "predict_out", "weights")
+    paths = {name: os.path.abspath(getattr(cfg, name)) for name in PATH_FIELDS
              if getattr(cfg, name) and not is_uri(getattr(cfg, name))}
     return replace(cfg, **paths)
 
@@ -610,7 +627,16 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and has_torchrun_env()
 
 
-def torchrun_launch(args: dict, typed: set) -> dict:
+def torchrun_follower() -> bool:
+    """A torchrun process other than rank 0: it parses its command line, and takes the rest, the
+    run's configuration as resolved from the run directory, which checkpoint and what it holds, from
+    rank 0 (which checks them all before training: a refusal there ends every rank, as torchrun
+    stops the others when one fails). Its own view of the run directory may be another machine's,
+    or one that rank 0's --fresh is deleting."""
+    return under_torchrun() and os.environ.get("RANK") != "0"
+
+
+def torchrun_launch(command: str, args: dict, typed: set) -> dict:
     """Under torchrun, torchrun decides the worker count (WORLD_SIZE) and the device (CUDA if the
     machine has it): the config states what will really run, so that it is validated like any
     other."""
@@ -621,6 +647,9 @@ def torchrun_launch(args: dict, typed: set) -> dict:
     if args["mode"] == "dp":
         raise ConfigError("--mode dp is one process driving every GPU; "
                           "under torchrun use --mode ddp")
+    if command != "train" or args["eval_only"]:
+        raise ConfigError("under torchrun ray_dp trains; run compare and --eval-only with python "
+                          "ray_dp.py, whose Ray workers need no torchrun")
     if "workers" in typed and (args["workers"], args.get("min_workers", 0)) != (world, 0):
         raise ConfigError(f"torchrun starts {world} processes (WORLD_SIZE={world}) and they are "
                           f"the workers: drop --workers (or change --nproc_per_node)")
@@ -751,7 +780,10 @@ def class_names(dataset) -> list:
     """The data set's class names: its `classes`, or 0..K-1 from its labels."""
     if getattr(dataset, "classes", None):
         return [str(name) for name in dataset.classes]
-    return [str(c) for c in range(int(dataset.tensors[1].max()) + 1)]
+    if not isinstance(dataset, TensorDataset) and not hasattr(dataset, "targets"):
+        raise DataError(f"a data set read per sample ({type(dataset).__name__}) needs a `classes` "
+                        f"attribute (the class names) or `targets` (every sample's label)")
+    return [str(c) for c in range(max(labels_of(dataset)) + 1)]
 
 
 class NamedTensors(TensorDataset):
@@ -872,10 +904,6 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
                           f"training samples of {cfg.dataset} allow for one step")
-    if cfg.image_size and not isinstance(train_set, TensorDataset) and cfg.dataset != "folder":
-        raise ConfigError(f"--image-size resizes --dataset folder's images and data sets held in "
-                          f"memory; {cfg.dataset} is read per sample by its own loader, which sets "
-                          f"the size")
     cfg = with_data_statistics(cfg, train_set)
     if not isinstance(train_set, TensorDataset):  # the transforms now normalise
         train_set, test_set = load_dataset(cfg)
@@ -886,12 +914,10 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
 
 
 def input_shape(cfg: Config, data) -> tuple:
-    """One sample's (C, H, W) as the model sees it: data held in memory is resized to --image-size
-    batch by batch (resized), data read per sample by its transforms."""
+    """One sample's (C, H, W) as the model sees it: at --image-size, to which every batch is resized
+    on the worker's device (resized; a folder's transforms already give that size)."""
     shape = tuple(data[0][0].shape)
-    if isinstance(data, TensorDataset) and cfg.image_size:
-        return (shape[0], cfg.image_size, cfg.image_size)
-    return shape
+    return (shape[0], cfg.image_size, cfg.image_size) if cfg.image_size else shape
 
 
 def resized(images: torch.Tensor, size: Optional[int]) -> torch.Tensor:
@@ -1070,12 +1096,28 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
     return high
 
 
+def check_single_image_steps(cfg: Config, shape: tuple, num_classes: int) -> None:
+    """A micro-batch of one image (at the most workers a run may have): BatchNorm cannot take the
+    statistics of a single value per channel (a 1 x 1 map at the model's end) in training, unless
+    --sync-bn takes them over every worker."""
+    if cfg.eval_only or cfg.sync_bn or cfg.mode == "scratch" or cfg.micro_batch != 1:
+        return
+    net = model_outline(cfg.model, shape, num_classes).train()
+    try:
+        net(torch.zeros(1, *shape, device=next(net.parameters()).device))
+    except Exception as exc:  # noqa: BLE001 - what the model says is the reason, whatever kind
+        raise ConfigError(f"--model {cfg.model} cannot train on micro-batches of one image "
+                          f"({first_line(exc)}): raise --batch-size to 2 per worker or more, or "
+                          f"use --sync-bn") from None
+
+
 def check_model_fits(cfg: Config, data: "DataInfo") -> None:
     """Every listed model on every data set either trains or is refused here, in one line, before
     any cluster starts: images too small for the model name the size that works and its flag."""
     shape = tuple(data.sample_shape)
     problem = image_size_problem(cfg.model, shape, len(data.classes))
     if problem is None:
+        check_single_image_steps(cfg, shape, len(data.classes))
         return
     side = shape[-1]
     size = smallest_image_size(cfg.model, shape[0], len(data.classes), side)
@@ -1328,9 +1370,8 @@ class InMemoryBatches:
     indexed by the sampler's micro-batches, with no loader processes and no per-sample collation.
     Iterates like a DataLoader: len() steps, a fresh pass per epoch in the sampler's order."""
 
-    def __init__(self, data: TensorDataset, sampler: DistributedSampler, micro_batch: int,
-                 image_size: Optional[int] = None):
-        self.data, self.sampler, self.image_size = data, sampler, image_size
+    def __init__(self, data: TensorDataset, sampler: DistributedSampler, micro_batch: int):
+        self.data, self.sampler = data, sampler
         self.batch_sampler = BatchSampler(sampler, micro_batch, drop_last=True)
 
     def __len__(self) -> int:
@@ -1340,7 +1381,7 @@ class InMemoryBatches:
         images, labels = self.data.tensors
         for index in self.batch_sampler:
             index = torch.tensor(index, device=images.device)
-            yield resized(images[index], self.image_size), labels[index]
+            yield images[index], labels[index]
 
 
 # Random streams: (--seed, stream, ...) seeds each one (stream_seed). What must be equal on every
@@ -1401,7 +1442,7 @@ def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device
     sampler = train_sampler(data, rank, world, cfg.seed)
     workers = loader_workers(cfg, data)
     if not workers and isinstance(data, TensorDataset):
-        return InMemoryBatches(data, sampler, cfg.micro_batch, cfg.image_size)
+        return InMemoryBatches(data, sampler, cfg.micro_batch)
     if not isinstance(data, TensorDataset):
         data, sampler = SampleStreams(data, cfg.seed), EpochKeys(sampler)
     # For data that must be read or decoded per sample: loader processes that live as long as the
@@ -1519,6 +1560,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
             tic = time.perf_counter()
             x, y = next(micro_batches)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x = resized(x, cfg.image_size)  # data held in memory; a folder's come at their size
             data_seconds += time.perf_counter() - tic
             last = micro == cfg.accum_steps - 1
             with grad_sync(model, sync=last), autocast(cfg, device):
@@ -1569,8 +1611,8 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
     # class, prob
     predictions = torch.zeros(len(data) if details else 0, 2, dtype=torch.float64, device=device)
     indices = shard_indices(len(data), rank, world)
-    for index, x, y in eval_batches(data, indices, batch_size, workers, image_size):
-        x, y = x.to(device), y.to(device)
+    for index, x, y in eval_batches(data, indices, batch_size, workers):
+        x, y = resized(x.to(device), image_size), y.to(device)
         logits = net(x)
         loss_sum += F.cross_entropy(logits, y, reduction="sum")
         probability, predicted = logits.softmax(1).max(1)
@@ -1590,14 +1632,13 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
     return metrics
 
 
-def eval_batches(data, indices: torch.Tensor, batch_size: int, workers: int,
-                 image_size: Optional[int] = None):
+def eval_batches(data, indices: torch.Tensor, batch_size: int, workers: int):
     """(indices, images, labels) of this rank's shard, in order:
-    indexed in memory (at --image-size), or read per sample."""
+    indexed in memory, or read per sample."""
     if isinstance(data, TensorDataset):
         images, labels = data.tensors
         for index in indices.split(batch_size):
-            yield index, resized(images[index], image_size), labels[index]
+            yield index, images[index], labels[index]
         return
     loader = DataLoader(Subset(data, indices.tolist()), batch_size=batch_size, num_workers=workers)
     for index, (images, labels) in zip(indices.split(batch_size), loader):
@@ -1689,6 +1730,11 @@ def load_checkpoint(path: str) -> dict:
         raise ConfigError(f"{path} is not a readable checkpoint ({reason[:200]})") from None
     if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
         raise ConfigError(f"{path} is not a ray-dp checkpoint (it has no model and config)")
+    config = state["config"]
+    if not (isinstance(config, dict) and isinstance(config.get("model"), str)
+            and isinstance(config.get("dataset"), str)):
+        raise ConfigError(f"{path} is not a ray-dp checkpoint (its config names no model and "
+                          f"data set)")
     return state
 
 
@@ -1762,26 +1808,35 @@ def write_atomically(path: str, text: str) -> None:
 RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json")
 
 
-def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, int]:
+@dataclass(frozen=True)
+class Resume:
+    """What a rerun resumes from, as the driver found it: the epoch its checkpoint finished (-1:
+    none, the run starts from the beginning) and the classes its outputs were trained for (None: a
+    checkpoint from before they were kept)."""
+    epoch: int = -1
+    classes: Optional[list] = None
+
+
+def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Resume]:
     """Part of resolving a training run's configuration, before it is validated and before any
     cluster starts. --fresh: the directory it will delete must be this run's and nothing else. A
     rerun: the checkpoint it will resume from must load (a corrupt one is one sentence here, not a
     failure on every worker) and must have been trained the way this command says; what the command
     does not say (flags not typed, when `typed` is given) it takes from that checkpoint.
-    Returns the config to run and the epoch the run resumes after (-1: from the start)."""
+    Returns the config to run and what it resumes from."""
     from pyarrow import fs
     storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
     kind = storage.get_file_info(run_dir).type
     if kind == fs.FileType.NotFound:
-        return cfg, -1
+        return cfg, Resume()
     if kind != fs.FileType.Directory:
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if cfg.fresh:
         check_deletable(cfg, storage, run_dir)
-        return cfg, -1
+        return cfg, Resume()
     latest = latest_committed(cfg.run_dir)
     if latest is None:
-        return cfg, -1
+        return cfg, Resume()
     try:
         state = load_checkpoint(latest)
     except ConfigError as exc:
@@ -1796,7 +1851,7 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, int
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
               f"{stored['epochs']}): epoch {state['epoch'] + 2} trains at lr "
               f"{learning_rate(cfg, state['epoch'] + 1):.4g}", flush=True)
-    return cfg, state["epoch"]
+    return cfg, Resume(state["epoch"], state.get("classes"))
 
 
 def stored_config(state: dict) -> dict:
@@ -1806,6 +1861,10 @@ def stored_config(state: dict) -> dict:
     list)."""
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()
              if k in CONFIG_FIELDS}
+    for name, value in saved.items():
+        if not isinstance(value, FIELD_TYPES[name]):
+            raise ConfigError(f"a checkpoint's config holds {name} = {value!r}, which is not a "
+                              f"value of --{name.replace('_', '-')}: not a ray-dp checkpoint")
     return {**{f.name: f.default for f in fields(Config)}, **saved}
 
 
@@ -1816,7 +1875,7 @@ def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
         return cfg
     adopt = {name: stored[name] for name in CONFIG_FIELDS if name in RERUN_ADOPTS - typed
              if stored[name] != getattr(cfg, name)}
-    shown = [as_flag(k, v) for k, v in adopt.items() if k != "normalize"]  # not a flag
+    shown = [as_flag(k, v) for k, v in adopt.items() if k in CLI_FIELDS]
     if shown:
         print(f"note: run '{cfg.name}' resumes with its own {', '.join(shown)}", flush=True)
     return replace(cfg, **adopt)
@@ -1826,7 +1885,8 @@ def check_same_training(cfg: Config, stored: dict) -> None:
     now = asdict(cfg)
     # scratch: plain SGD
     ignored = RERUN_MAY_CHANGE | ({"momentum"} if cfg.mode == "scratch" else set())
-    changed = [name for name in now if name not in ignored and stored[name] != now[name]]
+    changed = [name for name in now if name not in ignored
+               and not same_setting(name, stored[name], now[name])]
     if changed:
         was = ", ".join(as_flag(name, stored[name]) for name in changed)
         says = ", ".join(as_flag(name, now[name]) for name in changed)
@@ -1835,11 +1895,23 @@ def check_same_training(cfg: Config, stored: dict) -> None:
                           f"a new --name")
 
 
+def same_setting(name: str, stored, now) -> bool:
+    """A stored setting and today's say the same: equal, or for --weights the same file however its
+    path is spelt (a link, or a checkpoint from before paths were made absolute)."""
+    if stored == now:
+        return True
+    if name == "weights" and stored and now and os.path.exists(stored) and os.path.exists(now):
+        return os.path.samefile(stored, now)
+    return False
+
+
 def as_flag(name: str, value) -> str:
     """How a config value is typed: --lr 0.05, --amp; 'no --amp' for a switch that was off."""
     flag = name.replace("_", "-")
     if isinstance(value, bool):
         return f"--{flag}" if value else f"no --{flag}"
+    if value is None or value == "":  # not given: the flag's own default
+        return f"no --{flag}"
     return f"--{flag} {value}"
 
 
@@ -2465,13 +2537,13 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
     path = checkpoint_file(cfg.eval_only)
     checkpoint = load_checkpoint(path)
     trained = stored_config(checkpoint)
-    for name in CONFIG_FIELDS:
-        if name in typed & EVAL_REFUSES:
-            raise ConfigError(f"--{name.replace('_', '-')} is a training flag and has no effect "
-                              f"with --eval-only")
-    fixed = fields_where("eval", "checkpoint")
-    contradicting = [name for name in CONFIG_FIELDS
-                     if name in typed & fixed and getattr(cfg, name) != trained[name]]
+    refused = [f"--{name.replace('_', '-')}" for name in CONFIG_FIELDS
+               if name in typed & EVAL_REFUSES]
+    if refused:
+        are = "is a training flag and has" if len(refused) == 1 else "are training flags and have"
+        raise ConfigError(f"{', '.join(refused)} {are} no effect with --eval-only")
+    contradicting = [name for name in CONFIG_FIELDS if name in typed & EVAL_FIXED
+                     and not same_setting(name, trained[name], getattr(cfg, name))]
     if contradicting:
         was = ", ".join(as_flag(name, trained[name]) for name in contradicting)
         says = ", ".join(as_flag(name, getattr(cfg, name)) for name in contradicting)
@@ -2481,7 +2553,7 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
     # way; images as the model saw them in training (size, normalisation), whatever today's
     # defaults; bf16 autocast and the data's folder as in training unless typed.
     taken = {name: trained[name] for name in EVAL_FROM_CHECKPOINT
-             if name in fixed or name not in typed}
+             if name in EVAL_FIXED or name not in typed}
     return replace(cfg, **taken, mode="ddp", eval_only=path), checkpoint
 
 
@@ -2490,18 +2562,23 @@ def checkpoint_classes(cfg: Config, checkpoint: dict, train_set, test_set) -> li
     set's), refused in one line when the test set's own names or labels say otherwise: its labels
     would be scored against another class's output."""
     names = checkpoint.get("classes") or class_names(train_set)
-    own = getattr(test_set, "classes", None)
-    if own and [str(name) for name in own] != names:
-        raise ConfigError(f"the checkpoint's classes are {', '.join(names)}; {cfg.dataset} "
-                          f"{cfg.data_dir if cfg.dataset == 'folder' else ''}".rstrip()
-                          + f" has {', '.join(map(str, own))}: evaluate it on the data it was "
-                            f"trained on")
+    if getattr(test_set, "classes", None):
+        check_same_classes(cfg, names, class_names(test_set), "evaluate it on")
     labels = labels_of(test_set)
     if labels and not 0 <= min(labels) <= max(labels) < len(names):
         raise ConfigError(f"{cfg.dataset}'s test labels run from {min(labels)} to {max(labels)}, "
                           f"but the checkpoint has {plural(len(names), 'class')} (0 to "
                           f"{len(names) - 1})")
     return names
+
+
+def check_same_classes(cfg: Config, trained: list, found: list, then: str) -> None:
+    """The data's classes are the ones the checkpoint's outputs were trained for, by name and order;
+    else one line (the data's labels would train or score another class's output)."""
+    if found != trained:
+        where = f"--data-dir {cfg.data_dir}" if cfg.dataset == "folder" else cfg.dataset
+        raise ConfigError(f"the checkpoint's classes are {', '.join(trained)}; {where} has "
+                          f"{', '.join(found)}: {then} the data it was trained on")
 
 
 def write_predictions(path: str, test_set, predictions: list, names: list) -> None:
@@ -2665,6 +2742,16 @@ def from_rank_0(value, device: torch.device):
     return shared[0]
 
 
+def check_classes_agree(classes: list, device: torch.device) -> None:
+    """Every rank's data holds rank 0's classes (per-sample data: each node reads its own folder);
+    else every rank stops with the same error, rather than one waiting for the others forever."""
+    differs = torch.tensor([from_rank_0(classes, device) != classes], dtype=torch.int64,
+                           device=device)
+    if all_reduce_sum(differs).item():
+        raise DataError("the workers' data sets hold different classes: the same folder must be "
+                        "on every node that trains (ray_dp.py doctor checks it)")
+
+
 def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: int, history: list,
                train_fn, eval_fn, state_fn, marks: dict) -> dict:
     """The epoch loop both modes share: train, evaluate, print (rank 0), report + checkpoint
@@ -2706,6 +2793,7 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
     train_set, test_set = worker_data(cfg, options)
     marks["data"] = time.time()
     classes = class_names(train_set)
+    check_classes_agree(classes, worker.device)
     # identical initial weights on every rank (DDP also broadcasts rank 0's)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, input_shape(cfg, train_set), len(classes))
@@ -3014,12 +3102,12 @@ def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.tr
     """Run `loop` on the run's workers
     (Ray's, or under torchrun this very process) and wait for it."""
     training = loop is not eval_loop_per_worker
-    logs = local_run_dir(cfg)
-    prepare_ray_train(cfg, os.path.join(logs, "ray.log"))
+    # torchrun's other ranks: their config is not the run's until rank 0's reaches their loop
+    logs = None if torchrun_follower() else local_run_dir(cfg)
+    prepare_ray_train(cfg, logs and os.path.join(logs, "ray.log"))
     options.launched["fit"] = time.time()
-    callbacks = [QuietControllerLogs(),
-                 RecoveryLog(cfg, os.path.join(logs, "recovery.json"), last_epoch,
-                             options.launched)]
+    callbacks = [QuietControllerLogs()] + ([RecoveryLog(
+        cfg, os.path.join(logs, "recovery.json"), last_epoch, options.launched)] if logs else [])
     # num_workers=0 under torchrun: Ray Train's local mode runs the loop in this very process.
     workers = (0 if options.torchrun else
                (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
@@ -3152,27 +3240,27 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
     return f"{reason}; the full errors are in {os.path.join(logs, 'ray.log')}"
 
 
-def run(cfg: Config, last_epoch: int = -1, data: Optional[DataInfo] = None) -> Optional[dict]:
-    """Train the resolved and validated cfg, resuming after last_epoch (check_run_dir): check the
-    data and the model against it, start (or attach to) Ray, train, summarize. Under torchrun each
-    of its processes runs this; rank 0 alone speaks and writes, and decides for all (which
-    checkpoint, which config: the loop shares rank 0's)."""
-    torchrun = under_torchrun()
-    speaks = not torchrun or os.environ["RANK"] == "0"
+def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None) -> Optional[dict]:
+    """Train the resolved and validated cfg, resuming from `resume` (check_run_dir): check the data
+    and the model against it, start (or attach to) Ray, train, summarize. Under torchrun each of
+    its processes runs this; rank 0 alone checks, speaks and writes, and decides for all (the loop
+    takes rank 0's config and checkpoint: torchrun_follower)."""
+    torchrun, follower = under_torchrun(), torchrun_follower()
     # The start-up breakdown's first marks: this process's start and imports, if this run pays them.
     first = not ray.is_initialized()
     launched = {"started": STARTED_AT, "imported": IMPORTED_AT} if first else {}
-    with contextlib.redirect_stdout(sys.stdout if speaks else io.StringIO()):
+    # a run that resumes starts from its checkpoint: --weights is neither read nor needed
+    resumes = resume.epoch >= 0
+    if not follower:
         if data is None:
             cfg, data = check_data(cfg)
         check_model_fits(cfg, data)
-        # a run that resumes starts from its checkpoint: --weights is neither read nor needed
-        resumes = last_epoch >= 0
+        if resume.classes:
+            check_same_classes(cfg, resume.classes, data.classes, "resume it on")
         weights_note = None if resumes else check_weights(cfg, data)
         cfg = cfg if torchrun else connect(cfg)
-        if speaks:
-            # under torchrun before the other ranks look for checkpoints: they wait for rank 0
-            start_fresh(cfg)
+        # under torchrun before rank 0's loop looks for checkpoints
+        start_fresh(cfg)
         print(describe(cfg, data, torchrun), flush=True)
         if weights_note:
             print(f"note: {weights_note}", flush=True)
@@ -3184,16 +3272,20 @@ def run(cfg: Config, last_epoch: int = -1, data: Optional[DataInfo] = None) -> O
     options = LoopOptions(progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
                           start_from=(ray.put(read_weights(cfg.weights))
                                       if cfg.weights and shared and not resumes else None),
-                          data=ray.put(data.datasets) if shared and not data.per_sample else None,
+                          data=(ray.put(data.datasets) if shared and not data.per_sample
+                                else None),
                           launched=launched)
     if torchrun:
         # local mode logs every report at INFO
         logging.getLogger("ray.train").setLevel(logging.WARNING)
     try:
-        result = fit(cfg, loop, options, last_epoch)
+        with contextlib.redirect_stdout(io.StringIO()) if follower else contextlib.nullcontext():
+            result = fit(cfg, loop, options, resume.epoch)
     except ray.train.TrainingFailedError as exc:
-        raise RunFailed(record_failure(cfg, exc)) from None
-    if not speaks:
+        # rank 0 records the failure; the others' configs were never the run's
+        reason = describe_training_error(exc, {}) if follower else record_failure(cfg, exc)
+        raise RunFailed(reason) from None
+    if follower:
         return None
     summary = summarize(cfg, result, options.launched)
     print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
@@ -3356,11 +3448,11 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
     configs = compare_configs(base, scale_lr)
     resolved = []
     for cfg in configs:  # every row is resolved and checked before any cluster starts
-        cfg, last_epoch = check_run_dir(cfg)
-        validate(cfg, resuming=last_epoch >= 0)
+        cfg, resume = check_run_dir(cfg)
+        validate(cfg, resuming=resume.epoch >= 0)
         cfg, data = check_data(cfg)
         check_model_fits(cfg, data)
-        resolved.append((cfg, last_epoch, data))
+        resolved.append((cfg, resume, data))
     connect(max(configs, key=lambda c: c.workers))
     summaries = [run(*row) for row in resolved]
     rows = compare_rows(configs, summaries)
@@ -3913,15 +4005,30 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     if args["model"] == "list":
         return "models", None, {}
     cfg = resolve(command, args, typed)
+    if command == "compare" and (cfg.eval_only or cfg.min_workers):
+        raise ConfigError("compare trains its own rows at 1 and --workers N workers: give a fixed "
+                          "--workers N, and run --eval-only on its own")
     if cfg.eval_only:
         cfg, options["checkpoint"] = eval_config(cfg, typed)
         command = "eval"
     cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
+    if torchrun_follower():  # rank 0 resolves and checks the run for every rank
+        return command, cfg, {"resume": Resume()}
+    adopted = []
     if command == "train":
         check_location(cfg)  # where the run it may resume is
         # a rerun takes what the command line leaves unsaid from the run it resumes
-        cfg, options["last_epoch"] = check_run_dir(cfg, typed)
-    validate(cfg, resuming=options.get("last_epoch", -1) >= 0)
+        typed_cfg = cfg
+        cfg, options["resume"] = check_run_dir(cfg, typed)
+        adopted = [as_flag(f, getattr(cfg, f)) for f in CONFIG_FIELDS
+                   if getattr(cfg, f) != getattr(typed_cfg, f) and f in CLI_FIELDS]
+    try:
+        validate(cfg, resuming=options.get("resume", Resume()).epoch >= 0)
+    except ConfigError as exc:
+        if adopted:  # the value at fault may be one the user never typed
+            raise ConfigError(f"{exc}; run '{cfg.name}' trained with {', '.join(adopted)}, which "
+                              f"this rerun takes from it") from None
+        raise
     return command, cfg, options
 
 
@@ -3931,7 +4038,7 @@ def resolve(command: str, args: dict, typed: set) -> Config:
     if command == "compare" or args["mode"] == "scratch":
         args = {**args, **{k: v for k, v in LESSON_DEFAULTS.items() if k not in typed}}
     if under_torchrun():
-        args = torchrun_launch(args, typed)
+        args = torchrun_launch(command, args, typed)
     return with_absolute_paths(Config(**args))
 
 

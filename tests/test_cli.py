@@ -134,7 +134,6 @@ EVAL_BAD_INPUTS = [
     (lambda d: ["--eval-only", str(d), "--model", "resnet18"], "--model resnet18 contradicts it"),
     (lambda d: ["--eval-only", str(d), "--dataset", "synthetic"], "--dataset synthetic contradicts it"),
     (lambda d: ["--eval-only", str(d), "--epochs", "3"], "--epochs is a training flag"),
-    (lambda d: ["--eval-only", str(d), "--loader-workers", "2"], "--loader-workers is a training flag"),
     (lambda d: ["--eval-only", str(d), "--compile"], "--compile is a training flag"),
     (lambda d: ["--eval-only", str(d), "--fresh"], "--fresh is a training flag"),
     (lambda d: ["--eval-only", str(d), "--predict-out", str(d / "checkpoint_epoch_000" / "checkpoint.pt" / "p.csv")],

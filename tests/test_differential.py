@@ -53,6 +53,7 @@ COMBOS = [
     ("amp-accum-2", 2, dict(amp=True, accum_steps=2), None),
     ("mlp", 2, dict(model="mlp"), None),
     ("image-size-in-memory", 2, dict(model="mlp", image_size=20), None),
+    ("image-size-in-memory-loader-process", 2, dict(model="mlp", image_size=20, loader_workers=1), None),
     ("3w-sgd", 3, {}, None),
     ("3w-accum-2", 3, dict(accum_steps=2), None),
     ("3w-accum-4", 3, dict(accum_steps=4), None),

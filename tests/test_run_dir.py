@@ -117,7 +117,7 @@ def test_a_rerun_takes_what_it_does_not_type_from_the_run_it_resumes(tmp_path, c
     save_run(tmp_path / "runs" / "exp", saved=range(3), lr=0.1, batch_size=32, epochs=5, seed=7)
     argv = ["--storage-path", str(tmp_path / "runs"), "--name", "exp", *DIGITS]
     command, resumed, options = ray_dp.parse_command(argv)
-    assert (resumed.lr, resumed.batch_size, resumed.epochs, resumed.seed, options["last_epoch"]) == (0.1, 32, 5, 7, 2)
+    assert (resumed.lr, resumed.batch_size, resumed.epochs, resumed.seed, options["resume"].epoch) == (0.1, 32, 5, 7, 2)
     assert "note: run 'exp' resumes with its own --epochs 5, --batch-size 32, --lr 0.1, --seed 7" in capsys.readouterr().out
     _, typed_cfg, options = ray_dp.parse_command([*argv, "--epochs", "8"])  # typed: kept (it may change)
     assert typed_cfg.epochs == 8

@@ -42,13 +42,13 @@ def runs(tmp_path):
 def test_a_rerun_validates_the_batch_it_adopts(stored, rerun, message, tmp_path, no_cluster, capsys):
     save_run(tmp_path / "runs" / "a", saved=range(2), **stored)
     err = error_of([*runs(tmp_path), "--name", "a", *DIGITS, *rerun], capsys)
-    assert message in err
+    assert message in err and "which this rerun takes from it" in err  # the value the user did not type
 
 
 def test_a_rerun_on_more_workers_keeps_its_own_batch_when_it_splits(tmp_path, no_cluster):
     save_run(tmp_path / "runs" / "a", saved=range(2), batch_size=96, workers=2)
     command, cfg, options = ray_dp.parse_command([*runs(tmp_path), "--name", "a", *DIGITS, "--workers", "3"])
-    assert (cfg.batch_size, cfg.workers, cfg.micro_batch, options["last_epoch"]) == (96, 3, 32, 1)
+    assert (cfg.batch_size, cfg.workers, cfg.micro_batch, options["resume"].epoch) == (96, 3, 32, 1)
 
 
 # 2. Under torchrun, rank 0 decides what to resume from (and the config), and every rank follows.
@@ -267,7 +267,7 @@ def test_a_resume_neither_needs_nor_reads_weights(tmp_path, monkeypatch, capsys)
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "sub")
     argv = [*runs(tmp_path), "--name", "ft", *DIGITS, "--weights", "../sub/../w.pth"]
-    assert ray_dp.parse_command(argv)[2]["last_epoch"] == 1  # another spelling of the same file
+    assert ray_dp.parse_command(argv)[2]["resume"].epoch == 1  # another spelling of the same file
     weights.unlink()  # moved away: resuming needs only the checkpoint
     command, cfg, options = ray_dp.parse_command(argv)
 
@@ -282,7 +282,7 @@ def test_a_resume_neither_needs_nor_reads_weights(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(ray_dp, "read_weights", no_reading)
     monkeypatch.setattr(ray_dp, "connect", connect)
     with pytest.raises(Connected):
-        ray_dp.run(cfg, options["last_epoch"])
+        ray_dp.run(cfg, options["resume"])
 
 
 # 9. --eval-only refuses every training flag (derived from the flags' declared roles) and contradictions.
@@ -346,3 +346,115 @@ def test_an_unsupported_ray_is_one_line(tmp_path):
     assert proc.stderr == (f"ray_dp.py: error: {ray_dp.ray_version_problem('2.55.1')}\n")
     assert "Ray 2.55.1 is installed" in proc.stderr and ">= 2.59 and < 2.61" in proc.stderr
     assert ray_dp.ray_version_problem("2.60.0") is None and ray_dp.ray_version_problem("2.59.0") is None
+
+
+# The review of the fix: what it still let through.
+
+def test_in_memory_image_size_reaches_the_loader_process_path_too():
+    cfg = ray_dp.Config(dataset="synthetic", model="mlp", image_size=20, batch_size=8, workers=1, loader_workers=1)
+    train, test = ray_dp.make_synthetic(0, 16)
+    net = ray_dp.build_model("mlp", ray_dp.input_shape(cfg, train))
+    batches = ray_dp.train_batches(train, cfg, 0, 1, torch.device("cpu"))
+    metrics = ray_dp.train_epoch(net, torch.optim.SGD(net.parameters(), 0.01), batches, cfg, torch.device("cpu"),
+                                 epoch=0)
+    assert metrics["train_samples"] == 16  # a 28 px batch would not fit the 20 px model's first layer
+    assert ray_dp.evaluate(net.eval(), test, torch.device("cpu"), image_size=20)["test_count"] == 100
+
+
+def test_a_folder_rerun_takes_its_data_dir_and_refuses_other_classes(tmp_path, no_cluster, capsys, monkeypatch):
+    folder = tiny_folder(tmp_path / "dogs")
+    other = tiny_folder(tmp_path / "wolves", classes=("cat", "wolf"))
+    cfg, info = ray_dp.check_data(ray_dp.Config(dataset="folder", data_dir=str(folder), model="mlp", batch_size=4))
+    save = ray_dp.replace(cfg, name="f", storage_path=str(tmp_path / "runs"))
+    path = tmp_path / "runs" / "f" / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE
+    path.parent.mkdir(parents=True)
+    model = ray_dp.build_model("mlp", info.sample_shape, 2)
+    torch.save(ray_dp.checkpoint_state(model.state_dict(), {}, 0, save, [], info.classes), path)
+    _, resumed, options = ray_dp.parse_command([*runs(tmp_path), "--name", "f"])  # the shortest rerun
+    assert (resumed.data_dir, options["resume"].classes) == (str(folder), ["cat", "dog"])
+
+    class Connected(Exception):
+        pass
+
+    def connect(cfg):
+        raise Connected
+    monkeypatch.setattr(ray_dp, "connect", connect)
+    with pytest.raises(Connected):
+        ray_dp.run(resumed, options["resume"])
+    _, moved, options = ray_dp.parse_command([*runs(tmp_path), "--name", "f", "--data-dir", str(other)])
+    with pytest.raises(ray_dp.ConfigError, match="the checkpoint's classes are cat, dog; --data-dir .* has cat, wolf"):
+        ray_dp.run(moved, options["resume"])
+
+
+def different_classes():
+    names = ["cat", "dog"] if dist.get_rank() == 0 else ["cat", "wolf"]
+    try:
+        ray_dp.check_classes_agree(names, torch.device("cpu"))
+    except ray_dp.DataError as exc:
+        return str(exc)
+
+
+def test_every_rank_stops_when_the_nodes_folders_hold_other_classes():
+    assert all("the workers' data sets hold different classes" in said for said in run_distributed(
+        different_classes, 2))
+
+
+def test_torchrun_ranks_other_than_0_leave_the_run_directory_to_rank_0(tmp_path, monkeypatch):
+    # The run as rank 0 sees it, trained with batch 96: this rank's defaults (batch 64) do not split over 3.
+    save_run(tmp_path / "runs" / "exp", saved=range(2), batch_size=96)
+    for key, value in {"TORCHELASTIC_RUN_ID": "none", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(key, value)
+    command, cfg, options = ray_dp.parse_command(["--storage-path", str(tmp_path / "elsewhere"), "--name", "exp",
+                                                  *DIGITS])
+    assert (command, options["resume"].epoch) == ("train", -1) and ray_dp.torchrun_follower()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--eval-only", "x"], "compare trains its own rows"),
+    (["compare", "--workers", "2:4"], "give a fixed --workers N"),
+    (["--seed", "4294967296"], "--seed must be 0 to 4294967295, got 4294967296"),
+    (["--workers", "1:16"], "narrow the range"),
+    (["--model", "torchvision.resnet18", "--batch-size", "2"], "cannot train on micro-batches of one image"),
+])
+def test_more_input_that_would_fail_after_ray_started_is_one_line(argv, message, tmp_path, no_cluster, capsys):
+    command = argv[:1] if argv[:1] == ["compare"] else []
+    assert message in error_of([*command, *runs(tmp_path), *DIGITS, *argv[len(command):]], capsys)
+
+
+@pytest.mark.parametrize("config, message", [
+    (None, "its config names no model and data set"),
+    ({"model": "lenet"}, "its config names no model and data set"),
+    ({"model": "lenet", "dataset": "digits", "image_size": "32"}, "holds image_size = '32'"),
+    ({"model": "lenet", "dataset": "mine"}, "--dataset mine is not a data set of this ray_dp.py"),
+])
+def test_a_checkpoint_with_an_odd_config_is_one_line(config, message, tmp_path, no_cluster, capsys):
+    path = tmp_path / "odd.pt"
+    torch.save({"model": {}, "config": config, "epoch": 0}, path)
+    assert message in error_of([*runs(tmp_path), "--eval-only", str(path)], capsys)
+
+
+def test_a_per_sample_data_set_without_class_names_is_one_line():
+    class Unnamed(torch.utils.data.Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, index):
+            return torch.zeros(1, 4, 4), 0
+    with pytest.raises(ray_dp.DataError, match="needs a `classes` attribute"):
+        ray_dp.class_names(Unnamed())
+
+
+def test_weights_by_a_link_is_the_same_file_on_a_rerun(tmp_path, no_cluster):
+    weights = tmp_path / "w.pth"
+    torch.save(ray_dp.build_model("lenet", (1, 28, 28)).state_dict(), weights)
+    (tmp_path / "link.pth").symlink_to(weights)
+    save_run(tmp_path / "runs" / "ft", saved=range(2), weights=str(weights))
+    _, cfg, options = ray_dp.parse_command([*runs(tmp_path), "--name", "ft", *DIGITS, "--weights",
+                                            str(tmp_path / "link.pth")])
+    assert options["resume"].epoch == 1
+
+
+def test_eval_only_takes_loader_workers(tmp_path, no_cluster):
+    run = save_run(tmp_path / "runs" / "r")
+    assert ray_dp.parse_command([*runs(tmp_path), "--eval-only", str(run), "--loader-workers", "3"])[1].loader_workers == 3
