@@ -69,7 +69,8 @@ def digits_folder(root):
 
 def save_run(run_dir, saved=(0,), **config):
     """A run directory as torchrun leaves it (checkpoint_epoch_NNN/checkpoint.pt, no Ray snapshot)."""
-    cfg = ray_dp.Config(**{"dataset": "digits", "name": run_dir.name, "storage_path": str(run_dir.parent), **config})
+    cfg = ray_dp.with_absolute_paths(ray_dp.Config(**{"dataset": "digits", "name": run_dir.name,
+                                                      "storage_path": str(run_dir.parent), **config}))
     model = ray_dp.build_model(cfg.model, (1, 28, 28))
     for epoch in saved:
         path = run_dir / ray_dp.checkpoint_dir_name(epoch) / ray_dp.CHECKPOINT_FILE
