@@ -232,7 +232,7 @@ def test_image_size_resizes_in_memory_sets_for_training_and_evaluation():
     train, test = ray_dp.load_digits()
     assert ray_dp.input_shape(cfg, train) == (1, 40, 40)
     x, _ = next(iter(ray_dp.train_batches(train, cfg, 0, 1, torch.device("cpu"))))
-    assert x.shape == (8, 1, 40, 40)
+    assert ray_dp.resized(x, cfg.image_size).shape == (8, 1, 40, 40)  # as train_epoch resizes each batch
     net = ray_dp.build_model("mlp", (1, 40, 40)).eval()
     metrics = ray_dp.evaluate(net, test, torch.device("cpu"), image_size=40)
     assert metrics["test_count"] == len(test)
