@@ -3169,9 +3169,11 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
 
 
 def images(cfg: Config, data: DataInfo) -> str:
-    """A per-sample data set's images as the model sees them: size, augmentation, normalisation."""
+    """A per-sample data set's images as the model sees them: size, augmentation, normalisation;
+    data held in memory: the size, where --image-size resizes them."""
     if not data.per_sample:
-        return ""
+        size = data.sample_shape[-1]
+        return f", images resized to {size} x {size} px" if cfg.image_size else ""
     size = data.sample_shape[-1]
     augment = "augmented" if cfg.augment else "not augmented"
     mean, std = cfg.normalize or ([], [])
