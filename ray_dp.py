@@ -37,6 +37,7 @@ STARTED_AT = time.time()  # before the imports below: the start-up breakdown cou
 
 import argparse
 import contextlib
+import errno
 import functools
 import importlib
 import io
@@ -373,9 +374,13 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
                   "node, resources for --workers, storage every node shares, a worker group of "
                   "--workers started and its all-reduce timed at 4 KiB to 64 MiB (and the network "
                   "interface each rank uses), the data. Exits 0 only if every check passed."}
+    commands = ("other commands: 'ray_dp.py compare [flags]' trains ddp and the scratch LeNet at 1 "
+                "and N workers side by side and prints the lesson's table; 'ray_dp.py doctor "
+                "[flags]' checks a Ray cluster before training on it (each takes --help)")
     parser = _Parser(prog="ray_dp.py" if command == "train" else f"ray_dp.py {command}",
+                     usage="%(prog)s [compare | doctor] [flags]" if command == "train" else None,
                      description=descriptions[command], formatter_class=_HelpFormatter,
-                     allow_abbrev=False)
+                     epilog=commands if command == "train" else None, allow_abbrev=False)
     if command == "compare":
         parser.add_argument("--scale-lr", action="store_true",
                             help="N-worker rows keep the per-worker batch (global batch x N, as "
@@ -385,6 +390,11 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
                             help="seconds every rank has to come to each probe collective before "
                                  "the ones that did not are named; also the longest one probe "
                                  "collective may take (the process group's timeout)")
+        parser.add_argument("--check-images", action="store_true",
+                            help="--dataset folder: also decode every image of train/ and val/ "
+                                 "on this machine, with a progress bar, and name each file that "
+                                 "is not a readable image (a few seconds per 10,000 small "
+                                 "images)")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
@@ -731,8 +741,8 @@ def load_folder(cfg: Config):
                             f"{root / ('val' if split == 'train' else 'train')}/ beside it)")
     train_transform, eval_transform = image_transforms(cfg)
     try:
-        train = ImageFolder(str(root / "train"), transform=train_transform)
-        val = ImageFolder(str(root / "val"), transform=eval_transform)
+        train = ImageFolder(str(root / "train"), transform=train_transform, loader=read_image)
+        val = ImageFolder(str(root / "val"), transform=eval_transform, loader=read_image)
     except FileNotFoundError as exc:  # a class folder without a single image
         raise DataError(f"--data-dir {root}: {exc}") from None
     if train.classes != val.classes:
@@ -741,6 +751,23 @@ def load_folder(cfg: Config):
         raise DataError(f"--data-dir {root}: train/ and val/ must hold the same classes; only in "
                         f"train/: {only_train}, only in val/: {only_val}")
     return train, val
+
+
+def read_image(path: str):
+    """ImageFolder's own loader (PIL, as RGB), but a file that is no readable image is named, with
+    its folder, in one line: wherever it is decoded (the driver's statistics, a worker's loader, an
+    evaluation)."""
+    from torchvision.datasets.folder import default_loader
+    try:
+        return default_loader(path)
+    except (OSError, SyntaxError, ValueError) as exc:  # PIL's truncated, unknown, broken files
+        raise DataError(unreadable_image(path, exc)) from None
+
+
+def unreadable_image(path: str, error: BaseException) -> str:
+    folder, reason = Path(path).parent, " ".join(str(error).split()) or type(error).__name__
+    return (f"{path} is not a readable image ({reason}): remove or replace it in {folder}/ (ray_dp.py doctor --dataset folder --data-dir "
+            f"{folder.parent.parent} --check-images finds every such file)")
 
 
 def image_transforms(cfg: Config) -> tuple:
@@ -844,18 +871,59 @@ class DataError(RuntimeError):
 
 def load_torchvision(dataset_class, root: str,
                      download: bool) -> tuple[TensorDataset, TensorDataset]:
-    with download_lock(root, dataset_class.__name__) if download else contextlib.nullcontext():
-        try:
-            splits = [dataset_class(root, train=train, download=download)
-                      for train in (True, False)]
-        except (RuntimeError, OSError) as exc:
-            # not found / corrupt / no network (URLError is an OSError)
-            reason = " ".join(str(exc).split())  # torchvision's messages run over several lines
-            raise DataError(f"{dataset_class.__name__} is not in {root} and could not be "
-                            f"{'downloaded' if download else 'loaded (--no-download)'} ({reason}); "
-                            f"put its files there with --data-dir DIR, or use --dataset digits "
-                            f"(offline)") from None
+    """A torchvision data set from root, downloaded there first if it is missing and `download`; a
+    failed attempt takes away what it made (the lock file, partial downloads, root itself)."""
+    before = set(os.listdir(root)) if os.path.isdir(root) else None
+    try:
+        with download_lock(root, dataset_class.__name__) if download else contextlib.nullcontext():
+            try:
+                splits = [dataset_class(root, train=train, download=download)
+                          for train in (True, False)]
+            except (RuntimeError, OSError) as exc:
+                # not found / corrupt / no network (URLError is an OSError)
+                raise DataError(missing_dataset(dataset_class, root, download, exc)) from None
+    except DataError:
+        remove_made(root, before)
+        raise
     return tuple(images_to_tensors(split) for split in splits)
+
+
+def missing_dataset(dataset_class, root: str, download: bool, error: Exception) -> str:
+    """Why a built-in data set is not there, and the files that would make it so. (torchvision's
+    own "You can use download=True" names no flag of ray_dp's: it is left out.)"""
+    reason = " ".join(str(error).split())  # torchvision's messages run over several lines
+    tried = (f" and could not be downloaded ({reason})" if "download=True" not in reason
+             else " and could not be downloaded") if download else " (--no-download)"
+    return (f"{dataset_class.__name__} is not in {root}{tried}: put its files there "
+            f"({expected_files(dataset_class, root)}) or --data-dir where they are, or use "
+            f"--dataset digits (offline)")
+
+
+def expected_files(dataset_class, root: str) -> str:
+    """Where torchvision looks for a data set's files under root, and their names."""
+    if hasattr(dataset_class, "resources"):  # the MNIST family: FashionMNIST/raw/*-ubyte
+        folder = os.path.join(root, dataset_class.__name__, "raw")
+        names = [os.path.splitext(os.path.basename(url))[0] for url, _ in dataset_class.resources]
+    else:  # CIFAR-10: cifar-10-batches-py/
+        folder = os.path.join(root, dataset_class.base_folder)
+        names = ([name for name, _ in dataset_class.train_list + dataset_class.test_list]
+                 + [dataset_class.meta["filename"]])
+    return f"{folder}/ holding {', '.join(names)}"
+
+
+def remove_made(root: str, before: Optional[set]) -> None:
+    """Take away what appeared in root since `before` (its entries then; None: root did not
+    exist)."""
+    if before is None:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    for name in set(os.listdir(root)) - before if os.path.isdir(root) else ():
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -1701,16 +1769,33 @@ def cuda_fast_paths(cfg: Config, model: nn.Module, train_set: TensorDataset,
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
+# Epochs are numbered from 1 wherever a user reads them (the console, checkpoint_epoch_NNN, a
+# checkpoint's and result.json's "epoch", TensorBoard): the checkpoint of epoch 3 is the state after
+# 3 epochs. Checkpoints before format 2 counted from 0 (load_checkpoint renumbers them); the loops
+# count from 0 internally (seeds, the schedule), as they always did.
+CHECKPOINT_FORMAT = 2
+
+
 def checkpoint_dir_name(epoch: int) -> str:
     return f"checkpoint_epoch_{epoch:03d}"
 
 
 def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config,
                      history: list, classes: list) -> dict:
-    """What a checkpoint holds; `classes`, the names of the model's outputs in order, is what an
-    evaluation scores against (not what the test set's labels happen to reach)."""
+    """What a checkpoint holds after `epoch` epochs; `classes`, the names of the model's outputs in
+    order, is what an evaluation scores against (not what the test set's labels happen to reach)."""
     return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch,
-            "config": asdict(cfg), "history": history, "classes": list(classes)}
+            "config": asdict(cfg), "history": history, "classes": list(classes),
+            "format": CHECKPOINT_FORMAT}
+
+
+def renumbered(state: dict) -> dict:
+    """A checkpoint from before format 2, whose epochs counted from 0, numbered as today's."""
+    if state.get("format", 1) >= 2 or not isinstance(state.get("epoch"), int):
+        return state
+    history = [{**m, "epoch": m["epoch"] + 1} if isinstance(m, dict) and "epoch" in m else m
+               for m in state.get("history", [])]
+    return {**state, "epoch": state["epoch"] + 1, "history": history, "format": CHECKPOINT_FORMAT}
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1735,7 +1820,7 @@ def load_checkpoint(path: str) -> dict:
             and isinstance(config.get("dataset"), str)):
         raise ConfigError(f"{path} is not a ray-dp checkpoint (its config names no model and "
                           f"data set)")
-    return state
+    return renumbered(state)
 
 
 def checkpoint_file(path: str) -> str:
@@ -1747,11 +1832,11 @@ def checkpoint_file(path: str) -> str:
         return os.path.abspath(path)
     if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):
         return os.path.abspath(os.path.join(path, CHECKPOINT_FILE))
-    epochs = epoch_checkpoints(path)
-    if not epochs:
+    latest = latest_committed(os.path.abspath(path))  # the last one whole: not one cut short
+    if latest is None:
         raise ConfigError(f"--eval-only {path} holds no checkpoint ({CHECKPOINT_FILE} or "
                           f"checkpoint_epoch_*/{CHECKPOINT_FILE})")
-    return str(epochs[-1].resolve())
+    return str(Path(latest).resolve())
 
 
 def epoch_checkpoints(run_dir: str) -> list[Path]:
@@ -1798,11 +1883,17 @@ def write_json(path: str, data: dict) -> None:
 
 
 def write_atomically(path: str, text: str) -> None:
-    """Never a half-written file: write beside it, then rename over it."""
+    """Never a half-written file: write beside it, then rename over it; a write that fails (a full
+    disk) leaves the file as it was and nothing beside it."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w", newline="") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "w", newline="") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path + ".tmp")
+        raise
 
 
 RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json")
@@ -1810,11 +1901,12 @@ RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json
 
 @dataclass(frozen=True)
 class Resume:
-    """What a rerun resumes from, as the driver found it: the epoch its checkpoint finished (-1:
-    none, the run starts from the beginning) and the classes its outputs were trained for (None: a
-    checkpoint from before they were kept)."""
-    epoch: int = -1
+    """What a rerun resumes from, as the driver found it: the epochs its checkpoint has done (0:
+    none, the run starts from the beginning), the classes its outputs were trained for (None: a
+    checkpoint from before they were kept) and the checkpoint file."""
+    done: int = 0
     classes: Optional[list] = None
+    checkpoint: Optional[str] = None
 
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Resume]:
@@ -1846,12 +1938,12 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
     stored = stored_config(state)
     cfg = follow_stored(cfg, stored, typed)
     check_same_training(cfg, stored)
-    if (cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs
-            and state["epoch"] + 1 < cfg.epochs):
+    done = state["epoch"]
+    if cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs and done < cfg.epochs:
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
-              f"{stored['epochs']}): epoch {state['epoch'] + 2} trains at lr "
-              f"{learning_rate(cfg, state['epoch'] + 1):.4g}", flush=True)
-    return cfg, Resume(state["epoch"], state.get("classes"))
+              f"{stored['epochs']}): epoch {done + 1} trains at lr "
+              f"{learning_rate(cfg, done):.4g}", flush=True)
+    return cfg, Resume(done, state.get("classes"), latest)
 
 
 def stored_config(state: dict) -> dict:
@@ -1956,7 +2048,7 @@ def plural(count: int, noun: str) -> str:
 
 
 def format_epoch(m: dict, epochs: int) -> str:
-    return (f"epoch {m['epoch'] + 1}/{epochs}: train loss {m['train_loss']:.4f}, "
+    return (f"epoch {m['epoch']}/{epochs}: train loss {m['train_loss']:.4f}, "
             f"test loss {m['test_loss']:.4f}, test acc {m['test_acc']:.4f}, "
             f"{m['epoch_seconds']:.1f} s, {m['samples_per_second']:.0f} samples/s")
 
@@ -2027,8 +2119,8 @@ class TensorBoardWriter:
             self.writer.add_scalar("train/loss_step", loss, step)
         for tag, key in EPOCH_SCALARS.items():
             if key in m:
-                self.writer.add_scalar(tag, m[key], m["epoch"] + 1)
-        if m["epoch"] == self.cfg.epochs - 1:
+                self.writer.add_scalar(tag, m[key], m["epoch"])
+        if m["epoch"] == self.cfg.epochs:
             hparams = {k: v for k, v in asdict(self.cfg).items()
                        if isinstance(v, (int, float, str, bool))}
             final = {"hparam/test_acc": m["test_acc"], "hparam/test_loss": m["test_loss"],
@@ -2064,14 +2156,14 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
     public UserCallback sees reports only). Its lines start with "ray-dp: ", which the console
     prints bare."""
 
-    def __init__(self, cfg: Config, record_path: str, last_epoch: int = -1,
+    def __init__(self, cfg: Config, record_path: str, done: int = 0,
                  launched: Optional[dict] = None):
         self.cfg, self.record_path = cfg, record_path
         # the start-up breakdown: the driver's clocks, and the controller's (the first group's)
         self.launched, self.clock = launched or {}, {}
         self.events, self.failures, self.node_ips = [], 0, {}
-        # the last epoch reported (or resumed from): -1 before the first
-        self.last_epoch = last_epoch
+        # the last epoch reported (or resumed from): 0 before the first
+        self.done = done
         # the error last described: Ray passes it to ShuttingDown, then to Errored
         self.reported = None
         self.save_failed = False
@@ -2111,9 +2203,9 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
             self.add(format_startup(phases), event="startup", seconds=phases)
         pending = [e for e in self.events if e["event"] == "failed" and "redone" not in e]
         for failure in pending:  # the first report after a restart: the epochs trained twice
-            failure["redone"] = list(range(epoch + 1, failure["during_epoch"] + 1))
+            failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
             self.save()
-        self.last_epoch = epoch
+        self.done = epoch
 
     def failed(self, error, stopping: bool) -> None:
         controller = getattr(error, "controller_failure", None)
@@ -2140,8 +2232,8 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         worker_failures = getattr(error, "worker_failures", {})
         what = (describe_worker_failures(worker_failures, self.node_ips)
                 or first_line(controller or error))
-        self.add(f"{what} during epoch {self.last_epoch + 2}; {then}", event="failed",
-                 failure=self.failures, counted=counted, during_epoch=self.last_epoch + 2,
+        self.add(f"{what} during epoch {self.done + 1}; {then}", event="failed",
+                 failure=self.failures, counted=counted, during_epoch=self.done + 1,
                  what=what, node_ips=self.node_ips,
                  errors={rank: first_line(e) for rank, e in worker_failures.items()})
 
@@ -2231,9 +2323,10 @@ def first_line(error: BaseException) -> str:
     """An error in one line: a traceback's last line
     (which names its type), else 'Type: message'."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    last = lines[-1] if lines else ""
+    # ray_dp's own errors by their names alone, however the module was run
+    last = re.sub(r"^(__main__|ray_dp)\.(?=\w+Error\b)", "", lines[-1] if lines else "")
     if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", last):
-        return last[:200]
+        return last[:400]
     return f"{type(error).__name__}: {last[:160]}" if last else type(error).__name__
 
 
@@ -2300,8 +2393,11 @@ class RayOutput:
             return
         source = (f"({batch.get('actor_name') or batch.get('task_name') or ''} "
                   f"pid={batch.get('pid')}, ip={batch.get('ip')})")
-        with open(self.log_path, "a") as f:
-            f.writelines(f"{source} {line}\n" for line in batch["lines"])
+        try:
+            with open(self.log_path, "a") as f:
+                f.writelines(f"{source} {line}\n" for line in batch["lines"])
+        except OSError:  # a full disk: the run's own failure says so, in one line
+            pass
 
 
 _ray_output: Optional[RayOutput] = None  # one per driver process
@@ -2339,11 +2435,13 @@ def quiet_ray_logs():
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
-class QuietControllerLogs(ray.train.UserCallback):
+class QuietControllerLogs(ControllerCallback):
     """quiet_ray_logs() in Ray Train's controller, which the job's worker_process_setup_hook does
-    not reach (the controller is an actor with a runtime environment of its own)."""
+    not reach (the controller is an actor with a runtime environment of its own): as it starts,
+    since a run may end before any report (a rerun of a finished run, a failed start), and its
+    shutdown is where the placement-group cleaner's traceback would come from."""
 
-    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+    def after_controller_start(self, train_run_context) -> None:
         quiet_ray_logs()
 
 
@@ -2682,8 +2780,13 @@ class TorchrunLauncher:
         if state is not None:
             path = os.path.join(self.cfg.run_dir, checkpoint_dir_name(epoch), CHECKPOINT_FILE)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save(state, path + ".tmp")
-            os.replace(path + ".tmp", path)  # atomic: a crash mid-write leaves no half checkpoint
+            try:
+                torch.save(state, path + ".tmp")
+                os.replace(path + ".tmp", path)  # atomic: a crash mid-write leaves no half one
+            except BaseException:  # a full disk: nothing half-written left beside the others
+                with contextlib.suppress(OSError):
+                    os.unlink(path + ".tmp")
+                raise
         ray.train.report(metrics)  # local mode keeps the last metrics for the Result
         if self.tensorboard:
             self.tensorboard.write(metrics)
@@ -2726,10 +2829,9 @@ def starting_weights(cfg: Config, options: LoopOptions) -> dict:
 
 
 def resume(launcher: "Launcher") -> tuple[int, list, Optional[dict]]:
-    """(epoch to start at, the metrics history so far, the checkpoint's state or None):
-    both modes'."""
+    """(epochs done, the metrics history so far, the checkpoint's state or None): both modes'."""
     state = launcher.latest_checkpoint()
-    return (0, [], None) if state is None else (state["epoch"] + 1, state["history"], state)
+    return (0, [], None) if state is None else (state["epoch"], state["history"], state)
 
 
 def from_rank_0(value, device: torch.device):
@@ -2755,10 +2857,10 @@ def check_classes_agree(classes: list, device: torch.device) -> None:
 def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: int, history: list,
                train_fn, eval_fn, state_fn, marks: dict) -> dict:
     """The epoch loop both modes share: train, evaluate, print (rank 0), report + checkpoint
-    (rank 0's). marks: the wall clock when this worker's loop started, had its data, its model."""
+    (rank 0's). start_epoch: the epochs done, so the index (from 0) of the first one to train.
+    marks: the wall clock when this worker's loop started, had its data, its model."""
     if worker.is_main and start_epoch >= cfg.epochs:
-        print(f"run '{cfg.name}' already finished its {cfg.epochs} epochs; nothing to train",
-              flush=True)
+        print(f"ray-dp: {finished_run(cfg, start_epoch)}", flush=True)
     elif worker.is_main and start_epoch:
         print(f"ray-dp: resuming at epoch {start_epoch + 1} of {cfg.epochs} with "
               f"{plural(worker.world, 'worker')}, from the checkpoint of epoch {start_epoch}",
@@ -2766,17 +2868,27 @@ def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: i
     for epoch in range(start_epoch, cfg.epochs):
         # ended_at (wall clock):
         # the time between two epochs' ends counts evaluation and reporting too.
-        metrics = {"epoch": epoch, **train_fn(epoch), **eval_fn(), "ended_at": time.time()}
+        metrics = {"epoch": epoch + 1, **train_fn(epoch), **eval_fn(), "ended_at": time.time()}
         if epoch == start_epoch:  # the start-up breakdown's worker marks, with the first step's
             marks = {**marks, "first_step": metrics["first_step_at"]}
             metrics["startup"] = marks
         history.append(metrics)
         if worker.is_main:
             print(format_epoch(metrics, cfg.epochs), flush=True)
-        launcher.report(metrics, state_fn(epoch, history) if worker.is_main else None, epoch)
+        launcher.report(metrics, state_fn(epoch + 1, history) if worker.is_main else None,
+                        epoch + 1)
     return {"history": history, "world_size": worker.world, "device": worker.device.type,
-            "started_at_epoch": start_epoch, "first_step_at": marks.get("first_step"),
+            "started_at_epoch": start_epoch + 1, "first_step_at": marks.get("first_step"),
             "startup": marks, "node_ranks": node_ranks(worker)}
+
+
+def finished_run(cfg: Config, done: int) -> str:
+    """What a rerun of a run that has done its --epochs says, and how to train it further."""
+    more = f"--epochs {max(done, cfg.epochs) + 10} trains it further"
+    if done > cfg.epochs:
+        return (f"run '{cfg.name}' has trained {done} epochs, more than --epochs {cfg.epochs}; "
+                f"nothing to train ({more})")
+    return f"run '{cfg.name}' already finished its {done} epochs; nothing to train ({more})"
 
 
 def train_loop_per_worker(config: dict) -> dict:
@@ -3050,6 +3162,10 @@ def start_ray(address: str) -> None:
     this process already runs one; one line if the cluster does not answer."""
     # Ray would fold epoch lines that differ only in numbers
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray colours its "(RayTrainWorker pid=...)" prefixes (read as it prints): not into a file or a
+    # pipe, where the escape codes would be text
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if ray.is_initialized():
         return
     if not address:
@@ -3096,9 +3212,14 @@ def shorten_placement_group_cleaner_waits() -> None:
 RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
                             "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
                "worker_process_setup_hook": quiet_ray_logs}
+if __name__ != "__main__":
+    # Imported (a notebook, another program): Ray's processes unpickle its functions by reference,
+    # so they must import this module. Ray ships this one file with the job to every process it
+    # starts, locally and on an attached cluster (run as a script, the functions travel by value).
+    RUNTIME_ENV["py_modules"] = [sys.modules[__name__]]
 
 
-def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.train.Result:
+def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Result:
     """Run `loop` on the run's workers
     (Ray's, or under torchrun this very process) and wait for it."""
     training = loop is not eval_loop_per_worker
@@ -3107,7 +3228,7 @@ def fit(cfg: Config, loop, options: LoopOptions, last_epoch: int = -1) -> ray.tr
     prepare_ray_train(cfg, logs and os.path.join(logs, "ray.log"))
     options.launched["fit"] = time.time()
     callbacks = [QuietControllerLogs()] + ([RecoveryLog(
-        cfg, os.path.join(logs, "recovery.json"), last_epoch, options.launched)] if logs else [])
+        cfg, os.path.join(logs, "recovery.json"), done, options.launched)] if logs else [])
     # num_workers=0 under torchrun: Ray Train's local mode runs the loop in this very process.
     workers = (0 if options.torchrun else
                (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
@@ -3149,9 +3270,12 @@ def scaling_config(cfg: Config, workers) -> ScalingConfig:
 
 
 def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
+    """The run's header: what trains on what, and every switch that changes the maths or the
+    speed."""
+    kind = "GPU" if cfg.gpu else "CPU"
     workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp" else
-               f"{cfg.min_workers or cfg.workers}{f'-{cfg.workers}' if cfg.min_workers else ''} "
-               f"{'GPU' if cfg.gpu else 'CPU'} workers{' (elastic)' if cfg.min_workers else ''}")
+               f"{cfg.min_workers}-{cfg.workers} {kind} workers (elastic)" if cfg.min_workers else
+               plural(cfg.workers, f"{kind} worker"))
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
     sizes = data.sizes
     dropped = sizes[0] - samples_per_epoch(cfg, sizes[0])
@@ -3161,11 +3285,27 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
     return (f"ray-dp{launcher}: {cfg.mode} {cfg.model} on {cfg.dataset} "
             f"({sizes[0]} train / {sizes[1]} test{images(cfg, data)}), "
             f"{workers}{extra}, "
-            f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x {cfg.processes} "
-            f"workers x {cfg.accum_steps} accum{left_out}, lr {cfg.lr} ({cfg.lr_schedule}), "
-            f"{optimizer_name(cfg)}, "
-            f"{cfg.epochs} epochs, "
-            f"run dir {cfg.run_dir}")
+            f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
+            f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
+            f"lr {cfg.lr} ({cfg.lr_schedule}), {optimizer_name(cfg)}, "
+            f"{', '.join(switches(cfg, data))}, {cfg.epochs} epochs, run dir {cfg.run_dir}")
+
+
+def switches(cfg: Config, data: DataInfo) -> list:
+    """What is on besides the recipe, in words: how batches arrive, accumulation, SyncBatchNorm,
+    mixed precision, compilation, the threads each worker computes with."""
+    loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
+    said = [f"{plural(loaders, 'loader process')} per worker" if loaders
+            else "batches indexed in memory"]
+    if cfg.accum_steps > 1:
+        said.append(f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)")
+    if cfg.sync_bn:
+        said.append("SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)"))
+    if cfg.amp:
+        said.append("bf16 autocast (--amp)")
+    if cfg.compile:
+        said.append("torch.compile")
+    return said + [plural(cfg.threads, "thread") + " per worker"]
 
 
 def images(cfg: Config, data: DataInfo) -> str:
@@ -3207,10 +3347,7 @@ def summarize(cfg: Config, result: ray.train.Result, launched: dict) -> dict:
     # Medians, leaving out epoch 1 (warm-up) when there are more:
     # a shared machine's stalls skew means.
     timed = history[1:] or history
-    # Named by epoch, so known without asking Ray
-    # (whose Result may lack it when its state API is slow).
-    checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(history[-1]["epoch"]),
-                              CHECKPOINT_FILE)
+    checkpoint = last_checkpoint(cfg, history[-1]["epoch"])
     recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
     # the start-up breakdown as the controller printed it (Ray), or rank 0 (torchrun)
     startup = [e["seconds"] for e in recovery.get("events", []) if e["event"] == "startup"]
@@ -3225,6 +3362,45 @@ def summarize(cfg: Config, result: ray.train.Result, launched: dict) -> dict:
     return summary
 
 
+def last_checkpoint(cfg: Config, epoch: int) -> str:
+    """The checkpoint of a run's last epoch: named by its number, so known without asking Ray
+    (whose Result may lack it when its state API is slow); a run from before epochs counted from 1,
+    which trained nothing since, has it under its old name, the last it committed."""
+    path = os.path.join(cfg.run_dir, checkpoint_dir_name(epoch), CHECKPOINT_FILE)
+    if is_uri(path) or os.path.isfile(path):
+        return path
+    return latest_committed(cfg.run_dir) or path
+
+
+def stored_result(cfg: Config, done: int) -> Optional[dict]:
+    """A finished run's result.json, if it is the record of its last checkpoint's epoch."""
+    try:
+        summary = read_json(os.path.join(cfg.run_dir, "result.json"))
+        return summary if (summary.get("final") or {}).get("epoch") == done else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def read_json(path: str):
+    """A JSON file, local or in cloud storage (s3://...)."""
+    if is_uri(path):
+        from pyarrow import fs
+        storage, key = fs.FileSystem.from_uri(path)
+        with storage.open_input_stream(key) as f:
+            return json.loads(f.read())
+    with open(path) as f:
+        return json.load(f)
+
+
+def wrote_run(cfg: Config, summary: dict) -> str:
+    """The training command's last line: where everything it wrote is."""
+    epochs = [m["epoch"] for m in summary["epochs"]]
+    checkpoints = (checkpoint_dir_name(epochs[0]) if len(epochs) == 1 else
+                   f"{checkpoint_dir_name(epochs[0])} to {checkpoint_dir_name(epochs[-1])}")
+    return (f"wrote {os.path.join(cfg.run_dir, 'result.json')} and {checkpoints} beside it; "
+            f"TensorBoard events in {os.path.join(cfg.logdir, cfg.name)}")
+
+
 class RunFailed(RuntimeError):
     """Training failed for good: one line, with where Ray's errors are."""
 
@@ -3236,10 +3412,48 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
     recovery = recovery_summary(os.path.join(logs, "recovery.json"))
     failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
     node_ips = {int(rank): ip for rank, ip in (failed[-1]["node_ips"] if failed else {}).items()}
-    reason = describe_training_error(error, node_ips)
-    write_json(os.path.join(cfg.run_dir, "result.json"),
-               run_record(cfg, None, {}, None, error=reason, recovery=recovery))
-    return f"{reason}; the full errors are in {os.path.join(logs, 'ray.log')}"
+    if disk_full(error):
+        reason = storage_full(cfg)
+    else:
+        reason = (f"{describe_training_error(error, node_ips)}; the full errors are in "
+                  f"{os.path.join(logs, 'ray.log')}")
+    try:
+        write_json(os.path.join(cfg.run_dir, "result.json"),
+                   run_record(cfg, None, {}, None, error=reason, recovery=recovery))
+    except OSError as exc:  # the disk that failed the run may refuse the record of it too
+        if not disk_full(exc):
+            raise
+    return reason
+
+
+def disk_full(error: BaseException) -> bool:
+    """A write failed for want of space (ENOSPC): here, or on a worker or in Ray's controller,
+    whose errors arrive as text."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    texts = [error, getattr(error, "controller_failure", None),
+             *getattr(error, "worker_failures", {}).values()]
+    return any(text is not None and "No space left on device" in str(text) for text in texts)
+
+
+def storage_full(cfg: Config) -> str:
+    """A run stopped by a full disk, in one line: where space ran out, the last checkpoint that is
+    safe (committed whole: what a rerun resumes from), and how to go on."""
+    free = ""
+    if not is_uri(cfg.storage_path):
+        with contextlib.suppress(OSError):
+            free = f" ({human_bytes(shutil.disk_usage(cfg.storage_path).free)} free)"
+    try:
+        latest = latest_committed(cfg.run_dir)
+        epoch = load_checkpoint(latest)["epoch"] if latest else None
+    except (ConfigError, OSError):  # what storage still answers decides what may be called safe
+        latest = None
+    if latest is None:
+        safe = "no checkpoint was saved, so the same command starts it over"
+    else:
+        safe = (f"the last checkpoint that is safe is {os.path.dirname(latest)} (epoch {epoch} of "
+                f"{cfg.epochs}): once there is space, the same command resumes from it")
+    return f"no space left on the device of --storage-path {cfg.storage_path}{free}; {safe}"
 
 
 def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None) -> Optional[dict]:
@@ -3248,11 +3462,17 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
     its processes runs this; rank 0 alone checks, speaks and writes, and decides for all (the loop
     takes rank 0's config and checkpoint: torchrun_follower)."""
     torchrun, follower = under_torchrun(), torchrun_follower()
+    # A run that has done its epochs: said before any cluster starts. (Under torchrun rank 0's loop
+    # says it: the other ranks wait there for it, knowing nothing of the run directory.)
+    if (not torchrun and resume.done >= cfg.epochs
+            and (summary := stored_result(cfg, resume.done)) is not None):
+        print(f"ray-dp: {finished_run(cfg, resume.done)}", flush=True)
+        return summary
     # The start-up breakdown's first marks: this process's start and imports, if this run pays them.
     first = not ray.is_initialized()
     launched = {"started": STARTED_AT, "imported": IMPORTED_AT} if first else {}
     # a run that resumes starts from its checkpoint: --weights is neither read nor needed
-    resumes = resume.epoch >= 0
+    resumes = resume.done > 0
     if not follower:
         if data is None:
             cfg, data = check_data(cfg)
@@ -3282,14 +3502,19 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
         logging.getLogger("ray.train").setLevel(logging.WARNING)
     try:
         with contextlib.redirect_stdout(io.StringIO()) if follower else contextlib.nullcontext():
-            result = fit(cfg, loop, options, resume.epoch)
+            result = fit(cfg, loop, options, resume.done)
     except ray.train.TrainingFailedError as exc:
         # rank 0 records the failure; the others' configs were never the run's
         reason = describe_training_error(exc, {}) if follower else record_failure(cfg, exc)
         raise RunFailed(reason) from None
     if follower:
         return None
-    summary = summarize(cfg, result, options.launched)
+    try:
+        summary = summarize(cfg, result, options.launched)
+    except OSError as exc:
+        if disk_full(exc):  # result.json: the checkpoints are all committed
+            raise RunFailed(storage_full(cfg)) from None
+        raise
     print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
     if (advice := near_chance(cfg, summary)):
         print(f"note: {advice}", flush=True)
@@ -3297,12 +3522,13 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
         print(f"note: nn.DataParallel normalised each GPU's 1/{cfg.workers} of the batch with its "
               f"own BatchNorm statistics (per replica); only DDP can synchronise them "
               f"(--mode ddp --sync-bn)", flush=True)
+    print(wrote_run(cfg, summary), flush=True)
     return summary
 
 
 def run_eval(cfg: Config, checkpoint: dict) -> dict:
-    """--eval-only: the same test metrics as training,
-    plus per-class accuracy and the confusion matrix."""
+    """--eval-only: the same test metrics as training, plus per-class accuracy and the confusion
+    matrix; returns what result.json holds."""
     train_set, test_set = load_dataset(cfg)
     names = checkpoint_classes(cfg, checkpoint, train_set, test_set)
     check_model_fits(cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, test_set),
@@ -3324,12 +3550,15 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     per_class = [{"class": c, "name": names[c], "count": sum(confusion[c]),
                   "correct": confusion[c][c], "acc": confusion[c][c] / max(sum(confusion[c]), 1)}
                  for c in range(len(names))]
-    write_json(os.path.join(cfg.run_dir, "result.json"),
-               run_record(cfg, metrics, out, cfg.eval_only, per_class=per_class))
+    record = run_record(cfg, metrics, out, cfg.eval_only, per_class=per_class)
+    write_json(os.path.join(cfg.run_dir, "result.json"), record)
+    wrote = [os.path.join(cfg.run_dir, "result.json")]
     if cfg.predict_out:
         write_predictions(cfg.predict_out, test_set, predictions, names)
+        wrote.append(f"{cfg.predict_out} ({plural(len(predictions), 'prediction')})")
     print(format_eval(metrics, per_class, out), flush=True)
-    return metrics
+    print(f"wrote {' and '.join(wrote)}", flush=True)
+    return record
 
 
 # ==================================================================================================
@@ -3410,7 +3639,7 @@ def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> No
     (acc_axes, loss_axes), (time_axes, speed_axes) = axes
     for i, (row, history, (dash, marker)) in enumerate(
             zip(rows, histories, LINE_STYLES * len(rows))):
-        epochs = [m["epoch"] + 1 for m in history]
+        epochs = [m["epoch"] for m in history]
         style = dict(linestyle=dash, marker=marker, markersize=11 - 1.3 * i,
                      markerfacecolor="none" if i % 2 else None, alpha=0.85, label=row["run"])
         acc_axes.plot(epochs, [m["test_acc"] for m in history], **style)
@@ -3451,7 +3680,7 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
     resolved = []
     for cfg in configs:  # every row is resolved and checked before any cluster starts
         cfg, resume = check_run_dir(cfg)
-        validate(cfg, resuming=resume.epoch >= 0)
+        validate(cfg, resuming=resume.done > 0)
         cfg, data = check_data(cfg)
         check_model_fits(cfg, data)
         resolved.append((cfg, resume, data))
@@ -3480,8 +3709,8 @@ class Doctor:
     """The checks, in order; one that needs what an earlier one found is skipped when that failed.
     Node-level questions go to one task per node; the worker group is the one a run would start."""
 
-    def __init__(self, cfg: Config, hang_timeout: float):
-        self.cfg, self.hang_timeout = cfg, hang_timeout
+    def __init__(self, cfg: Config, hang_timeout: float, check_images: bool = False):
+        self.cfg, self.hang_timeout, self.check_images = cfg, hang_timeout, check_images
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")  # Ray's messages; kept on failure
         self.probe: Optional[dict] = None
         self.nodes: dict = {}  # node name -> node ID, once Ray is up
@@ -3490,7 +3719,8 @@ class Doctor:
         checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
                   ("resources", self.resources, "Ray"), ("storage", self.storage, "Ray"),
                   ("workers", self.workers, "resources"), ("all-reduce", self.allreduce, "workers"),
-                  ("data", self.data, "Ray")]
+                  ("data", self.data, "Ray")] + ([("images", self.images, "data")]
+                                                 if self.check_images else [])
         started, passed, log = time.time(), set(), os.path.join(self.logs, "ray.log")
         try:
             for name, check, needs in checks:
@@ -3644,6 +3874,22 @@ class Doctor:
                            f"val images in {plural(len(here['classes']), 'class')}, the same on "
                            f"every node")
 
+    def images(self) -> Check:
+        """Every image of the folder decoded on this machine (where the driver computes the
+        statistics; the data check found the same files on every node)."""
+        begun = time.time()
+        paths = [path for split in ("train", "val") for path, _ in
+                 load_dataset(replace(self.cfg, download=False))[split == "val"].samples]
+        bad = unreadable_images(paths)
+        seconds = time.time() - begun
+        pace = f"{seconds:.1f} s, {seconds / len(paths) * 10_000:.1f} s per 10,000"
+        if not bad:
+            return Check(True, f"all {len(paths)} images of {self.cfg.data_dir} decode ({pace})")
+        named = "; ".join(f"{path} ({reason})" for path, reason in bad[:3])
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        return Check(False, f"{len(bad)} of {len(paths)} images cannot be read: {named}{more}; "
+                            f"remove or replace them ({pace})")
+
     def on_every_node(self, function, *args) -> dict:
         """function(*args) once on each node, all at once, by node name: its return value, or the
         exception it raised, or a TimeoutError for a node that did not answer within
@@ -3664,11 +3910,11 @@ class Doctor:
         return answers
 
 
-def doctor(cfg: Config, hang_timeout: float) -> bool:
+def doctor(cfg: Config, hang_timeout: float, check_images: bool = False) -> bool:
     where = f"the cluster at {cfg.address}" if cfg.address else "this machine (a local Ray)"
     print(f"ray-dp doctor: {where}, --workers {cfg.workers}, storage {cfg.storage_path}, "
           f"data {cfg.dataset}", flush=True)
-    return Doctor(cfg, hang_timeout).run()
+    return Doctor(cfg, hang_timeout, check_images).run()
 
 
 SOFTWARE = ("python", "ray", "torch", "torchvision", "auth")
@@ -3780,6 +4026,21 @@ def data_files(cfg: Config) -> dict:
     return {"train": len(train), "test": len(test),
             "classes": class_names(train) if named else None,
             "per_sample": not isinstance(train, TensorDataset)}
+
+
+def unreadable_images(paths: list) -> list:
+    """(path, why) of each file that PIL cannot decode, reading them all with a progress bar."""
+    from PIL import Image
+    from tqdm import tqdm
+    bad = []
+    for path in tqdm(paths, desc="decoding images", unit=" images",
+                     disable=not sys.stderr.isatty()):
+        try:
+            with Image.open(path) as image:
+                image.load()
+        except (OSError, SyntaxError, ValueError) as exc:
+            bad.append((path, " ".join(str(exc).split()) or type(exc).__name__))
+    return bad
 
 
 def classes_of(seen: dict, other: dict) -> str:
@@ -4025,7 +4286,7 @@ def parse_command(argv) -> tuple[str, Config, dict]:
         adopted = [as_flag(f, getattr(cfg, f)) for f in CONFIG_FIELDS
                    if getattr(cfg, f) != getattr(typed_cfg, f) and f in CLI_FIELDS]
     try:
-        validate(cfg, resuming=options.get("resume", Resume()).epoch >= 0)
+        validate(cfg, resuming=options.get("resume", Resume()).done > 0)
     except ConfigError as exc:
         if adopted:  # the value at fault may be one the user never typed
             raise ConfigError(f"{exc}; run '{cfg.name}' trained with {', '.join(adopted)}, which "
@@ -4047,13 +4308,16 @@ def resolve(command: str, args: dict, typed: set) -> Config:
 def doctor_config(args: dict) -> tuple[Config, dict]:
     """The doctor's flags checked as a run's would be, but for --storage-path, which the doctor
     tries on every node instead."""
-    hang_timeout = args.pop("hang_timeout")
+    hang_timeout, check_images = args.pop("hang_timeout"), args.pop("check_images")
     if not 1 <= hang_timeout <= MAX_SECONDS:
         raise ConfigError(f"--hang-timeout must be 1 to {MAX_SECONDS} seconds, got {hang_timeout}")
     # MIN:MAX: the most workers the run may have is what has to start
     cfg = with_absolute_paths(replace(Config(**args), min_workers=0))
     validate(cfg, doctor=True)
-    return cfg, {"hang_timeout": hang_timeout}
+    if check_images and cfg.dataset != "folder":
+        raise ConfigError(f"--check-images reads the image files of --dataset folder; "
+                          f"{cfg.dataset} has none")
+    return cfg, {"hang_timeout": hang_timeout, "check_images": check_images}
 
 
 def list_models(cfg: None) -> None:
@@ -4071,10 +4335,41 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
     latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
     if latest is None:
         return "interrupted; nothing was saved"
-    epoch = int(Path(latest).parent.name.rpartition("_")[2]) + 1  # checkpoint_epoch_NNN, 0-based
+    epoch = load_checkpoint(latest)["epoch"]  # its name may be an old run's, counted from 0
     same = "the same command without --fresh" if cfg.fresh else "the same command"
     return (f"interrupted after epoch {epoch} of {cfg.epochs} (saved in {cfg.run_dir}); "
             f"{same} with --name {cfg.name} resumes it")
+
+
+def train(**settings) -> dict:
+    """ray_dp from Python, e.g. a notebook cell: the flags as keyword arguments, named as --help
+    names them with _ for - (ray_dp.train(workers=2, dataset="digits", epochs=3); a switch takes
+    True or False). It trains (or resumes, or with eval_only evaluates) as the command line would,
+    and returns what the run's result.json holds: the config, "final" and, for training, every
+    epoch's metrics in "epochs". Bad settings raise ConfigError, a failed run RunFailed."""
+    command, cfg, options = parse_command(settings_as_flags(settings))
+    if command not in ("train", "eval"):
+        raise ConfigError("ray_dp.train runs a training or an --eval-only; for compare and "
+                          "doctor use the command line")
+    return (run if command == "train" else run_eval)(cfg, **options)
+
+
+def settings_as_flags(settings: dict) -> list:
+    """train()'s keyword arguments as the command line they stand for."""
+    flags = []
+    for name, value in settings.items():
+        if name not in CLI_FIELDS:
+            raise ConfigError(f"ray_dp.train() has no setting {name!r}: its settings are the "
+                              f"flags of ray_dp.py --help, with _ for - (e.g. batch_size)")
+        flag = "--" + name.replace("_", "-")
+        if name == "gpu":
+            flags += [] if value is None else ["--gpu" if value else "--cpu"]
+        elif isinstance(value, bool):
+            default = next(f.default for f in fields(Config) if f.name == name)
+            flags += [flag] if value else [f"--no-{flag[2:]}"] if default else []
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 def main(argv=None) -> int:
