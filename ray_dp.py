@@ -2265,7 +2265,8 @@ def startup_breakdown(launched: dict, controller: dict, worker: dict) -> dict:
     controller's and rank 0's (worker; on another node its clock may differ a little). A phase
     whose clocks are missing (a cluster already up; torchrun has no controller) is left out."""
     spans = [("imports", launched.get("started"), launched.get("imported")),
-             ("Ray", launched.get("imported"), launched.get("connected")),
+             ("checks", launched.get("imported"), launched.get("checked")),
+             ("Ray", launched.get("checked"), launched.get("connected")),
              ("worker group", launched.get("fit"), controller.get("actors")),
              ("process group", controller.get("actors", launched.get("fit")), worker.get("loop")),
              ("data", worker.get("loop"), worker.get("data")),
@@ -3480,13 +3481,16 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
         if resume.classes:
             check_same_classes(cfg, resume.classes, data.classes, "resume it on")
         weights_note = None if resumes else check_weights(cfg, data)
+        if launched:  # this run pays for the checks and for starting Ray
+            launched["checked"] = time.time()
         cfg = cfg if torchrun else connect(cfg)
         # under torchrun before rank 0's loop looks for checkpoints
         start_fresh(cfg)
         print(describe(cfg, data, torchrun), flush=True)
         if weights_note:
             print(f"note: {weights_note}", flush=True)
-    launched["connected"] = time.time()
+    if launched and not torchrun:  # torchrun's processes start no Ray: no such phase
+        launched["connected"] = time.time()
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
     # Through Ray's object store, loaded once and no files needed on the workers' nodes: --weights,
     # and data held in memory. (torchrun has no object store: its processes read them.)

@@ -67,8 +67,9 @@ def digits_folder(root):
     return root
 
 
-def save_run(run_dir, saved=(0,), **config):
-    """A run directory as torchrun leaves it (checkpoint_epoch_NNN/checkpoint.pt, no Ray snapshot)."""
+def save_run(run_dir, saved=(1,), **config):
+    """A run directory as torchrun leaves it (checkpoint_epoch_NNN/checkpoint.pt, no Ray snapshot): the checkpoints
+    after each of the epochs `saved` (numbered from 1)."""
     cfg = ray_dp.with_absolute_paths(ray_dp.Config(**{"dataset": "digits", "name": run_dir.name,
                                                       "storage_path": str(run_dir.parent), **config}))
     model = ray_dp.build_model(cfg.model, (1, 28, 28))

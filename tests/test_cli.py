@@ -76,7 +76,7 @@ BAD_INPUTS = [
      "8 workers need 8 CPUs and 0 GPUs but the cluster has 2 CPUs"),
     (["--dataset", "digits", "--batch-size", "4096"], "larger than the 1437 training samples"),
     (["--dataset", "fashion-mnist", "--data-dir", "{tmp}"], "could not be downloaded"),
-    (["--dataset", "cifar10", "--data-dir", "{tmp}", "--no-download"], "could not be loaded (--no-download)"),
+    (["--dataset", "cifar10", "--data-dir", "{tmp}", "--no-download"], "(--no-download): put its files there"),
     (["--data-dir", "{file}"], "is a file, not a directory"),
     (["--mode", "dp", "--dataset", "digits"], "--mode dp needs CUDA GPUs"),
     (["--mode", "dp", "--cpu"], "--mode dp needs CUDA GPUs (it is nn.DataParallel); drop --cpu"),
@@ -107,14 +107,14 @@ def run_dir(tmp_path):
     """A run directory with one real (tiny, untrained) checkpoint, as training leaves it."""
     cfg = ray_dp.Config(dataset="digits")
     model = ray_dp.build_model("lenet", (1, 28, 28))
-    state = ray_dp.checkpoint_state(model.state_dict(), {}, 0, cfg, [], [str(c) for c in range(10)])
-    (tmp_path / "run" / "checkpoint_epoch_000").mkdir(parents=True)
-    torch.save(state, tmp_path / "run" / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE)
+    state = ray_dp.checkpoint_state(model.state_dict(), {}, 1, cfg, [], [str(c) for c in range(10)])
+    (tmp_path / "run" / "checkpoint_epoch_001").mkdir(parents=True)
+    torch.save(state, tmp_path / "run" / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE)
     return tmp_path / "run"
 
 
 def corrupt_copy(run_dir):
-    data = (run_dir / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).read_bytes()
+    data = (run_dir / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE).read_bytes()
     path = run_dir.parent / "corrupt.pt"
     path.write_bytes(data[: len(data) // 2])  # a copy cut short, as a crash mid-write would leave it
     return path
@@ -136,11 +136,11 @@ EVAL_BAD_INPUTS = [
     (lambda d: ["--eval-only", str(d), "--epochs", "3"], "--epochs is a training flag"),
     (lambda d: ["--eval-only", str(d), "--compile"], "--compile is a training flag"),
     (lambda d: ["--eval-only", str(d), "--fresh"], "--fresh is a training flag"),
-    (lambda d: ["--eval-only", str(d), "--predict-out", str(d / "checkpoint_epoch_000" / "checkpoint.pt" / "p.csv")],
+    (lambda d: ["--eval-only", str(d), "--predict-out", str(d / "checkpoint_epoch_001" / "checkpoint.pt" / "p.csv")],
      "is a file, not a directory"),
     (lambda d: ["--predict-out", str(d / "p.csv")], "--predict-out needs --eval-only"),
     (lambda d: ["--eval-only", str(d), "--predict-out", str(d)], "must name a .csv file"),
-    (lambda d: ["--eval-only", str(d), "--predict-out", str(d / "checkpoint_epoch_000" / "checkpoint.pt")],
+    (lambda d: ["--eval-only", str(d), "--predict-out", str(d / "checkpoint_epoch_001" / "checkpoint.pt")],
      "must name a .csv file"),
     (lambda d: ["--eval-only", str(csv_named_checkpoint(d)), "--predict-out", str(csv_named_checkpoint(d))],
      "is the checkpoint being evaluated"),
@@ -152,7 +152,7 @@ EVAL_BAD_INPUTS = [
 
 def csv_named_checkpoint(run_dir):
     path = run_dir.parent / "model.csv"
-    path.write_bytes((run_dir / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).read_bytes())
+    path.write_bytes((run_dir / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE).read_bytes())
     return path
 
 
@@ -181,16 +181,16 @@ def test_eval_only_takes_amp_and_refuses_compile(run_dir):
 
 
 def test_eval_only_takes_model_and_data_from_the_checkpoint(run_dir):
-    for path in [run_dir, run_dir / "checkpoint_epoch_000", run_dir / "checkpoint_epoch_000" / "checkpoint.pt"]:
+    for path in [run_dir, run_dir / "checkpoint_epoch_001", run_dir / "checkpoint_epoch_001" / "checkpoint.pt"]:
         command, cfg, _ = ray_dp.parse_command(["--eval-only", str(path), "--workers", "3", "--dataset", "digits"])
         assert command == "eval" and (cfg.model, cfg.dataset, cfg.workers) == ("lenet", "digits", 3)
-        assert cfg.eval_only == str(run_dir / "checkpoint_epoch_000" / "checkpoint.pt")
+        assert cfg.eval_only == str(run_dir / "checkpoint_epoch_001" / "checkpoint.pt")
 
 
 def test_missing_fashion_mnist_says_how_to_fix(no_cluster, tmp_path, capsys):
     assert ray_dp.main(["--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "--data-dir DIR" in err and "--dataset digits" in err
+    assert f"put its files there ({tmp_path}/FashionMNIST/raw/ holding " in err and "--dataset digits" in err
 
 
 def test_real_command_line_bad_input_has_no_traceback():
@@ -223,7 +223,7 @@ def test_scratch_and_compare_train_the_lessons_recipe_unless_told_otherwise():
     rows = ray_dp.compare_configs(ray_dp.parse_command(["compare", "--workers", "2"])[1], scale_lr=False)
     assert {(c.batch_size, c.lr, c.lr_schedule, c.epochs, c.momentum) for c in rows} == {(32, 0.2, "constant", 20, 0)}
     header = ray_dp.describe(ray_dp.replace(ray_dp.parse_command(["--mode", "scratch"])[1], gpu=False), DIGITS_INFO)
-    assert "global batch 32" in header and "lr 0.2 (constant), plain SGD, 20 epochs" in header
+    assert "global batch 32" in header and "lr 0.2 (constant), plain SGD, " in header and ", 20 epochs" in header
 
 
 @pytest.mark.parametrize("workers, cpus, message", [

@@ -141,7 +141,7 @@ def train_on(nodes, tmp_path, name, *flags, during_epoch_2=None):
     driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if during_epoch_2:
         snapshot = tmp_path / "runs" / name / "checkpoint_manager_snapshot.json"
-        while not (snapshot.exists() and "checkpoint_epoch_000" in snapshot.read_text()):
+        while not (snapshot.exists() and "checkpoint_epoch_001" in snapshot.read_text()):
             assert driver.poll() is None and time.time() < deadline + 240, "epoch 1 was never committed"
             time.sleep(0.1)
         during_epoch_2(nodes)
@@ -182,7 +182,7 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_exactly_with_one_line_per_e
     assert "ray-dp: waiting up to 60 s for 2 workers (--start-timeout)" in events
     assert "ray-dp: 2 workers started on 127.0.0.3, 127.0.0.4" in events
     assert "ray-dp: resuming at epoch 2 of 2 with 2 workers, from the checkpoint of epoch 1" in stdout
-    assert stdout.strip().splitlines()[-1].endswith(
+    assert stdout.strip().splitlines()[-2].endswith(
         "on 2 workers (cpu); survived 1 failure, 1 restart (workers 2 -> 2), epochs redone: 2")
     recovery = result["recovery"]
     assert (recovery["failures"], recovery["restarts"], recovery["epochs_redone"]) == (1, 1, [2])
@@ -194,7 +194,7 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_exactly_with_one_line_per_e
     assert_bitwise_equal(final_weights(result), final_weights(single_node_result))
     # Where the README says: checkpoints under --storage-path/--name, events under --logdir/--name.
     assert sorted(p.name for p in (tmp_path / "runs" / "two-nodes").glob("checkpoint_epoch_*")) == [
-        "checkpoint_epoch_000", "checkpoint_epoch_001"]
+        "checkpoint_epoch_001", "checkpoint_epoch_002"]
     assert list((tmp_path / "tb" / "two-nodes").glob("events.out.tfevents.*"))
 
 
@@ -234,7 +234,7 @@ def test_the_doctor_passes_on_two_nodes_and_an_elastic_run_that_loses_one_goes_o
     assert result["world_size"] == 1 and result["recovery"]["epochs_redone"] == [2]
     # The global batch is kept across the resize: 179 steps of 8 samples, 8 per worker on 1 worker.
     assert [m["train_samples"] for m in result["epochs"]] == [1432, 1432]
-    assert stdout.strip().splitlines()[-1].endswith("(workers 2 -> 1), epochs redone: 2")
+    assert stdout.strip().splitlines()[-2].endswith("(workers 2 -> 1), epochs redone: 2")
 
 
 @pytest.mark.ray

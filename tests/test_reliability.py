@@ -70,8 +70,8 @@ def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_and_ends_identic
     monkeypatch.setattr(ray_dp, "train_loop_per_worker", crash_once(str(marker), 2, 50))  # epoch 3, step 51
     result = train(tmp_path, "crash", "--max-failures", "1")
     assert marker.exists()  # it did die
-    assert result["started_at_epoch"] >= 1  # the restarted group resumed from a checkpoint
-    assert [m["epoch"] for m in result["epochs"]] == [0, 1, 2]
+    assert result["started_at_epoch"] >= 2  # the restarted group resumed from a checkpoint
+    assert [m["epoch"] for m in result["epochs"]] == [1, 2, 3]
     assert_bitwise_equal(final_weights(result), reference)
 
 
@@ -89,7 +89,7 @@ def test_ctrl_c_says_where_it_stopped_and_the_same_command_resumes_identically(t
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     snapshot = tmp_path / "killed" / "checkpoint_manager_snapshot.json"
     deadline = time.time() + 240
-    while not (snapshot.exists() and "checkpoint_epoch_000" in snapshot.read_text()):  # epoch 1 committed
+    while not (snapshot.exists() and "checkpoint_epoch_001" in snapshot.read_text()):  # epoch 1 committed
         assert driver.poll() is None and time.time() < deadline, "the first run never checkpointed"
         time.sleep(0.1)
     os.killpg(driver.pid, signal.SIGINT)
@@ -101,13 +101,13 @@ def test_ctrl_c_says_where_it_stopped_and_the_same_command_resumes_identically(t
                                        f"{tmp_path / 'killed'}); the same command with --name killed resumes it")
 
     result = train(tmp_path, "killed")  # the same command, in this process
-    assert result["started_at_epoch"] == len(committed)  # continued after the last committed epoch
+    assert result["started_at_epoch"] == len(committed) + 1  # continued after the last committed epoch
     assert_bitwise_equal(final_weights(result), reference)
 
 
 def test_a_corrupt_latest_checkpoint_is_one_sentence_and_fresh_starts_over(tmp_path, capsys, reference_run, reference):
     shutil.copytree(reference_run, tmp_path / "corrupt")  # a finished run, as the reference left it
-    latest = tmp_path / "corrupt" / "checkpoint_epoch_002" / ray_dp.CHECKPOINT_FILE
+    latest = tmp_path / "corrupt" / "checkpoint_epoch_003" / ray_dp.CHECKPOINT_FILE
     latest.write_bytes(latest.read_bytes()[:1000])  # cut short
     capsys.readouterr()
     assert ray_dp.main([*RUN, "--storage-path", str(tmp_path), "--name", "corrupt"]) == 2
@@ -116,5 +116,5 @@ def test_a_corrupt_latest_checkpoint_is_one_sentence_and_fresh_starts_over(tmp_p
     assert "--fresh" in err
 
     result = train(tmp_path, "corrupt", "--fresh")
-    assert result["started_at_epoch"] == 0 and len(result["epochs"]) == 3
+    assert result["started_at_epoch"] == 1 and len(result["epochs"]) == 3
     assert_bitwise_equal(final_weights(result), reference)

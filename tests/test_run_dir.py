@@ -26,7 +26,7 @@ def test_fresh_with_a_name_outside_the_storage_path_deletes_nothing(name, tmp_pa
     (victim / "precious.txt").write_text("x")
     argv = ["--storage-path", str(tmp_path / "runs"), "--name", name.format(victim=victim), "--fresh", *DIGITS]
     assert "--name must be one directory name" in error_of(argv, capsys)
-    assert (victim / "precious.txt").exists() and (keep / "checkpoint_epoch_000").exists()
+    assert (victim / "precious.txt").exists() and (keep / "checkpoint_epoch_001").exists()
 
 
 def test_fresh_refuses_a_run_directory_that_links_elsewhere(tmp_path, no_cluster, capsys):
@@ -45,7 +45,7 @@ def test_fresh_deletes_its_own_run_directory_and_nothing_else(tmp_path, capsys):
     ray_dp.check_run_dir(cfg)
     assert mine.exists()  # checking deletes nothing: every other check comes first
     ray_dp.start_fresh(cfg)
-    assert not mine.exists() and (other / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).exists()
+    assert not mine.exists() and (other / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE).exists()
     assert "--fresh: deleted" in capsys.readouterr().out
 
 
@@ -71,7 +71,7 @@ def test_fresh_refuses_what_is_not_this_run_and_deletes_only_after_every_check(n
 def test_a_run_in_uri_storage_is_checked_on_resume_like_a_local_one(tmp_path, no_cluster, capsys):
     run = save_run(tmp_path / "bucket" / "exp")
     (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(  # as Ray writes it
-        {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_000"}]}))
+        {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_001"}]}))
     uri = f"file://{tmp_path}/bucket"  # pyarrow's URI storage, as s3:// is
     _, cfg, _ = ray_dp.parse_command(["--storage-path", uri, "--name", "exp", *DIGITS])
     ray_dp.check_run_dir(cfg)  # the same config: it resumes
@@ -95,14 +95,14 @@ CHANGED = [
 def test_resuming_with_a_different_training_config_names_each_difference(flags, message, tmp_path, no_cluster,
                                                                           capsys):
     run = save_run(tmp_path / "runs" / "exp")
-    before = (run / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).read_bytes()
+    before = (run / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE).read_bytes()
     err = error_of(["--storage-path", str(tmp_path / "runs"), "--name", "exp", *DIGITS, *flags], capsys)
     assert message in err and "--fresh or a new --name" in err
-    assert (run / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE).read_bytes() == before
+    assert (run / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE).read_bytes() == before
 
 
 def test_resuming_may_extend_epochs_and_change_workers_and_says_where_the_cosine_lr_goes(tmp_path, capsys):
-    save_run(tmp_path / "runs" / "exp", saved=range(10))
+    save_run(tmp_path / "runs" / "exp", saved=range(1, 11))
     _, cfg, _ = ray_dp.parse_command(["--storage-path", str(tmp_path / "runs"), "--name", "exp", *DIGITS,
                                       "--epochs", "20", "--workers", "1", "--max-failures", "2", "--quiet"])
     ray_dp.check_run_dir(cfg)  # no error
@@ -114,10 +114,10 @@ def test_resuming_may_extend_epochs_and_change_workers_and_says_where_the_cosine
 
 def test_a_rerun_takes_what_it_does_not_type_from_the_run_it_resumes(tmp_path, capsys):
     # Trained with other values than today's defaults: the shortest command that names the run resumes it.
-    save_run(tmp_path / "runs" / "exp", saved=range(3), lr=0.1, batch_size=32, epochs=5, seed=7)
+    save_run(tmp_path / "runs" / "exp", saved=range(1, 4), lr=0.1, batch_size=32, epochs=5, seed=7)
     argv = ["--storage-path", str(tmp_path / "runs"), "--name", "exp", *DIGITS]
     command, resumed, options = ray_dp.parse_command(argv)
-    assert (resumed.lr, resumed.batch_size, resumed.epochs, resumed.seed, options["resume"].epoch) == (0.1, 32, 5, 7, 2)
+    assert (resumed.lr, resumed.batch_size, resumed.epochs, resumed.seed, options["resume"].done) == (0.1, 32, 5, 7, 3)
     assert "note: run 'exp' resumes with its own --epochs 5, --batch-size 32, --lr 0.1, --seed 7" in capsys.readouterr().out
     _, typed_cfg, options = ray_dp.parse_command([*argv, "--epochs", "8"])  # typed: kept (it may change)
     assert typed_cfg.epochs == 8
@@ -132,10 +132,11 @@ def test_checkpoints_are_ordered_by_epoch_number_not_as_text(tmp_path):
 
 
 def test_latest_committed_follows_rays_snapshot_over_orphan_directories(tmp_path):
-    run = save_run(tmp_path / "run", saved=[0, 1])  # epoch 1 written but never committed
+    run = save_run(tmp_path / "run", saved=[1, 2])  # epoch 2 written but never committed
     (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(
-        {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_000"}]}))
-    assert ray_dp.latest_committed(str(run)).endswith("checkpoint_epoch_000/checkpoint.pt")
+        {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_001"}]}))
+    assert ray_dp.latest_committed(str(run)).endswith("checkpoint_epoch_001/checkpoint.pt")
+    assert ray_dp.checkpoint_file(str(run)).endswith("checkpoint_epoch_001/checkpoint.pt")  # --eval-only too
     cfg = ray_dp.Config(storage_path=str(tmp_path), name="run", epochs=5)
     assert ray_dp.interrupted("train", cfg) == (f"interrupted after epoch 1 of 5 (saved in {run}); "
                                                 f"the same command with --name run resumes it")
@@ -304,9 +305,9 @@ def lost_rank_1():
 
 def test_a_lost_worker_is_failure_k_of_max_failures_and_the_epochs_redone_are_recorded(tmp_path, capsys):
     log = recovery_log(tmp_path, max_failures=3)
-    log.after_report(None, [{"epoch": 0}])
+    log.after_report(None, [{"epoch": 1}])
     log.after_controller_state_update(None, controller_state("RestartingState", training_failed_error=lost_rank_1()))
-    log.after_report(None, [{"epoch": 1}])  # resumed at epoch 2 (index 1) and reported it
+    log.after_report(None, [{"epoch": 2}])  # resumed at epoch 2 and reported it
     assert capsys.readouterr().out == (
         "ray-dp: lost worker rank 1 on 10.0.0.2 (its process or node died) during epoch 2; failure 1 "
         "(--max-failures: 3 allowed): restarting the workers from the last checkpoint\n")
@@ -332,7 +333,7 @@ def test_errors_ray_does_not_charge_to_max_failures_are_not_counted_against_it(t
 
 
 def test_a_resumed_run_numbers_its_failures_from_the_epoch_it_resumed_after(tmp_path, capsys):
-    log = ray_dp.RecoveryLog(ray_dp.Config(max_failures=1), str(tmp_path / "recovery.json"), last_epoch=4)
+    log = ray_dp.RecoveryLog(ray_dp.Config(max_failures=1), str(tmp_path / "recovery.json"), done=5)
     log.after_controller_state_update(None, controller_state("RestartingState", training_failed_error=lost_rank_1()))
     assert "during epoch 6;" in capsys.readouterr().out
 
@@ -341,5 +342,5 @@ def test_a_recovery_record_that_cannot_be_written_does_not_stop_training(tmp_pat
     (tmp_path / "recovery.json").mkdir()  # in the way
     log = recovery_log(tmp_path)
     log.after_controller_state_update(None, controller_state("RestartingState", training_failed_error=lost_rank_1()))
-    log.after_report(None, [{"epoch": 0}])
+    log.after_report(None, [{"epoch": 1}])
     assert capsys.readouterr().out.count("cannot write") == 1

@@ -40,15 +40,15 @@ def runs(tmp_path):
     ({"batch_size": 96, "accum_steps": 2}, ["--workers", "5"], "--batch-size 96 must divide by workers x accum-steps = 10"),
 ])
 def test_a_rerun_validates_the_batch_it_adopts(stored, rerun, message, tmp_path, no_cluster, capsys):
-    save_run(tmp_path / "runs" / "a", saved=range(2), **stored)
+    save_run(tmp_path / "runs" / "a", saved=range(1, 3), **stored)
     err = error_of([*runs(tmp_path), "--name", "a", *DIGITS, *rerun], capsys)
     assert message in err and "which this rerun takes from it" in err  # the value the user did not type
 
 
 def test_a_rerun_on_more_workers_keeps_its_own_batch_when_it_splits(tmp_path, no_cluster):
-    save_run(tmp_path / "runs" / "a", saved=range(2), batch_size=96, workers=2)
+    save_run(tmp_path / "runs" / "a", saved=range(1, 3), batch_size=96, workers=2)
     command, cfg, options = ray_dp.parse_command([*runs(tmp_path), "--name", "a", *DIGITS, "--workers", "3"])
-    assert (cfg.batch_size, cfg.workers, cfg.micro_batch, options["resume"].epoch) == (96, 3, 32, 1)
+    assert (cfg.batch_size, cfg.workers, cfg.micro_batch, options["resume"].done) == (96, 3, 32, 2)
 
 
 # 2. Under torchrun, rank 0 decides what to resume from (and the config), and every rank follows.
@@ -65,10 +65,10 @@ def resume_as_rank_sees_it(storages):
 
 
 def test_torchrun_ranks_resume_from_rank_0s_checkpoint_whatever_they_see(tmp_path):
-    save_run(tmp_path / "machine0" / "run", saved=range(3))
+    save_run(tmp_path / "machine0" / "run", saved=range(1, 4))
     (tmp_path / "machine1").mkdir()  # the other machine sees no run at all
     seen = run_distributed(resume_as_rank_sees_it, 2, [str(tmp_path / "machine0"), str(tmp_path / "machine1")])
-    assert seen[0] == seen[1] == (0.1, str(tmp_path / "machine0"), 2)
+    assert seen[0] == seen[1] == (0.1, str(tmp_path / "machine0"), 3)
 
 
 # 3. Random augmentation is each sample's own (the same on 1 or N workers), dropout each rank's own.
@@ -161,8 +161,8 @@ def test_the_doctors_data_check_tells_folders_with_other_class_names_apart(tmp_p
 # 5. A checkpoint from before a flag existed trained with the flag's default.
 
 def test_a_checkpoint_without_a_newer_flag_refuses_a_change_of_it(tmp_path, no_cluster, capsys):
-    run = save_run(tmp_path / "runs" / "old", saved=range(2))
-    path = run / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE
+    run = save_run(tmp_path / "runs" / "old", saved=range(1, 3))
+    path = run / "checkpoint_epoch_002" / ray_dp.CHECKPOINT_FILE
     state = torch.load(path, weights_only=True)
     for key in ("label_smoothing", "clip_grad_norm", "warmup_epochs"):
         del state["config"][key]
@@ -263,11 +263,11 @@ def test_eval_classes_come_from_the_checkpoint_not_the_test_labels(tmp_path):
 def test_a_resume_neither_needs_nor_reads_weights(tmp_path, monkeypatch, capsys):
     weights = tmp_path / "w.pth"
     torch.save(ray_dp.build_model("lenet", (1, 28, 28)).state_dict(), weights)
-    save_run(tmp_path / "runs" / "ft", saved=range(2), weights=str(weights))
+    save_run(tmp_path / "runs" / "ft", saved=range(1, 3), weights=str(weights))
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "sub")
     argv = [*runs(tmp_path), "--name", "ft", *DIGITS, "--weights", "../sub/../w.pth"]
-    assert ray_dp.parse_command(argv)[2]["resume"].epoch == 1  # another spelling of the same file
+    assert ray_dp.parse_command(argv)[2]["resume"].done == 2  # another spelling of the same file
     weights.unlink()  # moved away: resuming needs only the checkpoint
     command, cfg, options = ray_dp.parse_command(argv)
 
@@ -366,10 +366,10 @@ def test_a_folder_rerun_takes_its_data_dir_and_refuses_other_classes(tmp_path, n
     other = tiny_folder(tmp_path / "wolves", classes=("cat", "wolf"))
     cfg, info = ray_dp.check_data(ray_dp.Config(dataset="folder", data_dir=str(folder), model="mlp", batch_size=4))
     save = ray_dp.replace(cfg, name="f", storage_path=str(tmp_path / "runs"))
-    path = tmp_path / "runs" / "f" / "checkpoint_epoch_000" / ray_dp.CHECKPOINT_FILE
+    path = tmp_path / "runs" / "f" / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE
     path.parent.mkdir(parents=True)
     model = ray_dp.build_model("mlp", info.sample_shape, 2)
-    torch.save(ray_dp.checkpoint_state(model.state_dict(), {}, 0, save, [], info.classes), path)
+    torch.save(ray_dp.checkpoint_state(model.state_dict(), {}, 1, save, [], info.classes), path)
     _, resumed, options = ray_dp.parse_command([*runs(tmp_path), "--name", "f"])  # the shortest rerun
     assert (resumed.data_dir, options["resume"].classes) == (str(folder), ["cat", "dog"])
 
@@ -401,13 +401,13 @@ def test_every_rank_stops_when_the_nodes_folders_hold_other_classes():
 
 def test_torchrun_ranks_other_than_0_leave_the_run_directory_to_rank_0(tmp_path, monkeypatch):
     # The run as rank 0 sees it, trained with batch 96: this rank's defaults (batch 64) do not split over 3.
-    save_run(tmp_path / "runs" / "exp", saved=range(2), batch_size=96)
+    save_run(tmp_path / "runs" / "exp", saved=range(1, 3), batch_size=96)
     for key, value in {"TORCHELASTIC_RUN_ID": "none", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "3"}.items():
         monkeypatch.setenv(key, value)
     command, cfg, options = ray_dp.parse_command(["--storage-path", str(tmp_path / "elsewhere"), "--name", "exp",
                                                   *DIGITS])
-    assert (command, options["resume"].epoch) == ("train", -1) and ray_dp.torchrun_follower()
+    assert (command, options["resume"].done) == ("train", 0) and ray_dp.torchrun_follower()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -449,10 +449,10 @@ def test_weights_by_a_link_is_the_same_file_on_a_rerun(tmp_path, no_cluster):
     weights = tmp_path / "w.pth"
     torch.save(ray_dp.build_model("lenet", (1, 28, 28)).state_dict(), weights)
     (tmp_path / "link.pth").symlink_to(weights)
-    save_run(tmp_path / "runs" / "ft", saved=range(2), weights=str(weights))
+    save_run(tmp_path / "runs" / "ft", saved=range(1, 3), weights=str(weights))
     _, cfg, options = ray_dp.parse_command([*runs(tmp_path), "--name", "ft", *DIGITS, "--weights",
                                             str(tmp_path / "link.pth")])
-    assert options["resume"].epoch == 1
+    assert options["resume"].done == 2
 
 
 def test_eval_only_takes_loader_workers(tmp_path, no_cluster):
