@@ -75,7 +75,7 @@ def test_tensorboard_serves_the_metrics_of_result_json_for_each_run(tmp_path, te
     for name, result in results.items():
         for tag, key in [("test/acc", "test_acc"), ("train/loss", "train_loss"), ("test/loss", "test_loss")]:
             points = wait_for(lambda: tensorboard("plugin/scalars/scalars", run=name, tag=tag), lambda p: len(p) == 2)
-            assert [step for _, step, _ in points] == [1, 2]
+            assert [step for _, step, _ in points] == [1, 2] == [m["epoch"] for m in result["epochs"]]  # one numbering
             assert [value for _, _, value in points] == pytest.approx([m[key] for m in result["epochs"]], rel=1e-6)
         # Per-step loss: 22 steps per epoch, logged every 5, averaged over both workers.
         steps = tensorboard("plugin/scalars/scalars", run=name, tag="train/loss_step")
@@ -87,17 +87,64 @@ def test_tensorboard_serves_the_metrics_of_result_json_for_each_run(tmp_path, te
     assert tensorboard("plugin/text/tags")["run-a"] == ["config/text_summary"]
 
 
-def test_console_shows_exactly_one_epoch_line_per_epoch_from_rank_0_only(tmp_path):
+def readme_quick_start_output():
+    """The lines the README's quick start says the command prints."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        after = f.read().split("What it prints:\n\n```\n", 1)[1]
+    return after.split("\n```", 1)[0].splitlines()
+
+
+def as_pattern(line):
+    """A README line as a pattern: its words and punctuation as they are, any number where it has one, anything
+    where it says '...'."""
+    parts = re.split(r"(\.\.\.|\d+(?:\.\d+)?)", line)
+    return "".join(".*" if part == "..." else r"\d+(?:\.\d+)?" if re.fullmatch(r"[\d.]+", part) else re.escape(part)
+                   for part in parts)
+
+
+def has_shape_of(readme, printed):
+    """The printed lines, in order, are the README's but for numbers; a README line '...' stands for any lines.
+    The start-up line (the controller's, which may come before or after rank 0's epoch 1) is matched on its own."""
+    def startup(lines):
+        return [line for line in lines if line.startswith("ray-dp: start-up:")]
+    if len(startup(readme)) != 1 or len(startup(printed)) != 1 or not re.fullmatch(
+            as_pattern(startup(readme)[0]), startup(printed)[0]):
+        return False
+    readme, printed = [l for l in readme if l not in startup(readme)], [l for l in printed if l not in startup(printed)]
+    pattern = "".join("(?:.*\n)*?" if line == "..." else as_pattern(line) + "\n" for line in readme)
+    return re.fullmatch(pattern, "\n".join(printed) + "\n") is not None
+
+
+def test_the_quick_start_prints_what_the_readme_shows_one_epoch_line_each_from_rank_0_without_colour_codes(
+        tmp_path):
+    # The README's quick start with fewer epochs, on the shared cluster, its output piped (as to a file).
     env = dict(os.environ, RAY_AUTH_MODE="token")  # the shared cluster uses token auth (Ray's default)
     proc = subprocess.run(
         [sys.executable, "ray_dp.py", "--workers", "2", "--dataset", "digits", "--epochs", "3", "--cpu",
-         "--address", ray.get_runtime_context().gcs_address, "--storage-path", str(tmp_path), "--name", "console",
-         "--logdir", str(tmp_path / "tb")],
+         "--address", ray.get_runtime_context().gcs_address, "--storage-path", str(tmp_path / "runs"),
+         "--logdir", str(tmp_path / "runs" / "tensorboard")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = re.findall(r"\(RayTrainWorker pid=(\d+)[^)]*\)\S* (epoch \d+/3):", proc.stdout)
+    lines = re.findall(r"\(RayTrainWorker pid=(\d+)[^)]*\) (epoch \d+/3):", proc.stdout)
     assert [epoch for _, epoch in lines] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
     assert len({pid for pid, _ in lines}) == 1  # rank 0 alone
+    assert "\x1b" not in proc.stdout + proc.stderr  # no colour codes in a pipe
     assert "Reporting training result" not in proc.stdout + proc.stderr  # Ray's per-report chatter is off
-    assert "Traceback" not in proc.stdout + proc.stderr
-    assert proc.stdout.strip().splitlines()[-1].startswith("test acc: ")
+    assert "Traceback" not in proc.stdout + proc.stderr and proc.stderr == ""
+    run_dir = next((tmp_path / "runs").glob("ddp-lenet-digits-*"))
+    assert not (run_dir / "ray.log").exists() or "Traceback" not in (run_dir / "ray.log").read_text()
+    assert has_shape_of(readme_quick_start_output(), proc.stdout.strip().splitlines()), proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"wrote {run_dir / 'result.json'} and checkpoint_epoch_001 to checkpoint_epoch_003 beside it; TensorBoard "
+        f"events in {tmp_path / 'runs' / 'tensorboard' / run_dir.name}")
+
+
+def test_the_shape_check_tells_other_lines_apart():
+    readme = ["ray-dp: 2 workers", "(w pid=1) epoch 1/10: acc 0.5", "ray-dp: start-up: Ray 1.0 s", "...",
+              "(w pid=1) epoch 10/10: acc 0.9", "wrote .../runs/x-1/result.json"]
+    printed = ["ray-dp: 2 workers", "ray-dp: start-up: Ray 2.5 s", "(w pid=7) epoch 1/3: acc 0.4",
+               "(w pid=7) epoch 2/3: acc 0.6", "(w pid=7) epoch 3/3: acc 0.8", "wrote /tmp/a/runs/x-2/result.json"]
+    assert has_shape_of(readme, printed)
+    assert not has_shape_of(readme, printed[:-1] + ["wrote /tmp/a/runs/x-2/results.json"])  # another name
+    assert not has_shape_of(readme, [line.replace("acc", "accuracy") for line in printed])
+    assert not has_shape_of(readme, printed[1:])  # a line missing

@@ -1,11 +1,12 @@
 """End to end through Ray Train on one shared local cluster: the README quick start, checkpoints, resume."""
 import json
+import os
 
 import pytest
 import torch
 
 import ray_dp
-from helpers import DIGIT_NAMES, digits_folder, train
+from helpers import DIGIT_NAMES, REPO, digits_folder, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_cluster")]
 
@@ -34,10 +35,10 @@ def test_readme_quick_start_learns_digits_and_checkpoints_each_epoch(quick_start
 
     # One checkpoint per epoch, one file each (rank 0's alone), loadable as plain data into a bare LeNet.
     files = checkpoint_files(tmp_path / "quick")
-    assert [f.parent.name for f in files] == [f"checkpoint_epoch_{e:03d}" for e in range(10)]
+    assert [f.parent.name for f in files] == [f"checkpoint_epoch_{e:03d}" for e in range(1, 11)]  # from 1
     assert all(f.name == ray_dp.CHECKPOINT_FILE for f in files)
     state = ray_dp.load_checkpoint(files[-1])
-    assert state["epoch"] == 9 and state["config"]["workers"] == 2
+    assert state["epoch"] == 10 and state["config"]["workers"] == 2  # the state after 10 epochs
     assert not any(key.startswith("module.") for key in state["model"])
     model = ray_dp.build_model("lenet", (1, 28, 28))
     model.load_state_dict(state["model"])
@@ -46,13 +47,14 @@ def test_readme_quick_start_learns_digits_and_checkpoints_each_epoch(quick_start
     single = ray_dp.evaluate(model, test, torch.device("cpu"))
     assert (single["test_acc"], single["test_count"]) == (epochs[-1]["test_acc"], 360)
     assert single["test_loss"] == pytest.approx(epochs[-1]["test_loss"], rel=1e-6)  # float32 sums, other order
-    assert result["checkpoint"].endswith("checkpoint_epoch_009/checkpoint.pt")
+    assert result["checkpoint"].endswith("checkpoint_epoch_010/checkpoint.pt")
+    assert [m["epoch"] for m in epochs] == list(range(1, 11))
 
     # The same command with a larger --epochs extends the finished run: epochs 1-10 come from the
     # checkpoint unchanged (their timings too); only epoch 11 is trained.
     extended = train(tmp_path, "quick", "--workers", "2", "--dataset", "digits", "--epochs", "11")
-    assert extended["epochs"][:10] == epochs and extended["started_at_epoch"] == 10
-    assert [m["epoch"] for m in extended["epochs"]] == list(range(11))
+    assert extended["epochs"][:10] == epochs and extended["started_at_epoch"] == 11
+    assert [m["epoch"] for m in extended["epochs"]] == list(range(1, 12))
     assert len(checkpoint_files(tmp_path / "quick")) == 11
 
 
@@ -114,13 +116,16 @@ def test_compare_writes_the_lessons_table_csv_markdown_and_plot(tmp_path, capsys
             assert float(r["allreduce_ms_per_step"]) > 0 and float(r["busbw_GBps"]) > 0
     markdown = (out_dir / "compare.md").read_text()
     assert markdown.count("\n") == 2 + len(rows) and "| scratch-ring-2w |" in markdown
+    with open(os.path.join(REPO, "README.md")) as f:  # the README's tables are what compare writes
+        assert markdown.splitlines()[0] in [line for line in f.read().splitlines() if line.startswith("| run |")]
     assert "| scratch-ring-2w |" in capsys.readouterr().out  # the table is printed too
     png = out_dir / "compare.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert matplotlib.image.imread(png).shape[:2] == (900, 1300)
 
 
-def test_a_folder_of_images_learns_like_the_same_digits_and_evaluates_each_file_once(tmp_path, quick_start):
+def test_a_folder_of_images_learns_like_the_same_digits_and_evaluates_each_file_once(tmp_path, quick_start,
+                                                                                     capsys):
     import csv
     # The quick start's digits as PNG files (train/<name>/, val/<name>/), the same flags besides.
     folder = digits_folder(tmp_path / "images")
@@ -130,10 +135,14 @@ def test_a_folder_of_images_learns_like_the_same_digits_and_evaluates_each_file_
     assert trained["final"]["test_count"] == 360 and trained["config"]["normalize"]
 
     predictions = tmp_path / "predictions.csv"
+    capsys.readouterr()
     assert ray_dp.main(["--eval-only", str(tmp_path / "folder"), "--workers", "3", "--storage-path", str(tmp_path),
                         "--name", "evaluated", "--predict-out", str(predictions)]) == 0
+    # The last line names what the evaluation wrote.
+    assert capsys.readouterr().out.splitlines()[-1] == (f"wrote {tmp_path / 'evaluated' / 'result.json'} and "
+                                                        f"{predictions} (360 predictions)")
     evaluated = json.loads((tmp_path / "evaluated" / "result.json").read_text())
-    assert evaluated["world_size"] == 3 and evaluated["checkpoint"].endswith("checkpoint_epoch_009/checkpoint.pt")
+    assert evaluated["world_size"] == 3 and evaluated["checkpoint"].endswith("checkpoint_epoch_010/checkpoint.pt")
     assert evaluated["final"]["test_acc"] == trained["final"]["test_acc"]  # exactly: same counts
     assert evaluated["final"]["test_count"] == 360 and sum(map(sum, evaluated["final"]["confusion"])) == 360
     assert [c["name"] for c in evaluated["per_class"]] == sorted(DIGIT_NAMES)  # ImageFolder's order
