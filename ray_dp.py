@@ -95,6 +95,9 @@ from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 IMPORTED_AT = time.time()
+# Imported (a notebook), the start-up breakdown begins where a command does (main, train), not at
+# the import, which may be long before.
+COMMAND_AT: Optional[float] = None
 
 
 # ==================================================================================================
@@ -741,8 +744,9 @@ def load_folder(cfg: Config):
                             f"{root / ('val' if split == 'train' else 'train')}/ beside it)")
     train_transform, eval_transform = image_transforms(cfg)
     try:
-        train = ImageFolder(str(root / "train"), transform=train_transform, loader=read_image)
-        val = ImageFolder(str(root / "val"), transform=eval_transform, loader=read_image)
+        loader = functools.partial(read_image, data_dir=str(root))
+        train = ImageFolder(str(root / "train"), transform=train_transform, loader=loader)
+        val = ImageFolder(str(root / "val"), transform=eval_transform, loader=loader)
     except FileNotFoundError as exc:  # a class folder without a single image
         raise DataError(f"--data-dir {root}: {exc}") from None
     if train.classes != val.classes:
@@ -753,21 +757,31 @@ def load_folder(cfg: Config):
     return train, val
 
 
-def read_image(path: str):
+def read_image(path: str, data_dir: str):
     """ImageFolder's own loader (PIL, as RGB), but a file that is no readable image is named, with
     its folder, in one line: wherever it is decoded (the driver's statistics, a worker's loader, an
     evaluation)."""
     from torchvision.datasets.folder import default_loader
     try:
         return default_loader(path)
-    except (OSError, SyntaxError, ValueError) as exc:  # PIL's truncated, unknown, broken files
-        raise DataError(unreadable_image(path, exc)) from None
+    except BROKEN_IMAGE as exc:
+        raise DataError(unreadable_image(path, data_dir, exc)) from None
 
 
-def unreadable_image(path: str, error: BaseException) -> str:
-    folder, reason = Path(path).parent, " ".join(str(error).split()) or type(error).__name__
-    return (f"{path} is not a readable image ({reason}): remove or replace it in {folder}/ (ray_dp.py doctor --dataset folder --data-dir "
-            f"{folder.parent.parent} --check-images finds every such file)")
+def unreadable_image(path: str, data_dir: str, error: BaseException) -> str:
+    reason = " ".join(str(error).split()) or type(error).__name__
+    return (f"{path} is not a readable image ({reason}): remove or replace it in "
+            f"{Path(path).parent}/ (ray_dp.py doctor --dataset folder --data-dir {data_dir} "
+            f"--check-images finds every such file)")
+
+
+def broken_image_errors() -> tuple:
+    """What PIL raises for a file that is no readable image: truncated, unknown, broken, too big."""
+    from PIL import Image
+    return OSError, SyntaxError, ValueError, Image.DecompressionBombError
+
+
+BROKEN_IMAGE = broken_image_errors()
 
 
 def image_transforms(cfg: Config) -> tuple:
@@ -872,7 +886,8 @@ class DataError(RuntimeError):
 def load_torchvision(dataset_class, root: str,
                      download: bool) -> tuple[TensorDataset, TensorDataset]:
     """A torchvision data set from root, downloaded there first if it is missing and `download`; a
-    failed attempt takes away what it made (the lock file, partial downloads, root itself)."""
+    failed attempt takes away what it made (its partial files; root, lock file and all, if it made
+    root)."""
     before = set(os.listdir(root)) if os.path.isdir(root) else None
     try:
         with download_lock(root, dataset_class.__name__) if download else contextlib.nullcontext():
@@ -880,10 +895,15 @@ def load_torchvision(dataset_class, root: str,
                 splits = [dataset_class(root, train=train, download=download)
                           for train in (True, False)]
             except (RuntimeError, OSError) as exc:
-                # not found / corrupt / no network (URLError is an OSError)
+                # not found / corrupt / no network (URLError is an OSError); still holding the
+                # lock, so that no other process's download is taken away with this one's
+                remove_made(root, before, own_entries(dataset_class))
                 raise DataError(missing_dataset(dataset_class, root, download, exc)) from None
     except DataError:
-        remove_made(root, before)
+        # root is this attempt's: gone too, if all it holds is lock files (not another's data)
+        if before is None and os.path.isdir(root) and all(
+                re.fullmatch(r"\.\w+\.lock", name) for name in os.listdir(root)):
+            shutil.rmtree(root, ignore_errors=True)
         raise
     return tuple(images_to_tensors(split) for split in splits)
 
@@ -911,17 +931,22 @@ def expected_files(dataset_class, root: str) -> str:
     return f"{folder}/ holding {', '.join(names)}"
 
 
-def remove_made(root: str, before: Optional[set]) -> None:
-    """Take away what appeared in root since `before` (its entries then; None: root did not
-    exist)."""
-    if before is None:
-        shutil.rmtree(root, ignore_errors=True)
-        return
-    for name in set(os.listdir(root)) - before if os.path.isdir(root) else ():
+def own_entries(dataset_class) -> tuple:
+    """What a torchvision data set puts in its root: its folder, its archive (CIFAR-10's)."""
+    folder = dataset_class.__name__ if hasattr(dataset_class, "resources") else \
+        dataset_class.base_folder
+    return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
+
+
+def remove_made(root: str, before: Optional[set], own: tuple) -> None:
+    """Take away the data set's own entries of root (`own`) that appeared since `before` (root's
+    entries then; None: root did not exist). The lock file stays (a process waiting on it holds
+    it open), unless root itself is new and holds nothing else (load_torchvision)."""
+    for name in set(own) - (before or set()):
         path = os.path.join(root, name)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
-        else:
+        elif os.path.lexists(path):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
@@ -1789,13 +1814,22 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
             "format": CHECKPOINT_FORMAT}
 
 
-def renumbered(state: dict) -> dict:
-    """A checkpoint from before format 2, whose epochs counted from 0, numbered as today's."""
-    if state.get("format", 1) >= 2 or not isinstance(state.get("epoch"), int):
-        return state
-    history = [{**m, "epoch": m["epoch"] + 1} if isinstance(m, dict) and "epoch" in m else m
-               for m in state.get("history", [])]
-    return {**state, "epoch": state["epoch"] + 1, "history": history, "format": CHECKPOINT_FORMAT}
+def renumbered(record: dict) -> dict:
+    """A checkpoint (epoch, history) or a result.json (final, epochs) from before format 2, whose
+    epochs counted from 0, numbered as today's."""
+    if record.get("format", 1) >= 2:
+        return record
+
+    def later(metrics):
+        return ({**metrics, "epoch": metrics["epoch"] + 1}
+                if isinstance(metrics, dict) and isinstance(metrics.get("epoch"), int) else metrics)
+    renamed = {key: [later(m) for m in record[key]] for key in ("history", "epochs")
+               if isinstance(record.get(key), list)}
+    if isinstance(record.get("epoch"), int):
+        renamed["epoch"] = record["epoch"] + 1
+    if isinstance(record.get("final"), dict):
+        renamed["final"] = later(record["final"])
+    return {**record, **renamed, "format": CHECKPOINT_FORMAT}
 
 
 def load_checkpoint(path: str) -> dict:
@@ -2273,7 +2307,7 @@ def startup_breakdown(launched: dict, controller: dict, worker: dict) -> dict:
              ("model", worker.get("data"), worker.get("model")),
              ("first step", worker.get("model"), worker.get("first_step"))]
     phases = {name: round(end - start, 2) for name, start, end in spans if start and end}
-    begun = launched.get("started", launched.get("fit"))
+    begun = launched.get("started", launched.get("imported", launched.get("fit")))
     if begun and worker.get("first_step"):
         phases["total"] = round(worker["first_step"] - begun, 2)
     return phases
@@ -2431,6 +2465,10 @@ def quiet_ray_logs():
                       "placement_group_cleaner").setLevel(logging.ERROR)
     logging.getLogger("ray.train.v2._internal.callbacks."
                       "placement_group_callback").setLevel(logging.CRITICAL)
+    # Its autoscaling coordinator logs a traceback whenever a resource request times out on a busy
+    # machine (the request is sent again; Ray's message says it is safe to ignore)
+    logging.getLogger("ray.train.v2._internal.execution.scaling_policy."
+                      "autoscaling_coordinator_client").setLevel(logging.ERROR)
     # "Reporting training result ..." per rank per epoch; this logger is named by file path, so
     # LoggingConfig(log_level) does not reach it.
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
@@ -2889,7 +2927,8 @@ def finished_run(cfg: Config, done: int) -> str:
     if done > cfg.epochs:
         return (f"run '{cfg.name}' has trained {done} epochs, more than --epochs {cfg.epochs}; "
                 f"nothing to train ({more})")
-    return f"run '{cfg.name}' already finished its {done} epochs; nothing to train ({more})"
+    return (f"run '{cfg.name}' already finished its {plural(done, 'epoch')}; nothing to train "
+            f"({more})")
 
 
 def train_loop_per_worker(config: dict) -> dict:
@@ -3168,6 +3207,7 @@ def start_ray(address: str) -> None:
     if not sys.stdout.isatty():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if ray.is_initialized():
+        check_runtime_env()
         return
     if not address:
         # Ray turns token auth on for a cluster it starts,
@@ -3183,6 +3223,15 @@ def start_ray(address: str) -> None:
     except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
         raise ConfigError(f"cannot attach to the Ray cluster at {address}: "
                           f"{first_line(exc)}") from None
+
+
+def check_runtime_env() -> None:
+    """Imported, ray_dp needs Ray to ship it to its processes (RUNTIME_ENV's py_modules): a Ray this
+    process started itself without it would fail in every worker, one traceback each."""
+    if "py_modules" in RUNTIME_ENV and "py_modules" not in ray.get_runtime_context().runtime_env:
+        raise ConfigError("this Ray was started without ray_dp's runtime environment, so its "
+                          "workers cannot import ray_dp: ray.shutdown(), then ray.init(runtime_env="
+                          "ray_dp.RUNTIME_ENV) (or let ray_dp start Ray)")
 
 
 def cluster_of(cfg: Config) -> Cluster:
@@ -3289,7 +3338,8 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
             f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
             f"lr {cfg.lr} ({cfg.lr_schedule}), {optimizer_name(cfg)}, "
-            f"{', '.join(switches(cfg, data))}, {cfg.epochs} epochs, run dir {cfg.run_dir}")
+            f"{', '.join(switches(cfg, data))}, {plural(cfg.epochs, 'epoch')}, "
+            f"run dir {cfg.run_dir}")
 
 
 def switches(cfg: Config, data: DataInfo) -> list:
@@ -3339,7 +3389,8 @@ def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Option
     """result.json, for training and evaluation alike: the config, the final metrics, who computed
     them (world size, device) and with which checkpoint file; then what the command adds."""
     return {"config": asdict(cfg), "final": final, "world_size": out.get("world_size"),
-            "device": out.get("device"), "checkpoint": checkpoint, **more}
+            "device": out.get("device"), "checkpoint": checkpoint, "format": CHECKPOINT_FORMAT,
+            **more}
 
 
 def summarize(cfg: Config, result: ray.train.Result, launched: dict) -> dict:
@@ -3376,10 +3427,21 @@ def last_checkpoint(cfg: Config, epoch: int) -> str:
 def stored_result(cfg: Config, done: int) -> Optional[dict]:
     """A finished run's result.json, if it is the record of its last checkpoint's epoch."""
     try:
-        summary = read_json(os.path.join(cfg.run_dir, "result.json"))
-        return summary if (summary.get("final") or {}).get("epoch") == done else None
-    except (OSError, ValueError, AttributeError):
+        summary = renumbered(read_json(os.path.join(cfg.run_dir, "result.json")))
+        return summary if summary["epochs"][-1]["epoch"] == done else None
+    except (OSError, ValueError, AttributeError, KeyError, IndexError, TypeError):
         return None
+
+
+def finished_result(cfg: Config, resume: Resume) -> Optional[dict]:
+    """The result.json of a run that has done its --epochs, else None."""
+    return stored_result(cfg, resume.done) if resume.done >= cfg.epochs else None
+
+
+def finished(cfg: Config, summary: dict, done: int) -> dict:
+    """A rerun of a finished run: nothing to train, said before any cluster starts."""
+    print(f"ray-dp: {finished_run(cfg, done)}", flush=True)
+    return summary
 
 
 def read_json(path: str):
@@ -3394,12 +3456,16 @@ def read_json(path: str):
 
 
 def wrote_run(cfg: Config, summary: dict) -> str:
-    """The training command's last line: where everything it wrote is."""
-    epochs = [m["epoch"] for m in summary["epochs"]]
-    checkpoints = (checkpoint_dir_name(epochs[0]) if len(epochs) == 1 else
-                   f"{checkpoint_dir_name(epochs[0])} to {checkpoint_dir_name(epochs[-1])}")
-    return (f"wrote {os.path.join(cfg.run_dir, 'result.json')} and {checkpoints} beside it; "
-            f"TensorBoard events in {os.path.join(cfg.logdir, cfg.name)}")
+    """The training command's last line: where everything it wrote is (the epochs it trained: a
+    resumed run's earlier checkpoints were there before)."""
+    first, last = summary["started_at_epoch"], summary["epochs"][-1]["epoch"]
+    result = os.path.join(cfg.run_dir, "result.json")
+    if first > last:
+        return f"wrote {result} (no epoch left to train)"
+    checkpoints = (checkpoint_dir_name(first) if first == last else
+                   f"{checkpoint_dir_name(first)} to {checkpoint_dir_name(last)}")
+    return (f"wrote {result} and {checkpoints} beside it; TensorBoard events in "
+            f"{os.path.join(cfg.logdir, cfg.name)}")
 
 
 class RunFailed(RuntimeError):
@@ -3414,7 +3480,7 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
     failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
     node_ips = {int(rank): ip for rank, ip in (failed[-1]["node_ips"] if failed else {}).items()}
     if disk_full(error):
-        reason = storage_full(cfg)
+        reason = storage_full(cfg, error)
     else:
         reason = (f"{describe_training_error(error, node_ips)}; the full errors are in "
                   f"{os.path.join(logs, 'ray.log')}")
@@ -3437,24 +3503,40 @@ def disk_full(error: BaseException) -> bool:
     return any(text is not None and "No space left on device" in str(text) for text in texts)
 
 
-def storage_full(cfg: Config) -> str:
+def storage_full(cfg: Config, error: Optional[BaseException] = None) -> str:
     """A run stopped by a full disk, in one line: where space ran out, the last checkpoint that is
     safe (committed whole: what a rerun resumes from), and how to go on."""
-    free = ""
-    if not is_uri(cfg.storage_path):
-        with contextlib.suppress(OSError):
-            free = f" ({human_bytes(shutil.disk_usage(cfg.storage_path).free)} free)"
     try:
         latest = latest_committed(cfg.run_dir)
         epoch = load_checkpoint(latest)["epoch"] if latest else None
     except (ConfigError, OSError):  # what storage still answers decides what may be called safe
         latest = None
     if latest is None:
-        safe = "no checkpoint was saved, so the same command starts it over"
+        safe = "no checkpoint was saved, so the same command starts it over once there is space"
     else:
         safe = (f"the last checkpoint that is safe is {os.path.dirname(latest)} (epoch {epoch} of "
                 f"{cfg.epochs}): once there is space, the same command resumes from it")
-    return f"no space left on the device of --storage-path {cfg.storage_path}{free}; {safe}"
+    return f"{full_device(cfg, error)}; {safe}"
+
+
+def full_device(cfg: Config, error: Optional[BaseException]) -> str:
+    """Which device ran out of space: the file a write here failed on, else (a worker's or Ray's
+    controller's write, known only as text) the fullest of --storage-path's and --logdir's."""
+    if getattr(error, "filename", None):
+        return f"no space left on the device of {error.filename}"
+    free = {}
+    for flag, path in (("storage-path", cfg.storage_path), ("logdir", cfg.logdir)):
+        existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
+        if not is_uri(path) and existing is not None:
+            with contextlib.suppress(OSError):
+                free[flag, path] = shutil.disk_usage(existing).free
+    if not free:
+        return f"no space left on a device the run writes to (--storage-path {cfg.storage_path})"
+    (flag, path), left = min(free.items(), key=lambda item: item[1])
+    size = next(f"{left / scale:.1f} {unit}" for unit, scale in
+                (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)) if left >= scale or
+                scale == 1)
+    return f"no space left on the device of --{flag} {path} ({size} free)"
 
 
 def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None) -> Optional[dict]:
@@ -3465,13 +3547,12 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
     torchrun, follower = under_torchrun(), torchrun_follower()
     # A run that has done its epochs: said before any cluster starts. (Under torchrun rank 0's loop
     # says it: the other ranks wait there for it, knowing nothing of the run directory.)
-    if (not torchrun and resume.done >= cfg.epochs
-            and (summary := stored_result(cfg, resume.done)) is not None):
-        print(f"ray-dp: {finished_run(cfg, resume.done)}", flush=True)
-        return summary
+    if not torchrun and (summary := finished_result(cfg, resume)) is not None:
+        return finished(cfg, summary, resume.done)
     # The start-up breakdown's first marks: this process's start and imports, if this run pays them.
     first = not ray.is_initialized()
-    launched = {"started": STARTED_AT, "imported": IMPORTED_AT} if first else {}
+    launched = ({} if not first else {"started": STARTED_AT, "imported": IMPORTED_AT}
+                if __name__ == "__main__" else {"imported": COMMAND_AT or time.time()})
     # a run that resumes starts from its checkpoint: --weights is neither read nor needed
     resumes = resume.done > 0
     if not follower:
@@ -3511,13 +3592,17 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
         # rank 0 records the failure; the others' configs were never the run's
         reason = describe_training_error(exc, {}) if follower else record_failure(cfg, exc)
         raise RunFailed(reason) from None
+    except OSError as exc:  # torchrun: rank 0's own write, raised here
+        if disk_full(exc):
+            raise RunFailed(storage_full(cfg, exc)) from None
+        raise
     if follower:
         return None
     try:
         summary = summarize(cfg, result, options.launched)
     except OSError as exc:
         if disk_full(exc):  # result.json: the checkpoints are all committed
-            raise RunFailed(storage_full(cfg)) from None
+            raise RunFailed(storage_full(cfg, exc)) from None
         raise
     print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
     if (advice := near_chance(cfg, summary)):
@@ -3684,11 +3769,15 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
     resolved = []
     for cfg in configs:  # every row is resolved and checked before any cluster starts
         cfg, resume = check_run_dir(cfg)
+        if finished_result(cfg, resume) is not None:  # a row done before: its result.json
+            resolved.append((cfg, resume, None))
+            continue
         validate(cfg, resuming=resume.done > 0)
         cfg, data = check_data(cfg)
         check_model_fits(cfg, data)
         resolved.append((cfg, resume, data))
-    connect(max(configs, key=lambda c: c.workers))
+    if any(data is not None for _, _, data in resolved):
+        connect(max(configs, key=lambda c: c.workers))
     summaries = [run(*row) for row in resolved]
     rows = compare_rows(configs, summaries)
     print(write_compare(base.run_dir, rows, [s["epochs"] for s in summaries]))
@@ -4042,7 +4131,7 @@ def unreadable_images(paths: list) -> list:
         try:
             with Image.open(path) as image:
                 image.load()
-        except (OSError, SyntaxError, ValueError) as exc:
+        except BROKEN_IMAGE as exc:
             bad.append((path, " ".join(str(exc).split()) or type(exc).__name__))
     return bad
 
@@ -4287,6 +4376,10 @@ def parse_command(argv) -> tuple[str, Config, dict]:
         # a rerun takes what the command line leaves unsaid from the run it resumes
         typed_cfg = cfg
         cfg, options["resume"] = check_run_dir(cfg, typed)
+        # a finished run trains nothing: no training check applies to it (Under torchrun rank 0's
+        # loop says so: the other ranks wait for it there.)
+        if not under_torchrun() and (summary := finished_result(cfg, options["resume"])):
+            return "finished", cfg, {"summary": summary, "done": options["resume"].done}
         adopted = [as_flag(f, getattr(cfg, f)) for f in CONFIG_FIELDS
                    if getattr(cfg, f) != getattr(typed_cfg, f) and f in CLI_FIELDS]
     try:
@@ -4339,7 +4432,10 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
     latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
     if latest is None:
         return "interrupted; nothing was saved"
-    epoch = load_checkpoint(latest)["epoch"]  # its name may be an old run's, counted from 0
+    try:
+        epoch = load_checkpoint(latest)["epoch"]  # its name may be an old run's, counted from 0
+    except ConfigError:  # a checkpoint cut short: say what its name says
+        epoch = int(Path(latest).parent.name.rpartition("_")[2])
     same = "the same command without --fresh" if cfg.fresh else "the same command"
     return (f"interrupted after epoch {epoch} of {cfg.epochs} (saved in {cfg.run_dir}); "
             f"{same} with --name {cfg.name} resumes it")
@@ -4351,11 +4447,13 @@ def train(**settings) -> dict:
     True or False). It trains (or resumes, or with eval_only evaluates) as the command line would,
     and returns what the run's result.json holds: the config, "final" and, for training, every
     epoch's metrics in "epochs". Bad settings raise ConfigError, a failed run RunFailed."""
+    global COMMAND_AT
+    COMMAND_AT = time.time()
     command, cfg, options = parse_command(settings_as_flags(settings))
-    if command not in ("train", "eval"):
-        raise ConfigError("ray_dp.train runs a training or an --eval-only; for compare and "
-                          "doctor use the command line")
-    return (run if command == "train" else run_eval)(cfg, **options)
+    if command == "models":
+        raise ConfigError("model='list' is the command line's listing (python ray_dp.py --model "
+                          "list); ray_dp.train trains or evaluates")
+    return {"train": run, "eval": run_eval, "finished": finished}[command](cfg, **options)
 
 
 def settings_as_flags(settings: dict) -> list:
@@ -4377,11 +4475,12 @@ def settings_as_flags(settings: dict) -> list:
 
 
 def main(argv=None) -> int:
-    command, cfg = "train", None
+    global COMMAND_AT
+    COMMAND_AT, command, cfg = time.time(), "train", None
     try:
         command, cfg, options = parse_command(argv)
         commands = {"compare": compare, "eval": run_eval, "train": run, "models": list_models,
-                    "doctor": doctor}
+                    "doctor": doctor, "finished": finished}
         outcome = commands[command](cfg, **options)
     except (ConfigError, DataError) as exc:
         print(f"ray_dp.py: error: {exc}", file=sys.stderr)
@@ -4391,6 +4490,12 @@ def main(argv=None) -> int:
         return 1
     except ray.train.TrainingFailedError as exc:  # --eval-only's workers
         print(f"ray_dp.py: evaluation failed: {describe_training_error(exc, {})}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # an evaluation's result.json or predictions
+        if not disk_full(exc):
+            raise
+        print(f"ray_dp.py: error: {full_device(cfg, exc)}: free space and run the same command "
+              f"again", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"ray_dp.py: {interrupted(command, cfg)}", file=sys.stderr)

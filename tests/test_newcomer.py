@@ -72,7 +72,7 @@ def test_an_old_run_resumes_after_its_last_epoch_and_numbers_the_next_one_from_1
     # The loop trains epoch 3 alone and names its checkpoint by that number.
     again = Recorder(state)
     out = train_here(cfg, again)
-    assert again.reports == [(3, 3, 3)] and ray_dp.checkpoint_dir_name(3) == "checkpoint_epoch_003"
+    assert again.reports == [(3, 3, 3)]
     assert [m["epoch"] for m in out["history"]] == [1, 2, 3] and out["started_at_epoch"] == 3
     assert ray_dp.interrupted("train", cfg).startswith("interrupted after epoch 2 of 3 ")
 
@@ -81,13 +81,23 @@ def test_an_old_run_resumes_after_its_last_epoch_and_numbers_the_next_one_from_1
 
 def test_a_finished_run_ends_before_ray_starts_and_says_how_to_extend_it(tmp_path, no_cluster, capsys):
     run = save_run(tmp_path / "runs" / "done", saved=(1, 2, 3), epochs=3)
-    (run / "result.json").write_text(json.dumps({"final": {"epoch": 3, "test_acc": 0.9}, "epochs": []}))
+    epochs = [{"epoch": e, "test_acc": 0.9} for e in (1, 2, 3)]
+    (run / "result.json").write_text(json.dumps({"final": epochs[-1], "epochs": epochs, "format": 2}))
     assert ray_dp.main(["--name", "done", *DIGITS, *runs(tmp_path)]) == 0  # no_cluster: Ray never starts
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "ray-dp: run 'done' already finished its 3 epochs; nothing to train (--epochs 13 trains " \
                       "it further)"
     assert ray_dp.main(["--name", "done", *DIGITS, *runs(tmp_path), "--epochs", "2"]) == 0
     assert "has trained 3 epochs, more than --epochs 2; nothing to train" in capsys.readouterr().out
+    # No training check applies to a run that trains nothing (3 workers would not split its batch of 64) ...
+    assert ray_dp.main(["--name", "done", *DIGITS, *runs(tmp_path), "--workers", "3"]) == 0
+    # ... and a run's result.json from before epochs counted from 1 says the same.
+    old = [{"epoch": e, "test_acc": 0.9} for e in (0, 1, 2)]
+    (run / "result.json").write_text(json.dumps({"final": old[-1], "epochs": old}))
+    summary = ray_dp.train(name="done", dataset="digits", storage_path=str(tmp_path / "runs"))
+    assert [m["epoch"] for m in summary["epochs"]] == [1, 2, 3]
+    assert capsys.readouterr().out.strip().endswith("already finished its 3 epochs; nothing to train (--epochs 13 "
+                                                    "trains it further)")
 
 
 # 3. A missing data set: the files it needs, no foreign hint, nothing left behind.
@@ -99,11 +109,11 @@ def test_a_failed_download_names_the_files_and_takes_away_what_it_made(tmp_path,
     assert f"({data}/FashionMNIST/raw/ holding train-images-idx3-ubyte, train-labels-idx1-ubyte, " \
            f"t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte)" in err
     assert "download=True" not in err and not data.exists()  # no lock file, no empty folders
-    # A data directory that was there keeps what it had, and only that.
+    # A data directory that was there keeps what it had, and the lock (another process may wait on it).
     data.mkdir()
     (data / "mine.txt").write_text("kept")
     error_of(["--data-dir", str(data), *runs(tmp_path)], capsys)
-    assert sorted(p.name for p in data.iterdir()) == ["mine.txt"]
+    assert sorted(p.name for p in data.iterdir()) == [".FashionMNIST.lock", "mine.txt"]
     err = error_of(["--dataset", "cifar10", "--no-download", "--data-dir", str(data), *runs(tmp_path)], capsys)
     assert f"CIFAR10 is not in {data} (--no-download): put its files there ({data}/cifar-10-batches-py/ holding " \
            f"data_batch_1, data_batch_2, data_batch_3, data_batch_4, data_batch_5, test_batch, batches.meta)" in err
@@ -126,7 +136,8 @@ def test_the_header_states_every_switch_that_changes_the_maths_or_the_speed():
 
 
 def test_help_names_compare_and_doctor():
-    out = subprocess.run([sys.executable, "ray_dp.py", "--help"], cwd=REPO, capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, "ray_dp.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, COLUMNS="80")).stdout  # argparse wraps at the terminal's width
     assert out.startswith("usage: ray_dp.py [compare | doctor] [flags]")
     assert "'ray_dp.py compare [flags]'" in out and "'ray_dp.py\ndoctor [flags]'" in out
 
