@@ -3214,15 +3214,24 @@ def start_ray(address: str) -> None:
         # and says so on every run: good, and not news.
         logging.getLogger("ray._private.authentication."
                           "authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(address="local", runtime_env=RUNTIME_ENV, logging_level=logging.WARNING,
+        ray.init(address="local", runtime_env=fresh_runtime_env(), logging_level=logging.WARNING,
                  include_dashboard=False)
         return
     check_reachable(address)
     try:
-        ray.init(address=address, runtime_env=RUNTIME_ENV, logging_level=logging.WARNING)
+        ray.init(address=address, runtime_env=fresh_runtime_env(), logging_level=logging.WARNING)
     except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
         raise ConfigError(f"cannot attach to the Ray cluster at {address}: "
                           f"{first_line(exc)}") from None
+
+
+def fresh_runtime_env() -> dict:
+    """RUNTIME_ENV for a ray.init: Ray writes the setup hook into the env_vars it is given, and a
+    later ray.init in the same process (a notebook's second Ray) refuses a hook already there."""
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+    env_vars = {k: v for k, v in RUNTIME_ENV["env_vars"].items()
+                if k != WORKER_PROCESS_SETUP_HOOK_ENV_VAR}
+    return {**RUNTIME_ENV, "env_vars": env_vars}
 
 
 def check_runtime_env() -> None:

@@ -3,7 +3,6 @@ that say where they went, a full disk, unreadable images, and ray_dp used from a
 import errno
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import torch
 
 import ray_dp
 from helpers import REPO, error_of, save_run
-from test_multinode import node_ports
+from test_multinode import node_ports, stop_node
 from test_trust import tiny_folder
 
 DIGITS = ["--dataset", "digits"]
@@ -257,8 +256,7 @@ def test_ray_dp_trains_from_a_notebook_in_another_directory_locally_and_attached
         done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=360)
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(30)
+        stop_node(head)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summaries = json.loads(done.stdout.split("SUMMARIES ", 1)[1])
     assert summaries == [[1], [1, 2]]
