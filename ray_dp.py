@@ -1836,12 +1836,7 @@ def load_checkpoint(path: str) -> dict:
     """The one reader of checkpoint files, local or in cloud storage (s3://...): one clear sentence
     for a file that is not a readable ray-dp checkpoint."""
     try:
-        source = path
-        if is_uri(str(path)):
-            from pyarrow import fs
-            storage, key = fs.FileSystem.from_uri(str(path))
-            with storage.open_input_stream(key) as f:
-                source = io.BytesIO(f.read())
+        source = io.BytesIO(read_stored(str(path))) if is_uri(str(path)) else path
         # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
         state = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many kinds for truncated, corrupt or foreign files
@@ -1936,11 +1931,10 @@ RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json
 @dataclass(frozen=True)
 class Resume:
     """What a rerun resumes from, as the driver found it: the epochs its checkpoint has done (0:
-    none, the run starts from the beginning), the classes its outputs were trained for (None: a
-    checkpoint from before they were kept) and the checkpoint file."""
+    none, the run starts from the beginning) and the classes its outputs were trained for (None: a
+    checkpoint from before they were kept)."""
     done: int = 0
     classes: Optional[list] = None
-    checkpoint: Optional[str] = None
 
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Resume]:
@@ -1977,7 +1971,7 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
               f"{stored['epochs']}): epoch {done + 1} trains at lr "
               f"{learning_rate(cfg, done):.4g}", flush=True)
-    return cfg, Resume(done, state.get("classes"), latest)
+    return cfg, Resume(done, state.get("classes"))
 
 
 def stored_config(state: dict) -> dict:
@@ -3436,7 +3430,7 @@ def last_checkpoint(cfg: Config, epoch: int) -> str:
 def stored_result(cfg: Config, done: int) -> Optional[dict]:
     """A finished run's result.json, if it is the record of its last checkpoint's epoch."""
     try:
-        summary = renumbered(read_json(os.path.join(cfg.run_dir, "result.json")))
+        summary = renumbered(json.loads(read_stored(os.path.join(cfg.run_dir, "result.json"))))
         return summary if summary["epochs"][-1]["epoch"] == done else None
     except (OSError, ValueError, AttributeError, KeyError, IndexError, TypeError):
         return None
@@ -3453,15 +3447,14 @@ def finished(cfg: Config, summary: dict, done: int) -> dict:
     return summary
 
 
-def read_json(path: str):
-    """A JSON file, local or in cloud storage (s3://...)."""
-    if is_uri(path):
-        from pyarrow import fs
-        storage, key = fs.FileSystem.from_uri(path)
-        with storage.open_input_stream(key) as f:
-            return json.loads(f.read())
-    with open(path) as f:
-        return json.load(f)
+def read_stored(path: str) -> bytes:
+    """A file's bytes, local or in cloud storage (s3://...)."""
+    if not is_uri(path):
+        return Path(path).read_bytes()
+    from pyarrow import fs
+    storage, key = fs.FileSystem.from_uri(path)
+    with storage.open_input_stream(key) as f:
+        return f.read()
 
 
 def wrote_run(cfg: Config, summary: dict) -> str:
@@ -3542,10 +3535,7 @@ def full_device(cfg: Config, error: Optional[BaseException]) -> str:
     if not free:
         return f"no space left on a device the run writes to (--storage-path {cfg.storage_path})"
     (flag, path), left = min(free.items(), key=lambda item: item[1])
-    size = next(f"{left / scale:.1f} {unit}" for unit, scale in
-                (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)) if left >= scale or
-                scale == 1)
-    return f"no space left on the device of --{flag} {path} ({size} free)"
+    return f"no space left on the device of --{flag} {path} ({human_bytes(left)} free)"
 
 
 def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None) -> Optional[dict]:
@@ -3554,10 +3544,6 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
     its processes runs this; rank 0 alone checks, speaks and writes, and decides for all (the loop
     takes rank 0's config and checkpoint: torchrun_follower)."""
     torchrun, follower = under_torchrun(), torchrun_follower()
-    # A run that has done its epochs: said before any cluster starts. (Under torchrun rank 0's loop
-    # says it: the other ranks wait there for it, knowing nothing of the run directory.)
-    if not torchrun and (summary := finished_result(cfg, resume)) is not None:
-        return finished(cfg, summary, resume.done)
     # The start-up breakdown's first marks: this process's start and imports, if this run pays them.
     first = not ray.is_initialized()
     launched = ({} if not first else {"started": STARTED_AT, "imported": IMPORTED_AT}
@@ -3778,16 +3764,17 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
     resolved = []
     for cfg in configs:  # every row is resolved and checked before any cluster starts
         cfg, resume = check_run_dir(cfg)
-        if finished_result(cfg, resume) is not None:  # a row done before: its result.json
-            resolved.append((cfg, resume, None))
+        if (summary := finished_result(cfg, resume)) is not None:  # a row done before
+            resolved.append((cfg, resume, None, summary))
             continue
         validate(cfg, resuming=resume.done > 0)
         cfg, data = check_data(cfg)
         check_model_fits(cfg, data)
-        resolved.append((cfg, resume, data))
-    if any(data is not None for _, _, data in resolved):
+        resolved.append((cfg, resume, data, None))
+    if any(summary is None for *_, summary in resolved):
         connect(max(configs, key=lambda c: c.workers))
-    summaries = [run(*row) for row in resolved]
+    summaries = [run(cfg, resume, data) if summary is None else finished(cfg, summary, resume.done)
+                 for cfg, resume, data, summary in resolved]
     rows = compare_rows(configs, summaries)
     print(write_compare(base.run_dir, rows, [s["epochs"] for s in summaries]))
     print(f"wrote compare.csv, compare.md and compare.png to {base.run_dir}", flush=True)
@@ -4328,7 +4315,7 @@ def probe_failure(error: ray.train.TrainingFailedError) -> str:
 def human_bytes(size: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if size >= scale:
-            return f"{size / scale:g} {unit}"
+            return f"{three_figures(size / scale)} {unit}"
     return f"{size} B"
 
 

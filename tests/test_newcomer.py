@@ -66,7 +66,7 @@ def test_an_old_run_resumes_after_its_last_epoch_and_numbers_the_next_one_from_1
         "checkpoint_epoch_000", "checkpoint_epoch_001"]
     _, cfg, options = ray_dp.parse_command(["--name", "old", *DIGITS, *runs(tmp_path), "--epochs", "3"])
     assert options["resume"].done == 2  # its checkpoint_epoch_001 holds the state after 2 epochs
-    state = ray_dp.load_checkpoint(options["resume"].checkpoint)
+    state = ray_dp.load_checkpoint(ray_dp.latest_committed(cfg.run_dir))
     assert state["epoch"] == 2 and [m["epoch"] for m in state["history"]] == [1, 2]
     # The loop trains epoch 3 alone and names its checkpoint by that number.
     again = Recorder(state)
