@@ -3732,8 +3732,14 @@ def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> No
                  ylim=(0, 1))
     loss_axes.set(xlabel="epoch", ylabel="train loss",
                   title="train loss per epoch (mean over all workers)")
+    last_epoch = max(m["epoch"] for history in histories for m in history)
     for axis in (acc_axes, loss_axes):
-        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        # whole epochs only: a short run's each (a locator labels fractions around one or two)
+        if last_epoch <= 10:
+            axis.set_xticks(range(1, last_epoch + 1))
+        else:
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.set_xlim(0.5, last_epoch + 0.5)
         axis.grid(alpha=0.3)
     acc_axes.legend(fontsize=8)
     names = [row["run"] for row in rows]
