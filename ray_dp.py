@@ -132,7 +132,7 @@ NO_LESSON = object()  # a field the lesson's recipe leaves to the flag's own def
 
 
 def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", doctor: bool = False,
-           lesson=NO_LESSON, path: bool = False, **argparse_kwargs):
+           lesson=NO_LESSON, path: bool = False, store: str = "", **argparse_kwargs):
     """A Config field: its flag's default and help, and what each path does with it, declared
     here so that no list elsewhere can forget a new flag (the safe roles are the defaults).
     rerun (a run resumed under its --name): "fixed", the run's own value, a typed other value is
@@ -141,15 +141,18 @@ def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", do
     "checkpoint", the checkpoint's value, a typed other value is refused; "adopt", the checkpoint's
     unless typed; "free", what this command says. doctor: the doctor takes the flag. lesson:
     --mode scratch's and compare's default, the d2l lesson's recipe. path: a local path, made
-    absolute on the driver (Ray's workers run in directories of their own)."""
+    absolute on the driver (Ray's workers run in directories of their own). store: it may be a URI
+    of object storage (s3://bucket/key, gs://...) that ray_dp "read"s or "write"s; "": local
+    only."""
     assert rerun in ("fixed", "adopt", "free")
     assert evaluation in ("train", "checkpoint", "adopt", "free")
+    assert store in ("", "read", "write")
     return field(default=default, metadata={"help": help, "rerun": rerun, "evaluation": evaluation,
                                             "doctor": doctor, "lesson": lesson, "path": path,
-                                            **argparse_kwargs})
+                                            "store": store, **argparse_kwargs})
 
 
-ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path")  # never argparse's
+ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store")  # never argparse's
 
 
 # resolved once on the driver (parse_command, then connect): a value from then on
@@ -205,7 +208,8 @@ class Config:
                         metavar="NAME", evaluation="checkpoint")
     weights: str = option("", "start from this state_dict file (e.g. torchvision's ImageNet "
                           ".pth); tensors whose shapes do not fit (a classifier for other "
-                          "classes) stay new", metavar="PATH", path=True)
+                          "classes) stay new; a local file or a URI (s3://...)", metavar="PATH",
+                          path=True, store="read")
     image_size: Optional[int] = option(
         None, "images are resized to N x N pixels (default: --dataset folder: 28 for lenet and "
               "mlp, 32 for resnet18, 224 for torchvision models; the built-in sets: their own "
@@ -236,8 +240,9 @@ class Config:
                           "needs no download; folder: your images, --data-dir PATH holding "
                           "train/<class>/* and val/<class>/*", evaluation="checkpoint", doctor=True)
     data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory); "
-                           "--dataset folder: the folder", metavar="DIR", rerun="adopt",
-                           evaluation="adopt", doctor=True, path=True)
+                           "--dataset folder: the folder, on every node's disk or in object "
+                           "storage (s3://bucket/prefix)", metavar="DIR", rerun="adopt",
+                           evaluation="adopt", doctor=True, path=True, store="read")
     download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir",
                             rerun="free", evaluation="free", doctor=True)
     seed: int = option(0, "random seed: model init and data order (the same on every worker), "
@@ -245,7 +250,7 @@ class Config:
                        metavar="N", evaluation="checkpoint")
     storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for "
                                "checkpoints and result.json", metavar="PATH", rerun="free",
-                               evaluation="free", doctor=True, path=True)
+                               evaluation="free", doctor=True, path=True, store="write")
     name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume "
                        "(default: mode-model-dataset-date-time-pid)", metavar="NAME",
                        rerun="free", evaluation="free")
@@ -273,11 +278,13 @@ class Config:
                           doctor=True)
     eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of "
                             "training: a run directory (its last checkpoint), "
-                            "a checkpoint_epoch_NNN directory, or a checkpoint.pt file",
-                            metavar="PATH", rerun="free", evaluation="free")
+                            "a checkpoint_epoch_NNN directory, or a checkpoint.pt file "
+                            "(local or a URI: s3://...)",
+                            metavar="PATH", rerun="free", evaluation="free", store="read")
     predict_out: str = option("", "with --eval-only: write each test sample's index, label, "
                               "predicted class and probability to this CSV file",
-                              metavar="FILE.csv", rerun="free", evaluation="free", path=True)
+                              metavar="FILE.csv", rerun="free", evaluation="free", path=True,
+                              store="write")
 
     @property
     def processes(self) -> int:
@@ -333,6 +340,8 @@ EVAL_FROM_CHECKPOINT = fields_where("evaluation", "checkpoint", "adopt")
 # what `ray_dp.py doctor` takes: where, how many workers of what kind, storage, data
 DOCTOR_FLAGS = fields_where("doctor", True)
 PATH_FIELDS = fields_where("path", True)
+# What ray_dp does with each flag that may name object storage: "read" or "write" (option(store=)).
+STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
 # What each field's values may be (a checkpoint's config is checked against them): from its type.
 FIELD_TYPES = {f.name: {"int": int, "float": (int, float), "str": str, "bool": bool,
                         "Optional[int]": (type(None), int),
@@ -445,12 +454,70 @@ def not_writable(path: str) -> Optional[str]:
     return None
 
 
-def check_uri(flag: str, uri: str) -> None:
+def files_at(path: str):
+    """(pyarrow file system, path in it) for a local path or a URI: one way to read, list, write and
+    delete runs, checkpoints and data wherever they are."""
+    from pyarrow import fs
+    return fs.FileSystem.from_uri(path) if is_uri(path) else (fs.LocalFileSystem(),
+                                                               os.path.abspath(path))
+
+
+def stored_type(path: str) -> str:
+    """What is at a local path or a URI: "file", "directory" or "none"."""
+    from pyarrow import fs
+    storage, where = files_at(path)
+    return {fs.FileType.File: "file", fs.FileType.Directory: "directory"}.get(
+        storage.get_file_info(where).type, "none")
+
+
+def store_problem(uri: str, access: str) -> Optional[str]:
+    """Why the object storage at `uri` cannot be used ("read" or "write"), in words that say what to
+    check, or None: asked once, of its bucket, before any cluster starts (a missing bucket or
+    refused credentials would otherwise fail on every worker, or at the first checkpoint)."""
     from pyarrow import ArrowException, fs
     try:
-        fs.FileSystem.from_uri(uri)
+        storage, path = fs.FileSystem.from_uri(uri)
     except (ArrowException, ValueError) as exc:
-        raise ConfigError(f"--{flag} {uri}: {str(exc).splitlines()[0]}") from None
+        return str(exc).splitlines()[0]
+    if isinstance(storage, fs.LocalFileSystem):  # file://: a directory, checked as one
+        return None
+    bucket = path.split("/")[0]
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    at = f" at {endpoint} (AWS_ENDPOINT_URL)" if endpoint and uri.startswith("s3:") else ""
+    try:
+        found = storage.get_file_info(bucket).type
+    except OSError as exc:
+        reason = " ".join(str(exc).split())
+        if re.search(r"ACCESS_DENIED|INVALID_ACCESS_KEY|SIGNATURE|FORBIDDEN|403", reason):
+            return (f"the store{at} refused access to bucket '{bucket}' ({store_error(reason)}): "
+                    f"check the credentials this machine uses (AWS_ACCESS_KEY_ID and "
+                    f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or its IAM role) and that they may "
+                    f"{'read and write' if access == 'write' else 'read'} the bucket")
+        return f"bucket '{bucket}'{at} cannot be reached ({store_error(reason)})"
+    if found == fs.FileType.NotFound:
+        check = ("its name and AWS_ENDPOINT_URL" if at else
+                 "its name (and for a store other than AWS's, set AWS_ENDPOINT_URL)")
+        return f"bucket '{bucket}' does not exist{at}: create it, or check {check}"
+    if access == "read" and storage.get_file_info(path).type == fs.FileType.NotFound:
+        return f"bucket '{bucket}' holds nothing at '{path[len(bucket) + 1:]}'"
+    return None
+
+
+def store_error(reason: str) -> str:
+    """The part of an AWS SDK error that names it: 'AWS Error ACCESS_DENIED during HeadBucket'."""
+    named = reason[reason.find("AWS Error"):] if "AWS Error" in reason else reason
+    return re.split(r" \(Request ID|; Details", named)[0][:200].rstrip(": .")
+
+
+def check_store(flag: str, uri: str) -> None:
+    """A flag that names object storage: one line before anything starts when it cannot be used
+    (or when the flag takes local paths only)."""
+    name = flag.replace("-", "_")
+    if name not in STORE_ACCESS:
+        raise ConfigError(f"--{flag} {uri}: a local path, not a URI (only --storage-path, "
+                          f"--data-dir, --weights, --eval-only and --predict-out take one)")
+    if (problem := store_problem(uri, STORE_ACCESS[name])):
+        raise ConfigError(f"--{flag} {uri}: {problem}")
 
 
 def not_a_directory(path: str) -> Optional[str]:
@@ -471,7 +538,7 @@ def check_location(cfg: Config) -> None:
         raise ConfigError(f"--name must be one directory name (printable; no '/', '\\', '.' or "
                           f"'..'; at most 255 bytes), got {cfg.name!r}")
     if is_uri(cfg.storage_path):
-        check_uri("storage-path", cfg.storage_path)
+        check_store("storage-path", cfg.storage_path)
 
 
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
@@ -539,7 +606,7 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
          f"--clip-grad-norm must be 0 (off) or more, got {cfg.clip_grad_norm}"),
         (0 <= cfg.label_smoothing < 1,
          f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
-        (not cfg.weights or resuming or os.path.isfile(cfg.weights),
+        (not cfg.weights or resuming or is_uri(cfg.weights) or os.path.isfile(cfg.weights),
          f"--weights {cfg.weights} is not a file"),
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
@@ -565,6 +632,7 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     if cfg.sync_bn and not has_batchnorm(cfg.model):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
+    check_stores(cfg, doctor, resuming)
     directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
                    "predict-out": cfg.predict_out}
     for flag, typed in directories.items():
@@ -572,13 +640,29 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
             continue
         path = os.path.dirname(typed) if flag == "predict-out" else typed
         if path and is_uri(path):
-            check_uri(flag, path)
+            continue  # check_stores'
         elif path and (blocker := not_a_directory(path)):
             raise ConfigError(f"--{flag} {typed}: {blocker} is a file, not a directory")
         elif path and flag != "data-dir" and (blocker := not_writable(path)):
             raise ConfigError(f"--{flag} {typed}: {blocker} is not writable")
     if not doctor and not cfg.eval_only:  # evaluation has no global batch to split
         check_batch_split(cfg)
+
+
+def check_stores(cfg: Config, doctor: bool, resuming: bool) -> None:
+    """Every flag that names object storage, checked in one request each (store_problem); the
+    doctor tries --storage-path itself, from every node, and a resumed run reads no --weights."""
+    skipped = {"storage_path", "predict_out", "logdir"} if doctor else set()
+    if resuming:
+        skipped.add("weights")
+    for name in sorted((PATH_FIELDS | STORE_ACCESS.keys()) - skipped):
+        value = getattr(cfg, name)
+        if not is_uri(value):
+            continue
+        if name == "data_dir" and cfg.dataset != "folder":
+            raise ConfigError(f"--data-dir {value}: only --dataset folder reads its data from "
+                              f"object storage; {cfg.dataset} is kept in a local directory")
+        check_store(name.replace("_", "-"), value)
 
 
 def check_batch_split(cfg: Config) -> None:
@@ -735,18 +819,24 @@ def load_synthetic(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
 @dataset("folder")
 def load_folder(cfg: Config):
     """--data-dir PATH laid out as torchvision's ImageFolder wants it (pytorch/examples' imagenet):
-    PATH/train/<class>/* and PATH/val/<class>/*, any format PIL reads, decoded per sample."""
+    PATH/train/<class>/* and PATH/val/<class>/*, any format PIL reads, decoded per sample; PATH on
+    a disk or in object storage (s3://bucket/prefix: StoredImageFolder)."""
     from torchvision.datasets import ImageFolder
-    root = Path(cfg.data_dir)
+    root = cfg.data_dir.rstrip("/") if is_uri(cfg.data_dir) else cfg.data_dir
     for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise DataError(f"--dataset folder needs {root / split}/<class>/<images> (and "
-                            f"{root / ('val' if split == 'train' else 'train')}/ beside it)")
+        if stored_type(f"{root}/{split}") != "directory":
+            other = "val" if split == "train" else "train"
+            raise DataError(f"--dataset folder needs {root}/{split}/<class>/<images> (and "
+                            f"{root}/{other}/ beside it)")
     train_transform, eval_transform = image_transforms(cfg)
     try:
-        loader = functools.partial(read_image, data_dir=str(root))
-        train = ImageFolder(str(root / "train"), transform=train_transform, loader=loader)
-        val = ImageFolder(str(root / "val"), transform=eval_transform, loader=loader)
+        if is_uri(root):
+            train = StoredImageFolder(f"{root}/train", train_transform, data_dir=root)
+            val = StoredImageFolder(f"{root}/val", eval_transform, data_dir=root)
+        else:
+            loader = functools.partial(read_image, data_dir=root)
+            train = ImageFolder(f"{root}/train", transform=train_transform, loader=loader)
+            val = ImageFolder(f"{root}/val", transform=eval_transform, loader=loader)
     except FileNotFoundError as exc:  # a class folder without a single image
         raise DataError(f"--data-dir {root}: {exc}") from None
     if train.classes != val.classes:
@@ -757,15 +847,91 @@ def load_folder(cfg: Config):
     return train, val
 
 
-def read_image(path: str, data_dir: str):
-    """ImageFolder's own loader (PIL, as RGB), but a file that is no readable image is named, with
-    its folder, in one line: wherever it is decoded (the driver's statistics, a worker's loader, an
+class StoredImageFolder(torch.utils.data.Dataset):
+    """torchvision's ImageFolder over object storage (root: s3://bucket/prefix/train), with its
+    attributes (classes, class_to_idx, samples, targets) and its order (sorted classes, then
+    sorted(os.walk())), so that a bucket and a disk holding the same files give the same samples.
+    The objects are listed once, a request per 1,000, where the data set is made (the driver, which
+    sends the list to the workers); a batch's images are fetched together (prefetch), each decoded
+    when the loader asks for it."""
+
+    def __init__(self, root: str, transform, data_dir: str):
+        from pyarrow import fs
+        from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+        storage, path = files_at(root)
+        found = storage.get_file_info(fs.FileSelector(path, recursive=True, allow_not_found=True))
+        # (class, its folder, file name) of each object under a class folder
+        entries = [(parts[0], "/".join(parts[:-1]), parts[-1]) for info in found
+                   for parts in [info.path[len(path) + 1:].split("/")]
+                   if len(parts) > 1 and info.type == fs.FileType.File]
+        self.classes = sorted({parts[0] for info in found
+                               for parts in [info.path[len(path) + 1:].split("/")]
+                               if len(parts) > 1 or info.type == fs.FileType.Directory})
+        if not self.classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {root}.")
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        self.samples = [(f"{root}/{folder}/{name}", self.class_to_idx[class_name])
+                        for class_name, folder, name in sorted(entries)
+                        if has_file_allowed_extension(name, IMG_EXTENSIONS)]
+        self.targets = [target for _, target in self.samples]
+        if (empty := set(self.classes) - {self.classes[t] for t in set(self.targets)}):
+            raise FileNotFoundError(f"Found no valid file for the classes "
+                                    f"{', '.join(sorted(empty))}. Supported extensions are: "
+                                    f"{', '.join(IMG_EXTENSIONS)}")
+        self.root, self.transform, self.data_dir, self.fetched = root, transform, data_dir, {}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple:
+        path, target = self.samples[index]
+        data = self.fetched.pop(path, None) or stored_image(path, self.data_dir)
+        return self.transform(read_image(path, self.data_dir, data)), target
+
+    def __getitems__(self, indices: list) -> list:
+        """A batch (torch's DataLoader asks for it whole, through Subset too)."""
+        self.prefetch(indices)
+        return [self[index] for index in indices]
+
+    def prefetch(self, indices: list) -> None:
+        """The objects of these samples fetched at once, a request each in threads of their own: a
+        loader waits for the slowest of a batch, not for the sum of their latencies."""
+        from concurrent.futures import ThreadPoolExecutor
+        paths = [self.samples[index][0] for index in indices]
+        with ThreadPoolExecutor(max_workers=min(16, len(paths) or 1)) as pool:
+            self.fetched.update(zip(paths, pool.map(
+                functools.partial(stored_image, data_dir=self.data_dir), paths)))
+
+
+def read_image(path: str, data_dir: str, data: Optional[bytes] = None):
+    """ImageFolder's own loader (PIL, as RGB), for a file or an object's bytes (fetched before: a
+    store that fails says so itself); but a file that is no readable image is named, with its
+    folder, in one line: wherever it is decoded (the driver's statistics, a worker's loader, an
     evaluation)."""
+    from PIL import Image
     from torchvision.datasets.folder import default_loader
     try:
-        return default_loader(path)
+        if data is None:
+            return default_loader(path)
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
     except BROKEN_IMAGE as exc:
         raise DataError(unreadable_image(path, data_dir, exc)) from None
+
+
+def stored_image(uri: str, data_dir: str) -> bytes:
+    """An image's bytes from object storage, through one connection per loader process (made on
+    first use in that process: a store's client does not survive a fork)."""
+    data_dir = data_dir.rstrip("/")
+    key = (data_dir, os.getpid())
+    if key not in STORE_CONNECTIONS:
+        STORE_CONNECTIONS[key] = files_at(data_dir)
+    storage, root = STORE_CONNECTIONS[key]
+    with storage.open_input_file(root + uri[len(data_dir):]) as f:
+        return f.read()
+
+
+STORE_CONNECTIONS = {}  # (--data-dir, process ID): its (file system, path), for stored_image
 
 
 def unreadable_image(path: str, data_dir: str, error: BaseException) -> str:
@@ -809,8 +975,12 @@ def with_data_statistics(cfg: Config, train_set) -> Config:
         return cfg
     if cfg.weights:
         return replace(cfg, normalize=IMAGENET_STATISTICS)
-    sample = torch.stack([train_set[i][0] for i in torch.linspace(0, len(train_set) - 1, 500).long()
-                          .unique().tolist()])
+    picked = torch.linspace(0, len(train_set) - 1, 500).long().unique().tolist()
+    if hasattr(train_set, "prefetch"):  # a bucket's: fetched at once
+        train_set.prefetch(picked)
+    with torch.random.fork_rng():  # --augment's random crops: the same statistics on every run
+        torch.manual_seed(cfg.seed)
+        sample = torch.stack([train_set[i][0] for i in picked])
     mean = sample.mean((0, 2, 3))
     std = sample.std((0, 2, 3)).clamp_min(1e-3)
     return replace(cfg, normalize=([round(v, 4) for v in mean.tolist()],
@@ -1239,7 +1409,8 @@ def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
 def read_weights(path: str) -> dict:
     """A state_dict file (a ray-dp checkpoint's model too), loaded as data only (weights_only)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        source = io.BytesIO(read_stored(path)) if is_uri(path) else path
+        state = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many kinds for files it cannot read safely
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"--weights {path} is not a state_dict torch can load safely "
@@ -1521,6 +1692,12 @@ class SampleStreams(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.data)
+
+    def __getitems__(self, keys: list) -> list:
+        """A batch: a data set that can fetch its samples together (StoredImageFolder) does."""
+        if hasattr(self.data, "prefetch"):
+            self.data.prefetch([index for _, index in keys])
+        return [self[key] for key in keys]
 
     def __getitem__(self, key: tuple):
         epoch, index = key
@@ -1853,29 +2030,39 @@ def load_checkpoint(path: str) -> dict:
 
 
 def checkpoint_file(path: str) -> str:
-    """The checkpoint file that PATH means: the file itself,
-    DIR/checkpoint.pt, or a run's last epoch."""
-    if not os.path.exists(path):
+    """The checkpoint file that PATH means, local or a URI: the file itself, DIR/checkpoint.pt, or
+    a run's last epoch."""
+    if is_uri(path):
+        check_store("eval-only", path)
+    kind = stored_type(path)
+    if kind == "none":
         raise ConfigError(f"--eval-only {path} does not exist")
-    if os.path.isfile(path):
-        return os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):
-        return os.path.abspath(os.path.join(path, CHECKPOINT_FILE))
-    latest = latest_committed(os.path.abspath(path))  # the last one whole: not one cut short
+    full = path.rstrip("/") if is_uri(path) else os.path.abspath(path)
+    if kind == "file":
+        return full
+    if stored_type(f"{full}/{CHECKPOINT_FILE}") == "file":
+        return f"{full}/{CHECKPOINT_FILE}"
+    latest = latest_committed(full)  # the last one whole: not one cut short
     if latest is None:
         raise ConfigError(f"--eval-only {path} holds no checkpoint ({CHECKPOINT_FILE} or "
                           f"checkpoint_epoch_*/{CHECKPOINT_FILE})")
-    return str(Path(latest).resolve())
+    return latest if is_uri(latest) else str(Path(latest).resolve())
 
 
-def epoch_checkpoints(run_dir: str) -> list[Path]:
-    """A run's checkpoint files in epoch order: by number,
-    since as text epoch 1000 sorts before 999."""
+def epoch_checkpoints(run_dir: str) -> list[str]:
+    """A run's checkpoint files (local or a URI) in epoch order: by number, since as text epoch 1000
+    sorts before 999."""
+    from pyarrow import fs
+    storage, path = files_at(run_dir)
     found = {}
-    for path in Path(run_dir).glob(f"checkpoint_epoch_*/{CHECKPOINT_FILE}"):
-        if (match := re.fullmatch(r"checkpoint_epoch_(\d+)", path.parent.name)):
-            found[int(match[1])] = path
-    return [found[epoch] for epoch in sorted(found)]
+    for info in storage.get_file_info(fs.FileSelector(path, allow_not_found=True)):
+        match = re.fullmatch(r"checkpoint_epoch_(\d+)", info.base_name)
+        if match and info.type == fs.FileType.Directory:
+            found[int(match[1])] = f"{info.path}/{CHECKPOINT_FILE}"
+    epochs = sorted(found)
+    kinds = storage.get_file_info([found[epoch] for epoch in epochs])
+    return [f"{run_dir.rstrip('/')}/{Path(found[epoch]).parent.name}/{CHECKPOINT_FILE}"
+            for epoch, kind in zip(epochs, kinds) if kind.type == fs.FileType.File]
 
 
 def latest_committed(run_dir: str) -> Optional[str]:
@@ -1883,7 +2070,7 @@ def latest_committed(run_dir: str) -> Optional[str]:
     them, in order), or under torchrun, which keeps no snapshot, the highest epoch written
     (atomically)."""
     from pyarrow import fs
-    storage, path = fs.FileSystem.from_uri(run_dir)
+    storage, path = files_at(run_dir)
     snapshot = f"{path}/checkpoint_manager_snapshot.json"
     if storage.get_file_info(snapshot).type != fs.FileType.NotFound:
         try:
@@ -1894,30 +2081,34 @@ def latest_committed(run_dir: str) -> Optional[str]:
                               f"checkpoints; rerun with --fresh to start over") from None
         return (f"{run_dir}/{committed[-1]['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if committed
                 else None)
-    files = [] if is_uri(run_dir) else epoch_checkpoints(run_dir)
-    return str(files[-1]) if files else None
+    files = epoch_checkpoints(run_dir)
+    return files[-1] if files else None
 
 
 def write_json(path: str, data: dict) -> None:
     """result.json beside the run's checkpoints, in cloud storage too."""
-    text = json.dumps(data, indent=2)
-    if is_uri(path):  # an object store writes the whole object or nothing
-        from pyarrow import fs
-        storage, key = fs.FileSystem.from_uri(path)
-        storage.create_dir(os.path.dirname(key), recursive=True)
-        with storage.open_output_stream(key) as f:
-            f.write(text.encode())
+    write_stored(path, json.dumps(data, indent=2).encode())
+
+
+def write_stored(path: str, data: bytes) -> None:
+    """A whole file, local (write_atomically) or in object storage, which writes the whole object
+    or nothing."""
+    if not is_uri(path):
+        write_atomically(path, data)
         return
-    write_atomically(path, text)
+    storage, key = files_at(path)
+    with storage.open_output_stream(key) as f:
+        f.write(data)
 
 
-def write_atomically(path: str, text: str) -> None:
+def write_atomically(path: str, data: Union[str, bytes]) -> None:
     """Never a half-written file: write beside it, then rename over it; a write that fails (a full
     disk) leaves the file as it was and nothing beside it."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     try:
-        with open(path + ".tmp", "w", newline="") as f:
-            f.write(text)
+        with open(path + ".tmp", "wb" if isinstance(data, bytes) else "w",
+                  **({} if isinstance(data, bytes) else {"newline": ""})) as f:
+            f.write(data)
         os.replace(path + ".tmp", path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -1945,7 +2136,7 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
     does not say (flags not typed, when `typed` is given) it takes from that checkpoint.
     Returns the config to run and what it resumes from."""
     from pyarrow import fs
-    storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
+    storage, run_dir = files_at(cfg.run_dir)
     kind = storage.get_file_info(run_dir).type
     if kind == fs.FileType.NotFound:
         return cfg, Resume()
@@ -2059,7 +2250,7 @@ def start_fresh(cfg: Config) -> None:
     """--fresh, once every check has passed:
     delete the run's directory (check_run_dir vetted it)."""
     from pyarrow import fs
-    storage, run_dir = fs.FileSystem.from_uri(cfg.run_dir)
+    storage, run_dir = files_at(cfg.run_dir)
     if cfg.fresh and storage.get_file_info(run_dir).type == fs.FileType.Directory:
         storage.delete_dir(run_dir)
         print(f"--fresh: deleted {cfg.run_dir}; starting run '{cfg.name}' over", flush=True)
@@ -2724,7 +2915,7 @@ def write_predictions(path: str, test_set, predictions: list, names: list) -> No
     for i, (label, (predicted, probability)) in enumerate(zip(labels_of(test_set), predictions)):
         writer.writerow([i, label, int(predicted), f"{probability:.6f}", names[label],
                          names[int(predicted)]] + ([files[i]] if files else []))
-    write_atomically(path, text.getvalue())
+    write_stored(path, text.getvalue().encode())
 
 
 def labels_of(data) -> list:
@@ -3225,7 +3416,13 @@ def fresh_runtime_env() -> dict:
     from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
     env_vars = {k: v for k, v in RUNTIME_ENV["env_vars"].items()
                 if k != WORKER_PROCESS_SETUP_HOOK_ENV_VAR}
+    # which object store the driver checked is the one every worker uses (credentials, though,
+    # are each node's own: its IAM role or environment, never sent along)
+    env_vars.update({k: os.environ[k] for k in STORE_SETTINGS if k in os.environ})
     return {**RUNTIME_ENV, "env_vars": env_vars}
+
+
+STORE_SETTINGS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
 
 
 def check_runtime_env() -> None:
@@ -3451,8 +3648,7 @@ def read_stored(path: str) -> bytes:
     """A file's bytes, local or in cloud storage (s3://...)."""
     if not is_uri(path):
         return Path(path).read_bytes()
-    from pyarrow import fs
-    storage, key = fs.FileSystem.from_uri(path)
+    storage, key = files_at(path)
     with storage.open_input_stream(key) as f:
         return f.read()
 
@@ -3569,13 +3765,13 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
         launched["connected"] = time.time()
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
     # Through Ray's object store, loaded once and no files needed on the workers' nodes: --weights,
-    # and data held in memory. (torchrun has no object store: its processes read them.)
+    # data held in memory, and the list of a bucket's images. (torchrun has no object store: its
+    # processes read them.)
     shared = not torchrun
     options = LoopOptions(progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
                           start_from=(ray.put(read_weights(cfg.weights))
                                       if cfg.weights and shared and not resumes else None),
-                          data=(ray.put(data.datasets) if shared and not data.per_sample
-                                else None),
+                          data=ray.put(data.datasets) if shared and sent(cfg, data) else None,
                           launched=launched)
     if torchrun:
         # local mode logs every report at INFO
@@ -3610,14 +3806,21 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
     return summary
 
 
+def sent(cfg: Config, data: DataInfo) -> bool:
+    """The driver sends the workers their data (not only its place): data held in memory, and the
+    list of a bucket's images (listed once, not once per worker)."""
+    return not data.per_sample or is_uri(cfg.data_dir)
+
+
 def run_eval(cfg: Config, checkpoint: dict) -> dict:
     """--eval-only: the same test metrics as training, plus per-class accuracy and the confusion
     matrix; returns what result.json holds."""
     train_set, test_set = load_dataset(cfg)
     names = checkpoint_classes(cfg, checkpoint, train_set, test_set)
-    check_model_fits(cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, test_set),
-                                   names, not isinstance(test_set, TensorDataset)))
-    if os.path.isfile(cfg.run_dir):
+    info = DataInfo((len(train_set), len(test_set)), input_shape(cfg, test_set), names,
+                    not isinstance(test_set, TensorDataset))
+    check_model_fits(cfg, info)
+    if stored_type(cfg.run_dir) == "file":
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if epoch_checkpoints(cfg.run_dir):
         raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, whose "
@@ -3627,7 +3830,8 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
           f"{len(test_set)} test samples) on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers",
           flush=True)
     # the workers need no shared disk
-    options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(names))
+    options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(names),
+                          data=ray.put((train_set, test_set)) if sent(cfg, info) else None)
     out = fit(cfg, eval_loop_per_worker, options).return_value
     metrics = out["metrics"]
     predictions, confusion = metrics.pop("predictions"), metrics["confusion"]
@@ -3692,15 +3896,14 @@ def compare_rows(configs: list[Config], summaries: list[dict]) -> list[dict]:
 def write_compare(out_dir: str, rows: list[dict], histories: list[list[dict]]) -> str:
     """compare.csv, compare.md (the table, returned) and compare.png."""
     import csv
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "compare.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_stored(os.path.join(out_dir, "compare.csv"), text.getvalue().encode())
     table = "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])] +
                       ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows])
-    with open(os.path.join(out_dir, "compare.md"), "w") as f:
-        f.write(table + "\n")
+    write_stored(os.path.join(out_dir, "compare.md"), (table + "\n").encode())
     plot_compare(os.path.join(out_dir, "compare.png"), rows, histories)
     return table
 
@@ -3761,8 +3964,10 @@ def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> No
         axis.tick_params(axis="x", labelrotation=30)
         axis.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    write_stored(path, png.getvalue())
 
 
 def compare(base: Config, scale_lr: bool) -> list[dict]:
@@ -3895,6 +4100,9 @@ class Doctor:
                            f"each{'; ' + noted if noted else ''}")
 
     def storage(self) -> Check:
+        if is_uri(self.cfg.storage_path) and (problem := store_problem(self.cfg.storage_path,
+                                                                       "write")):
+            return Check(False, f"{self.cfg.storage_path}: {problem}")
         root = self.cfg.storage_path.rstrip("/")
         folder = f"{root}/.ray-dp-doctor-{os.getpid()}-{time.time():.0f}"
         written = self.on_every_node(write_marker, folder)
@@ -3975,7 +4183,7 @@ class Doctor:
         begun = time.time()
         paths = [path for split in ("train", "val") for path, _ in
                  load_dataset(replace(self.cfg, download=False))[split == "val"].samples]
-        bad = unreadable_images(paths)
+        bad = unreadable_images(paths, self.cfg.data_dir)
         seconds = time.time() - begun
         pace = f"{seconds:.1f} s, {seconds / len(paths) * 10_000:.1f} s per 10,000"
         if not bad:
@@ -4041,18 +4249,12 @@ def node_names(nodes: list) -> dict:
             node["NodeID"] for node, address in zip(nodes, addresses)}
 
 
-def storage_files(path: str):
-    """(pyarrow file system, path in it) for --storage-path: a local directory or a URI."""
-    from pyarrow import fs
-    return fs.FileSystem.from_uri(path) if is_uri(path) else (fs.LocalFileSystem(), path)
-
-
 def write_marker(folder: str) -> dict:
     """On one node: a file named after the node's ID written into folder. {"error": None or why
     not, "created": the first directory of folder's that did not exist, for remove_markers}."""
     from pyarrow import ArrowException
     try:
-        files, path = storage_files(folder)
+        files, path = files_at(folder)
         created = None if is_uri(folder) else next(
             (str(part) for part in reversed(Path(path).parents) if not part.exists()), None)
         files.create_dir(path, recursive=True)
@@ -4067,7 +4269,7 @@ def read_markers(folder: str):
     """On one node: the markers it sees in folder (a list of node IDs), or why it cannot (str)."""
     from pyarrow import ArrowException, fs
     try:
-        files, path = storage_files(folder)
+        files, path = files_at(folder)
         return [info.base_name for info in
                 files.get_file_info(fs.FileSelector(path, allow_not_found=True))]
     except (OSError, ArrowException, ValueError) as exc:
@@ -4079,7 +4281,7 @@ def remove_markers(folder: str, created: dict) -> None:
     node ID), so that the doctor leaves nothing behind."""
     from pyarrow import ArrowException
     with contextlib.suppress(OSError, ArrowException, ValueError):
-        files, path = storage_files(folder)
+        files, path = files_at(folder)
         files.delete_dir(path)
         if (made := created.get(ray.get_runtime_context().get_node_id())):
             files.delete_dir(made)
@@ -4123,15 +4325,16 @@ def data_files(cfg: Config) -> dict:
             "per_sample": not isinstance(train, TensorDataset)}
 
 
-def unreadable_images(paths: list) -> list:
+def unreadable_images(paths: list, data_dir: str) -> list:
     """(path, why) of each file that PIL cannot decode, reading them all with a progress bar."""
     from PIL import Image
     from tqdm import tqdm
     bad = []
     for path in tqdm(paths, desc="decoding images", unit=" images",
                      disable=not sys.stderr.isatty()):
+        source = io.BytesIO(stored_image(path, data_dir)) if is_uri(path) else path
         try:
-            with Image.open(path) as image:
+            with Image.open(source) as image:
                 image.load()
         except BROKEN_IMAGE as exc:
             bad.append((path, " ".join(str(exc).split()) or type(exc).__name__))
