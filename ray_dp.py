@@ -436,7 +436,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
 
 def is_uri(path: str) -> bool:
     # s3://bucket/path and the like: storage that pyarrow reaches, not a local path
-    return "://" in path
+    return "://" in str(path)
 
 
 def is_run_name(name: str) -> bool:
@@ -2053,6 +2053,7 @@ def epoch_checkpoints(run_dir: str) -> list[str]:
     """A run's checkpoint files (local or a URI) in epoch order: by number, since as text epoch 1000
     sorts before 999."""
     from pyarrow import fs
+    run_dir = str(run_dir)
     storage, path = files_at(run_dir)
     found = {}
     for info in storage.get_file_info(fs.FileSelector(path, allow_not_found=True)):
@@ -2096,7 +2097,10 @@ def write_stored(path: str, data: bytes) -> None:
     if not is_uri(path):
         write_atomically(path, data)
         return
+    from pyarrow import fs
     storage, key = files_at(path)
+    if isinstance(storage, fs.LocalFileSystem):  # file://; a bucket has no directories to make
+        storage.create_dir(os.path.dirname(key), recursive=True)
     with storage.open_output_stream(key) as f:
         f.write(data)
 

@@ -1,7 +1,11 @@
 """Shared fixtures: one local Ray cluster for the whole session, and a gloo process-group launcher."""
 import os
+import socket
+import subprocess
 import sys
+import time
 import urllib.error
+import urllib.request
 
 import pytest
 
@@ -9,6 +13,68 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # tests import ray_dp (and helpers, beside them) by name
 # Ray workers import ray_dp by name when the tests pass them its functions.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Object storage: an S3-protocol server (moto's) on 127.0.0.1, reached as a user reaches any
+# S3-compatible store, through AWS_ENDPOINT_URL. Said here, before the shared Ray starts, so that its
+# processes reach it too; credentials of the server's own (it takes any), and no instance metadata
+# to ask for others: nothing goes to any other address. The server starts with the first test that
+# needs it (s3).
+S3_PORT = free_port()
+os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCESS_KEY_ID": "testing",
+                   "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                   "AWS_EC2_METADATA_DISABLED": "true"})
+
+
+def start_s3_server(port: int, **env) -> subprocess.Popen:
+    """moto's S3 server on 127.0.0.1:port, once it answers."""
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1).close()
+            return server
+        except urllib.error.HTTPError:  # an answer (refusing, when it checks credentials)
+            return server
+        except OSError:
+            if server.poll() is not None or time.time() > deadline:
+                server.kill()
+                raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port}")
+            time.sleep(0.1)
+
+
+def stop(server: subprocess.Popen) -> None:
+    server.terminate()  # by its own process ID
+    try:
+        server.wait(10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """The S3 server for the session, and a boto3 client of it (buckets are made with it)."""
+    import boto3
+    server = start_s3_server(S3_PORT)
+    yield boto3.client("s3")
+    stop(server)
+
+
+@pytest.fixture
+def refusing_s3(monkeypatch):
+    """An S3 server that refuses every request's credentials, as AWS_ENDPOINT_URL."""
+    port = free_port()
+    server = start_s3_server(port, INITIAL_NO_AUTH_ACTION_COUNT="0")  # moto checks credentials
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    yield f"http://127.0.0.1:{port}"
+    stop(server)
 
 
 @pytest.fixture(scope="session")

@@ -53,13 +53,14 @@ def assert_bitwise_equal(a, b):
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
-def digits_folder(root):
+def digits_folder(root, sizes=(None, None)):
     """scikit-learn's digits, split as --dataset digits splits them, saved as 28x28 PNG files in
-    torchvision's ImageFolder layout: root/train/<name>/<i>.png and root/val/<name>/<i>.png."""
+    torchvision's ImageFolder layout: root/train/<name>/<i>.png and root/val/<name>/<i>.png (the first
+    `sizes` of each split; None: all)."""
     from PIL import Image
-    for split, data in zip(("train", "val"), ray_dp.load_digits()):
+    for split, data, size in zip(("train", "val"), ray_dp.load_digits(), sizes):
         images, labels = data.tensors
-        for i, (image, label) in enumerate(zip(images, labels.tolist())):
+        for i, (image, label) in enumerate(zip(images[:size], labels[:size].tolist())):
             folder = root / split / DIGIT_NAMES[label]
             folder.mkdir(parents=True, exist_ok=True)
             pixels = (image[0] * 255).round().clamp(0, 255).to(torch.uint8).numpy()
@@ -86,3 +87,21 @@ def error_of(argv, capsys):
     err = capsys.readouterr().err
     assert err.startswith("ray_dp.py: error: ") and err.count("\n") == 1, err
     return err
+
+
+def upload(s3, folder, bucket, prefix):
+    """Every file under folder into s3://bucket/prefix/, at the same relative paths."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+
+
+def new_bucket(s3, name):
+    s3.create_bucket(Bucket=name)
+    return name
+
+
+def keys(s3, bucket, prefix=""):
+    """Every object's key in the bucket (under prefix), sorted."""
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return sorted(item["Key"] for page in pages for item in page.get("Contents", []))

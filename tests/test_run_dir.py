@@ -4,6 +4,7 @@ import copy
 import json
 import os
 import time
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -125,7 +126,7 @@ def test_a_rerun_takes_what_it_does_not_type_from_the_run_it_resumes(tmp_path, c
 
 def test_checkpoints_are_ordered_by_epoch_number_not_as_text(tmp_path):
     run = save_run(tmp_path / "run", saved=[2, 999, 1000])
-    assert [p.parent.name for p in ray_dp.epoch_checkpoints(run)] == [
+    assert [Path(p).parent.name for p in ray_dp.epoch_checkpoints(run)] == [
         "checkpoint_epoch_002", "checkpoint_epoch_999", "checkpoint_epoch_1000"]
     assert ray_dp.checkpoint_file(str(run)).endswith("checkpoint_epoch_1000/checkpoint.pt")
     assert ray_dp.latest_committed(str(run)).endswith("checkpoint_epoch_1000/checkpoint.pt")

@@ -1,0 +1,181 @@
+"""Object storage (#24): data, runs and checkpoints in s3://, against an S3-protocol server that the tests start on
+127.0.0.1 (conftest's s3 fixture: moto's server, reached through AWS_ENDPOINT_URL as any S3-compatible store is)."""
+import csv
+import io
+import json
+import shutil
+
+import pytest
+import torch
+
+import ray_dp
+from helpers import (DIGIT_NAMES, assert_bitwise_equal, digits_folder, error_of, final_weights, keys, new_bucket,
+                     save_run, train, upload)
+
+DIGITS = ["--dataset", "digits"]
+
+
+@pytest.fixture(scope="module")
+def images(s3, tmp_path_factory):
+    """The first 256 train and 100 val digits as PNG class folders, on disk and in s3://images/digits/."""
+    folder = digits_folder(tmp_path_factory.mktemp("digits"), sizes=(256, 100))
+    upload(s3, folder, new_bucket(s3, "images"), "digits")
+    return folder
+
+
+def test_missing_buckets_are_one_line_each_before_any_cluster_starts(s3, images, no_cluster, capsys):
+    endpoint = f"at {ray_dp.os.environ['AWS_ENDPOINT_URL']} (AWS_ENDPOINT_URL)"
+    missing = f"bucket 'missing' does not exist {endpoint}: create it, or check its name and AWS_ENDPOINT_URL"
+    for flags in (["--storage-path", "s3://missing/runs"], ["--weights", "s3://missing/w.pth"],
+                  ["--eval-only", "s3://missing/runs/q"], ["--dataset", "folder", "--data-dir", "s3://missing/d"],
+                  ["doctor", "--dataset", "folder", "--data-dir", "s3://missing/d"]):
+        argv = flags if flags[0] == "doctor" else [*DIGITS, *flags]
+        assert error_of(argv, capsys) == f"ray_dp.py: error: {' '.join(flags[-2:])}: {missing}\n"
+    assert error_of([*DIGITS, "--weights", "s3://images/w.pth"], capsys).endswith(
+        "--weights s3://images/w.pth: bucket 'images' holds nothing at 'w.pth'\n")
+    assert error_of([*DIGITS, "--data-dir", "s3://images/digits"], capsys).endswith(
+        "--data-dir s3://images/digits: only --dataset folder reads its data from object storage; digits is kept "
+        "in a local directory\n")
+    assert "--logdir s3://images/tb: a local path, not a URI" in error_of([*DIGITS, "--logdir", "s3://images/tb"],
+                                                                            capsys)
+
+
+def test_the_doctors_storage_check_names_a_missing_bucket(s3):
+    doctor = ray_dp.Doctor(ray_dp.Config(storage_path="s3://missing/runs"), 30)
+    try:
+        assert doctor.storage() == ray_dp.Check(False, "s3://missing/runs: bucket 'missing' does not exist at "
+                                                       f"{ray_dp.os.environ['AWS_ENDPOINT_URL']} (AWS_ENDPOINT_URL): "
+                                                       "create it, or check its name and AWS_ENDPOINT_URL")
+    finally:
+        shutil.rmtree(doctor.logs)
+
+
+def test_refused_credentials_are_one_line_naming_the_bucket_and_what_to_check(refusing_s3, no_cluster, capsys):
+    refused = (f"the store at {refusing_s3} (AWS_ENDPOINT_URL) refused access to bucket 'data' (AWS Error "
+               f"ACCESS_DENIED during HeadBucket operation: No response body): check the credentials this machine "
+               f"uses (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or its IAM role) and that they may ")
+    assert error_of([*DIGITS, "--storage-path", "s3://data/runs"], capsys) == (
+        f"ray_dp.py: error: --storage-path s3://data/runs: {refused}read and write the bucket\n")
+    assert error_of(["--dataset", "folder", "--data-dir", "s3://data/images"], capsys) == (
+        f"ray_dp.py: error: --data-dir s3://data/images: {refused}read the bucket\n")
+
+
+def test_a_bucket_folder_is_listed_as_imagefolder_lists_the_same_files(s3, tmp_path):
+    from PIL import Image
+    from torchvision.datasets import ImageFolder
+    # class names that sort differently as paths ("a-b/" < "a/"), a sub-folder, a file that is no image (by its
+    # name) and one beside the class folders: ImageFolder's classes, order and samples, object for file
+    for path in ["train/a/z.png", "train/a/sub/b.png", "train/a-b/c.png", "train/b/a.png", "train/loose.png"]:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("L", (8, 8), color=len(path)).save(tmp_path / path)
+    (tmp_path / "train" / "a" / "notes.txt").write_text("not an image")
+    upload(s3, tmp_path, new_bucket(s3, "listing"), "set")
+    on_disk = ImageFolder(str(tmp_path / "train"))
+    stored = ray_dp.StoredImageFolder("s3://listing/set/train", lambda image: image, "s3://listing/set")
+    assert stored.classes == on_disk.classes == ["a", "a-b", "b"] and stored.class_to_idx == on_disk.class_to_idx
+    assert [(path.replace("s3://listing/set", str(tmp_path)), c) for path, c in stored.samples] == on_disk.samples
+    assert stored.targets == on_disk.targets
+    assert [image.tobytes() for image, _ in stored.__getitems__([0, 3])] == [
+        on_disk[i][0].tobytes() for i in (0, 3)]
+    (tmp_path / "train" / "c").mkdir()
+    (tmp_path / "train" / "c" / "notes.txt").write_text("a class with no image")
+    upload(s3, tmp_path, "listing", "set")
+    with pytest.raises(FileNotFoundError) as on_disk_error:
+        ImageFolder(str(tmp_path / "train"))
+    with pytest.raises(FileNotFoundError, match="^" + ray_dp.re.escape(str(on_disk_error.value)) + "$"):
+        ray_dp.StoredImageFolder("s3://listing/set/train", None, "s3://listing/set")
+
+
+def test_a_run_in_a_bucket_resumes_and_fresh_deletes_its_prefix_and_nothing_beside_it(s3, tmp_path, no_cluster,
+                                                                                      capsys):
+    run = save_run(tmp_path / "q", saved=(1, 2))  # as torchrun leaves a run: no snapshot of Ray's
+    upload(s3, run, new_bucket(s3, "runs"), "mine/q")
+    beside = ["mine/q-notes.txt", "mine/q10/result.json", "other/q/result.json"]
+    for key in beside:
+        s3.put_object(Bucket="runs", Key=key, Body=b"{}")
+    argv = [*DIGITS, "--storage-path", "s3://runs/mine", "--name", "q", "--epochs", "3"]
+    _, cfg, options = ray_dp.parse_command(argv)
+    assert options["resume"].done == 2  # from its last checkpoint, found by listing the bucket
+    _, cfg, options = ray_dp.parse_command([*argv, "--fresh"])
+    capsys.readouterr()
+    ray_dp.start_fresh(cfg)
+    assert capsys.readouterr().out == "--fresh: deleted s3://runs/mine/q; starting run 'q' over\n"
+    assert [key for key in keys(s3, "runs") if not key.endswith("/")] == beside
+
+
+def test_every_path_to_a_checkpoint_takes_a_uri(s3, tmp_path):
+    run = save_run(tmp_path / "q", saved=(1, 2))
+    upload(s3, run, new_bucket(s3, "checkpoints"), "runs/q")
+    last = "s3://checkpoints/runs/q/checkpoint_epoch_002/checkpoint.pt"
+    assert ray_dp.epoch_checkpoints("s3://checkpoints/runs/q") == [last.replace("002", "001"), last]
+    for path in ("s3://checkpoints/runs/q", "s3://checkpoints/runs/q/checkpoint_epoch_002", last):
+        assert ray_dp.checkpoint_file(path) == last  # --eval-only: a run, a checkpoint directory, a file
+    weights = ray_dp.read_weights(last)  # --weights
+    assert_bitwise_equal(weights, torch.load(run / "checkpoint_epoch_002" / "checkpoint.pt")["model"])
+    with pytest.raises(ray_dp.ConfigError, match=r"^--eval-only s3://checkpoints/runs holds no checkpoint "):
+        ray_dp.checkpoint_file("s3://checkpoints/runs")
+
+
+def test_predictions_and_compares_tables_and_plot_go_into_a_bucket(s3):
+    new_bucket(s3, "outputs")
+    data = ray_dp.NamedTensors(torch.zeros(2, 1, 1, 1), torch.tensor([0, 1]), classes=["cat", "dog"])
+    ray_dp.write_predictions("s3://outputs/eval/preds.csv", data, [(1, 0.75), (1, 0.5)], ["cat", "dog"])
+    body = s3.get_object(Bucket="outputs", Key="eval/preds.csv")["Body"].read().decode()
+    assert [row["predicted_name"] for row in csv.DictReader(io.StringIO(body))] == ["dog", "dog"]
+    rows = ray_dp.compare_rows([ray_dp.Config(name="ddp-1w", workers=1)],
+                               [{"sec_per_epoch": 1.0, "samples_per_second": 100, "final": {"test_acc": 0.5}}])
+    ray_dp.write_compare("s3://outputs/compare", rows, [[{"epoch": 1, "test_acc": 0.5, "train_loss": 1.0}]])
+    assert keys(s3, "outputs", "compare/") == ["compare/compare.csv", "compare/compare.md", "compare/compare.png"]
+    png = s3.get_object(Bucket="outputs", Key="compare/compare.png")["Body"].read()
+    import matplotlib.image
+    assert matplotlib.image.imread(io.BytesIO(png)).shape[:2] == (900, 1300)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_bucket_trains_resumes_and_evaluates_exactly_as_the_same_folder_on_disk(s3, images, tmp_path, capsys):
+    flags = ["--workers", "2", "--dataset", "folder", "--batch-size", "64", "--lr", "0.05", "--loader-workers", "1"]
+    local = train(tmp_path, "local", *flags, "--data-dir", str(images), "--epochs", "2")
+    runs = f"s3://{new_bucket(s3, 'training')}/runs"
+    for epochs in ("1", "2"):  # stopped after its first epoch, then resumed by the same command
+        assert ray_dp.main([*flags, "--data-dir", "s3://images/digits", "--storage-path", runs, "--name", "q",
+                            "--logdir", str(tmp_path / "tb"), "--epochs", epochs]) == 0
+    out = capsys.readouterr().out
+    assert "resuming at epoch 2 of 2 with 2 workers, from the checkpoint of epoch 1" in out
+    assert out.splitlines()[-1].startswith(f"wrote {runs}/q/result.json and checkpoint_epoch_002 beside it")
+    stored = json.loads(s3.get_object(Bucket="training", Key="runs/q/result.json")["Body"].read())
+    assert stored["checkpoint"] == f"{runs}/q/checkpoint_epoch_002/checkpoint.pt"
+    # the same images, statistics, order and augmentation: the same model, to the bit
+    assert stored["config"]["normalize"] == local["config"]["normalize"]
+    assert_bitwise_equal(ray_dp.load_checkpoint(stored["checkpoint"])["model"], final_weights(local))
+    assert stored["final"]["test_acc"] == local["final"]["test_acc"] and stored["final"]["test_count"] == 100
+
+    predictions = tmp_path / "predictions.csv"
+    assert ray_dp.main(["--eval-only", f"{runs}/q", "--workers", "3", "--storage-path", runs, "--name", "evaluated",
+                        "--predict-out", str(predictions)]) == 0
+    evaluated = json.loads(s3.get_object(Bucket="training", Key="runs/evaluated/result.json")["Body"].read())
+    assert evaluated["final"]["test_acc"] == stored["final"]["test_acc"] and evaluated["world_size"] == 3
+    with open(predictions) as f:
+        rows = list(csv.DictReader(f))
+    val = sorted(f"s3://images/{key}" for key in keys(s3, "images", "digits/val/"))
+    assert sorted(row["path"] for row in rows) == val and len(val) == 100  # each val object once, by its URI
+    assert all(row["path"].split("/")[-2] == row["label_name"] in DIGIT_NAMES for row in rows)
+    assert sum(row["label"] == row["predicted"] for row in rows) / 100 == evaluated["final"]["test_acc"]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_doctor_passes_against_the_bucket_and_leaves_nothing_in_it(s3, images, capsys):
+    from test_doctor import lines_by_check
+    new_bucket(s3, "doctor")
+    assert ray_dp.main(["doctor", "--workers", "2", "--storage-path", "s3://doctor/runs", "--dataset", "folder",
+                        "--data-dir", "s3://images/digits", "--check-images"]) == 0
+    checks = lines_by_check(capsys.readouterr().out)
+    assert {status for status, _ in checks.values()} == {"ok"}, checks
+    assert checks["storage"][1] == "s3://doctor/runs: the node wrote a marker and read it back"
+    assert checks["data"][1] == ("folder s3://images/digits: 256 train / 100 val images in 10 classes, the same on "
+                                 "every node")
+    assert checks["images"][1].startswith("all 356 images of s3://images/digits decode")
+    assert [key for key in keys(s3, "doctor") if not key.endswith("/")] == []
