@@ -475,6 +475,9 @@ def store_problem(uri: str, access: str) -> Optional[str]:
     check, or None: asked once, of its bucket, before any cluster starts (a missing bucket or
     refused credentials would otherwise fail on every worker, or at the first checkpoint)."""
     from pyarrow import ArrowException, fs
+    if "?" in uri:  # ray_dp adds to the path (<uri>/<name>/...), which must end the URI
+        return ("options in a URI (?...) are not taken: say where the store is with "
+                "AWS_ENDPOINT_URL (and AWS_REGION) instead")
     try:
         storage, path = fs.FileSystem.from_uri(uri)
     except (ArrowException, ValueError) as exc:
@@ -755,10 +758,6 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
         raise ConfigError(f"under torchrun the workers use {'CUDA' if cuda else 'the CPU'} "
                           f"when the machine {'has' if cuda else 'has no'} GPUs: "
                           f"drop --{'cpu' if cuda else 'gpu'}")
-    if is_uri(args["storage_path"]):
-        raise ConfigError("under torchrun, rank 0 writes the checkpoints itself: --storage-path "
-                          "must be a directory (a shared file system for several machines), "
-                          "not a URI")
     return {**args, "workers": world, "min_workers": 0, "gpu": cuda}
 
 
@@ -2239,7 +2238,10 @@ def check_deletable(cfg: Config, storage, run_dir: str) -> None:
             or any(re.fullmatch(r"checkpoint_epoch_\d+", n) for n in names)):
         raise ConfigError(f"--fresh: {cfg.run_dir} is not a ray-dp run (no checkpoints, no "
                           f"result.json); not deleting it")
-    if is_uri(cfg.run_dir):
+    if is_uri(cfg.run_dir):  # no links in a bucket: what is under the run's prefix is the run's
+        if is_uri(cfg.data_dir) and f"{cfg.data_dir.rstrip('/')}/".startswith(f"{cfg.run_dir}/"):
+            raise ConfigError(f"--fresh: {cfg.run_dir} holds --data-dir {cfg.data_dir}; not "
+                              f"deleting it")
         return
     target = os.path.realpath(cfg.run_dir)  # a run directory that is a link may point anywhere
     if os.path.dirname(target) != os.path.realpath(cfg.storage_path):
@@ -3006,21 +3008,23 @@ class TorchrunLauncher:
 
     def report(self, metrics: dict, state: Optional[dict], epoch: int) -> None:
         if state is not None:
-            path = os.path.join(self.cfg.run_dir, checkpoint_dir_name(epoch), CHECKPOINT_FILE)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            try:
-                torch.save(state, path + ".tmp")
-                os.replace(path + ".tmp", path)  # atomic: a crash mid-write leaves no half one
-            except BaseException:  # a full disk: nothing half-written left beside the others
-                with contextlib.suppress(OSError):
-                    os.unlink(path + ".tmp")
-                raise
+            save_checkpoint(self.cfg.run_dir, state, epoch)
         ray.train.report(metrics)  # local mode keeps the last metrics for the Result
         if self.tensorboard:
             self.tensorboard.write(metrics)
             if "startup" in metrics:
                 phases = startup_breakdown(self.launched, {}, metrics["startup"])
                 print(f"ray-dp: {format_startup(phases)}", flush=True)
+
+
+def save_checkpoint(run_dir: str, state: dict, epoch: int) -> None:
+    """Rank 0's checkpoint of an epoch, where Ray would have committed it, whole or not at all (a
+    crash or a full disk mid-write leaves no half one): renamed into place on a disk, one object
+    in a bucket."""
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    write_stored(os.path.join(run_dir, checkpoint_dir_name(epoch), CHECKPOINT_FILE),
+                 saved.getvalue())
 
 
 Launcher = Union[RayLauncher, TorchrunLauncher]

@@ -343,6 +343,68 @@ def startup_markdown(report, repeats) -> list:
         report["phases"])
 
 
+def storage_throughput(repeats):
+    """Images/s that one worker's batches arrive at (train_batches, as a run makes them: 2 loader processes, batch
+    64, augmented 28 x 28 px), reading the digits as 1,437 PNG files from a local folder and the same files from a
+    bucket of an S3 server on 127.0.0.1 (moto's, started here), interleaved; the bucket's code path (listing, batched
+    fetches through pyarrow, decoding from bytes) on a file:// URI of the same folder, to show its own cost without a
+    server; and what that server serves by itself (GETs per second, one at a time and 16 at once), the ceiling of any
+    client on this machine."""
+    from concurrent.futures import ThreadPoolExecutor
+    import boto3
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from conftest import free_port, start_s3_server, stop
+    from helpers import digits_folder, upload
+    port = free_port()
+    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_EC2_METADATA_DISABLED": "true"})
+    server = start_s3_server(port)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            from pathlib import Path
+            folder = digits_folder(Path(tmp) / "digits")
+            s3 = boto3.client("s3")
+            s3.create_bucket(Bucket="bench")
+            upload(s3, folder, "bench", "digits")
+
+            def images_per_second(data_dir):
+                cfg = ray_dp.Config(dataset="folder", data_dir=data_dir, model="lenet", batch_size=64, workers=1,
+                                    loader_workers=2)
+                cfg, info = ray_dp.check_data(cfg)
+                batches = ray_dp.train_batches(info.datasets[0], cfg, 0, 1, torch.device("cpu"))
+                for epoch in (0, 1):  # the first starts the loader processes
+                    batches.sampler.set_epoch(epoch)
+                    begun, seen = time.time(), sum(len(labels) for _, labels in batches)
+                return seen / (time.time() - begun)
+
+            runs = interleave({"local folder": lambda: images_per_second(str(folder)),
+                               "bucket": lambda: images_per_second("s3://bench/digits"),
+                               "file URI": lambda: images_per_second(f"file://{folder}")}, repeats)
+            dataset = ray_dp.StoredImageFolder("s3://bench/digits/train", None, "s3://bench/digits")
+            paths = [path for path, _ in dataset.samples[:400]]
+
+            def gets_per_second(threads, chosen):
+                begun = time.time()
+                with ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(lambda p: ray_dp.stored_image(p, "s3://bench/digits"), chosen))
+                return len(chosen) / (time.time() - begun)
+            figures = {"images/s per worker, local folder": statistics.median(runs["local folder"]),
+                       "images/s per worker, bucket": statistics.median(runs["bucket"]),
+                       "images/s per worker, the bucket's code on file://": statistics.median(runs["file URI"]),
+                       "server alone: GETs/s one at a time": gets_per_second(1, paths[:200]),
+                       "server alone: GETs/s 16 at once": gets_per_second(16, paths[200:])}
+            figures["bucket / local folder"] = (figures["images/s per worker, bucket"]
+                                                / figures["images/s per worker, local folder"])
+            return figures
+    finally:
+        stop(server)
+
+
+def storage_markdown(figures) -> list:
+    return [" ".join(line.strip() for line in storage_throughput.__doc__.splitlines()), "", *table(figures)]
+
+
 def machine():
     import ray
     return {"cpu": platform.processor() or platform.machine(), "cores": CORES,
@@ -384,12 +446,27 @@ def to_markdown(report):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per contender (default: 3)")
+    parser.add_argument("--storage-only", action="store_true",
+                        help="only section 6 (object storage read throughput), written to bench/storage.md and "
+                             "storage.json (~1 minute per repeat)")
     parser.add_argument("--startup-only", action="store_true",
                         help="only section 5 (start-up), written to bench/startup.md and startup.json (~2 min "
                              "per repeat)")
     args = parser.parse_args()
     started = time.time()
     report = {"machine": machine(), "repeats": args.repeats, "command": " ".join(["python bench/bench.py", *sys.argv[1:]])}
+    if args.storage_only:
+        report["storage"] = storage_throughput(args.repeats)
+        report["minutes"] = (time.time() - started) / 60
+        with open(os.path.join(REPO, "bench", "storage.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        markdown = "\n".join([f"# ray-dp object storage (`{report['command']}`, {report['minutes']:.0f} minutes)", "",
+                               f"Machine: {report['machine']}", "", "## 6. Object storage read throughput", "",
+                               *storage_markdown(report["storage"])])
+        with open(os.path.join(REPO, "bench", "storage.md"), "w") as f:
+            f.write(markdown + "\n")
+        print(markdown)
+        return
     if args.startup_only:
         report["startup"] = startup(args.repeats)
         report["minutes"] = (time.time() - started) / 60

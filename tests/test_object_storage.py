@@ -7,10 +7,11 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ray_dp
 from helpers import (DIGIT_NAMES, assert_bitwise_equal, digits_folder, error_of, final_weights, keys, new_bucket,
-                     save_run, train, upload)
+                     run_distributed, save_run, train, upload)
 
 DIGITS = ["--dataset", "digits"]
 
@@ -114,6 +115,24 @@ def test_every_path_to_a_checkpoint_takes_a_uri(s3, tmp_path):
     assert_bitwise_equal(weights, torch.load(run / "checkpoint_epoch_002" / "checkpoint.pt")["model"])
     with pytest.raises(ray_dp.ConfigError, match=r"^--eval-only s3://checkpoints/runs holds no checkpoint "):
         ray_dp.checkpoint_file("s3://checkpoints/runs")
+
+
+def torchrun_saves_and_resumes(storage):
+    """On each of torchrun's ranks: rank 0 saves a checkpoint into the bucket; then every rank resumes from it."""
+    worker = ray_dp.Worker(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    cfg = ray_dp.Config(dataset="digits", name="q", storage_path=storage)
+    launcher = ray_dp.TorchrunLauncher(cfg, worker)
+    before = launcher.latest_checkpoint()
+    if worker.is_main:
+        ray_dp.save_checkpoint(cfg.run_dir, {**before, "epoch": 3}, 3)
+    dist.barrier()
+    return before["epoch"], launcher.latest_checkpoint()["epoch"]
+
+
+def test_torchrun_keeps_and_resumes_its_checkpoints_in_a_bucket(s3, tmp_path):
+    upload(s3, save_run(tmp_path / "q", saved=(1, 2)), new_bucket(s3, "torchrun"), "runs/q")
+    assert run_distributed(torchrun_saves_and_resumes, 2, "s3://torchrun/runs") == [(2, 3), (2, 3)]
+    assert keys(s3, "torchrun", "runs/q/checkpoint_epoch_003/") == ["runs/q/checkpoint_epoch_003/checkpoint.pt"]
 
 
 def test_predictions_and_compares_tables_and_plot_go_into_a_bucket(s3):

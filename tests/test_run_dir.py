@@ -154,7 +154,6 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "LOCAL_RANK": "0", "MAST
     (128, [], "--batch-size 64 must divide by workers x accum-steps = 128"),
     (2, ["--workers", "4"], "torchrun starts 2 processes (WORLD_SIZE=2) and they are the workers"),
     (2, ["--gpu"], "under torchrun the workers use the CPU when the machine has no GPUs: drop --gpu"),
-    (2, ["--storage-path", "s3://bucket/runs"], "--storage-path must be a directory"),
     (2, ["--mode", "dp"], "under torchrun use --mode ddp"),
     ("abc", [], "WORLD_SIZE must be a positive whole number, got 'abc'"),
 ])
