@@ -53,7 +53,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Optional, Union
 
 import numpy as np
@@ -475,9 +475,8 @@ def store_problem(uri: str, access: str) -> Optional[str]:
     check, or None: asked once, of its bucket, before any cluster starts (a missing bucket or
     refused credentials would otherwise fail on every worker, or at the first checkpoint)."""
     from pyarrow import ArrowException, fs
-    if "?" in uri:  # ray_dp adds to the path (<uri>/<name>/...), which must end the URI
-        return ("options in a URI (?...) are not taken: say where the store is with "
-                "AWS_ENDPOINT_URL (and AWS_REGION) instead")
+    if (problem := uri_syntax_problem(uri)):
+        return problem
     try:
         storage, path = fs.FileSystem.from_uri(uri)
     except (ArrowException, ValueError) as exc:
@@ -485,11 +484,13 @@ def store_problem(uri: str, access: str) -> Optional[str]:
     if isinstance(storage, fs.LocalFileSystem):  # file://: a directory, checked as one
         return None
     bucket = path.split("/")[0]
+    if not bucket:
+        return f"names no bucket (write {uri.split('://')[0]}://BUCKET/path)"
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     at = f" at {endpoint} (AWS_ENDPOINT_URL)" if endpoint and uri.startswith("s3:") else ""
     try:
         found = storage.get_file_info(bucket).type
-    except OSError as exc:
+    except (OSError, ArrowException) as exc:
         reason = " ".join(str(exc).split())
         if re.search(r"ACCESS_DENIED|INVALID_ACCESS_KEY|SIGNATURE|FORBIDDEN|403", reason):
             return (f"the store{at} refused access to bucket '{bucket}' ({store_error(reason)}): "
@@ -506,6 +507,21 @@ def store_problem(uri: str, access: str) -> Optional[str]:
     return None
 
 
+def uri_syntax_problem(uri: str) -> Optional[str]:
+    """ray_dp appends to a URI's path (<storage-path>/<name>/checkpoint_epoch_001/...) and prints
+    and records it: what would change what it names, or hide a secret, is refused."""
+    scheme, _, rest = uri.partition("://")
+    if (marks := sorted(set(uri) & set("?#%"))):
+        return (f"'{marks[0]}' in a URI would change what it names (options, fragments and escapes "
+                f"are not taken; say where an S3-compatible store is with AWS_ENDPOINT_URL)")
+    if "@" in rest.split("/")[0]:
+        return ("credentials in a URI would be printed and kept in result.json: give them as "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the node's IAM role)")
+    if "" in rest.rstrip("/").split("/")[1:]:
+        return "an empty path component ('//')"
+    return None
+
+
 def store_error(reason: str) -> str:
     """The part of an AWS SDK error that names it: 'AWS Error ACCESS_DENIED during HeadBucket'."""
     named = reason[reason.find("AWS Error"):] if "AWS Error" in reason else reason
@@ -517,8 +533,9 @@ def check_store(flag: str, uri: str) -> None:
     (or when the flag takes local paths only)."""
     name = flag.replace("-", "_")
     if name not in STORE_ACCESS:
-        raise ConfigError(f"--{flag} {uri}: a local path, not a URI (only --storage-path, "
-                          f"--data-dir, --weights, --eval-only and --predict-out take one)")
+        takers = ["--" + name.replace("_", "-") for name in STORE_ACCESS]
+        raise ConfigError(f"--{flag} {uri}: a local path, not a URI (only "
+                          f"{', '.join(takers[:-1])} and {takers[-1]} take one)")
     if (problem := store_problem(uri, STORE_ACCESS[name])):
         raise ConfigError(f"--{flag} {uri}: {problem}")
 
@@ -533,15 +550,22 @@ def not_a_directory(path: str) -> Optional[str]:
 
 
 def check_location(cfg: Config) -> None:
-    """--name and --storage-path name a place inside --storage-path: checked before anything looks
-    there (a rerun's checkpoint, --fresh's directory)."""
+    """--storage-path can be used, and --name names a place inside it: checked before anything
+    looks there (a rerun's checkpoint, --fresh's directory, an evaluation's result.json)."""
+    check_run_name(cfg)
+    if is_uri(cfg.storage_path):
+        check_store("storage-path", cfg.storage_path)
+
+
+def check_run_name(cfg: Config) -> None:
     if not cfg.storage_path:
         raise ConfigError("--storage-path, --logdir and --data-dir cannot be empty")
     if not is_run_name(cfg.name):
         raise ConfigError(f"--name must be one directory name (printable; no '/', '\\', '.' or "
                           f"'..'; at most 255 bytes), got {cfg.name!r}")
-    if is_uri(cfg.storage_path):
-        check_store("storage-path", cfg.storage_path)
+    if is_uri(cfg.storage_path) and (marks := sorted(set(cfg.name) & set("?#%"))):
+        raise ConfigError(f"--name {cfg.name}: '{marks[0]}' would change what the run's URI "
+                          f"({cfg.run_dir}) names; choose a name without '?', '#' or '%'")
 
 
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
@@ -550,7 +574,7 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     The doctor trains nothing (no batch to split) and tries --storage-path on every node itself;
     a run that resumes starts from its checkpoint, not from --weights (which may have moved)."""
     if not doctor:
-        check_location(cfg)
+        check_run_name(cfg)  # its storage was checked where the command first looked there
     cpus = cfg.cpus_per_worker
     checks = [
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
@@ -609,8 +633,6 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
          f"--clip-grad-norm must be 0 (off) or more, got {cfg.clip_grad_norm}"),
         (0 <= cfg.label_smoothing < 1,
          f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
-        (not cfg.weights or resuming or is_uri(cfg.weights) or os.path.isfile(cfg.weights),
-         f"--weights {cfg.weights} is not a file"),
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
@@ -636,6 +658,8 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
     check_stores(cfg, doctor, resuming)
+    if cfg.weights and not resuming and stored_type(cfg.weights) != "file":
+        raise ConfigError(f"--weights {cfg.weights} is not a file")
     directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
                    "predict-out": cfg.predict_out}
     for flag, typed in directories.items():
@@ -653,12 +677,16 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
 
 
 def check_stores(cfg: Config, doctor: bool, resuming: bool) -> None:
-    """Every flag that names object storage, checked in one request each (store_problem); the
-    doctor tries --storage-path itself, from every node, and a resumed run reads no --weights."""
-    skipped = {"storage_path", "predict_out", "logdir"} if doctor else set()
+    """Every flag of the final configuration that names object storage, checked in one request each
+    (store_problem), but those checked where the command first read them (--storage-path:
+    check_location; --eval-only: checkpoint_file) and, for the doctor, those it does not take; a
+    resumed run reads no --weights."""
+    names = (PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path", "eval_only"}
+    if doctor:
+        names &= DOCTOR_FLAGS
     if resuming:
-        skipped.add("weights")
-    for name in sorted((PATH_FIELDS | STORE_ACCESS.keys()) - skipped):
+        names.discard("weights")
+    for name in sorted(names):
         value = getattr(cfg, name)
         if not is_uri(value):
             continue
@@ -934,10 +962,15 @@ STORE_CONNECTIONS = {}  # (--data-dir, process ID): its (file system, path), for
 
 
 def unreadable_image(path: str, data_dir: str, error: BaseException) -> str:
-    reason = " ".join(str(error).split()) or type(error).__name__
-    return (f"{path} is not a readable image ({reason}): remove or replace it in "
-            f"{Path(path).parent}/ (ray_dp.py doctor --dataset folder --data-dir {data_dir} "
+    return (f"{path} is not a readable image ({image_error(error)}): remove or replace it in "
+            f"{path.rsplit('/', 1)[0]}/ (ray_dp.py doctor --dataset folder --data-dir {data_dir} "
             f"--check-images finds every such file)")
+
+
+def image_error(error: BaseException) -> str:
+    """PIL's reason in one line, without the in-memory file it read an object from."""
+    reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", " ".join(str(error).split()))
+    return reason or type(error).__name__
 
 
 def broken_image_errors() -> tuple:
@@ -1167,7 +1200,9 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
                           f"training samples of {cfg.dataset} allow for one step")
     cfg = with_data_statistics(cfg, train_set)
-    if not isinstance(train_set, TensorDataset):  # the transforms now normalise
+    if cfg.dataset == "folder":  # the transforms now normalise: the same files, not listed again
+        train_set.transform, test_set.transform = image_transforms(cfg)
+    elif not isinstance(train_set, TensorDataset):
         train_set, test_set = load_dataset(cfg)
     info = DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set),
                     class_names(train_set), not isinstance(train_set, TensorDataset),
@@ -2238,18 +2273,27 @@ def check_deletable(cfg: Config, storage, run_dir: str) -> None:
             or any(re.fullmatch(r"checkpoint_epoch_\d+", n) for n in names)):
         raise ConfigError(f"--fresh: {cfg.run_dir} is not a ray-dp run (no checkpoints, no "
                           f"result.json); not deleting it")
-    if is_uri(cfg.run_dir):  # no links in a bucket: what is under the run's prefix is the run's
-        if is_uri(cfg.data_dir) and f"{cfg.data_dir.rstrip('/')}/".startswith(f"{cfg.run_dir}/"):
-            raise ConfigError(f"--fresh: {cfg.run_dir} holds --data-dir {cfg.data_dir}; not "
-                              f"deleting it")
-        return
-    target = os.path.realpath(cfg.run_dir)  # a run directory that is a link may point anywhere
-    if os.path.dirname(target) != os.path.realpath(cfg.storage_path):
-        raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target}, outside --storage-path; "
+    target = location(cfg.run_dir)
+    if target[0] == "local" and os.path.dirname(target[1]) != location(cfg.storage_path)[1]:
+        raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target[1]}, outside --storage-path; "
                           f"not deleting it")
-    for flag, path in [("logdir", cfg.logdir), ("data-dir", cfg.data_dir)]:
-        if Path(os.path.realpath(path)).is_relative_to(target):
-            raise ConfigError(f"--fresh: {cfg.run_dir} holds --{flag} {path}; not deleting it")
+    for name in sorted((PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path"}):
+        if (path := getattr(cfg, name)) and within(location(path), target):
+            raise ConfigError(f"--fresh: {cfg.run_dir} holds --{name.replace('_', '-')} {path}; "
+                              f"not deleting it")
+
+
+def location(path: str) -> tuple:
+    """(file system, path in it) of a local path or a URI, in one spelling: links resolved on a
+    disk (a run directory that is a link may point anywhere), file:// as the disk it is."""
+    storage, where = files_at(path)
+    if storage.type_name == "local":
+        return "local", os.path.realpath(where)
+    return storage.type_name, where.rstrip("/")
+
+
+def within(place: tuple, folder: tuple) -> bool:
+    return place[0] == folder[0] and f"{place[1]}/".startswith(f"{folder[1]}/")
 
 
 def start_fresh(cfg: Config) -> None:
@@ -3046,10 +3090,16 @@ def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOpt
     return cfg, worker, launcher, options
 
 
-def worker_data(cfg: Config, options: LoopOptions) -> tuple:
+def worker_data(cfg: Config, options: LoopOptions, worker: Worker) -> tuple:
     """(train, test): the driver's copy from Ray's object store when it sent one (data held in
-    memory: loaded once, no files needed on the workers' nodes), else this worker loads them."""
-    return ray.get(options.data) if options.data is not None else load_dataset(cfg)
+    memory: loaded once, no files needed on the workers' nodes; a bucket's list of images), under
+    torchrun rank 0's list of a bucket's images (every rank the same samples), else this worker
+    loads them."""
+    if options.data is not None:
+        return ray.get(options.data)
+    if options.torchrun and is_uri(cfg.data_dir):
+        return from_rank_0(load_dataset(cfg) if worker.is_main else None, worker.device)
+    return load_dataset(cfg)
 
 
 def starting_weights(cfg: Config, options: LoopOptions) -> dict:
@@ -3135,7 +3185,7 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
     """One worker's training, whoever launched it (Ray, torchrun, or a test's process group)."""
     if cfg.min_workers:  # elastic: the same global batch, split over the workers there are now
         cfg = replace(cfg, workers=worker.world)
-    train_set, test_set = worker_data(cfg, options)
+    train_set, test_set = worker_data(cfg, options, worker)
     marks["data"] = time.time()
     classes = class_names(train_set)
     check_classes_agree(classes, worker.device)
@@ -3175,7 +3225,7 @@ def scratch_loop_per_worker(config: dict) -> dict:
     exact distributed evaluation."""
     marks = {"loop": time.time()}
     cfg, worker, launcher, options = worker_setup(config)
-    train_set, test_set = worker_data(cfg, options)
+    train_set, test_set = worker_data(cfg, options, worker)
     marks["data"] = time.time()
     start_epoch, history, state = resume(launcher)
     channels, size = train_set.tensors[0].shape[1], train_set.tensors[0].shape[-1]
@@ -3199,7 +3249,7 @@ def eval_loop_per_worker(config: dict) -> dict:
     cfg, worker, _, options = worker_setup(config)
     # put in Ray's object store by the driver: no shared disk needed
     weights = ray.get(options.weights)
-    _, test_set = worker_data(cfg, options)
+    _, test_set = worker_data(cfg, options, worker)
     classes = len(options.classes)  # the checkpoint's, not what the test labels reach
     model = build_model(cfg.model, input_shape(cfg, test_set), classes)
     model.load_state_dict(weights)
@@ -4260,12 +4310,14 @@ def node_names(nodes: list) -> dict:
 def write_marker(folder: str) -> dict:
     """On one node: a file named after the node's ID written into folder. {"error": None or why
     not, "created": the first directory of folder's that did not exist, for remove_markers}."""
-    from pyarrow import ArrowException
+    from pyarrow import ArrowException, fs
     try:
         files, path = files_at(folder)
-        created = None if is_uri(folder) else next(
-            (str(part) for part in reversed(Path(path).parents) if not part.exists()), None)
-        files.create_dir(path, recursive=True)
+        created = next((str(part) for part in reversed(PurePosixPath(path).parents)
+                        if str(part) not in (".", "/")
+                        and files.get_file_info(str(part)).type == fs.FileType.NotFound), None)
+        if not is_uri(folder):  # a bucket has no directories to make
+            files.create_dir(path, recursive=True)
         with files.open_output_stream(f"{path}/{ray.get_runtime_context().get_node_id()}") as f:
             f.write(b"written by ray_dp.py doctor\n")
     except (OSError, ArrowException, ValueError) as exc:
@@ -4345,7 +4397,7 @@ def unreadable_images(paths: list, data_dir: str) -> list:
             with Image.open(source) as image:
                 image.load()
         except BROKEN_IMAGE as exc:
-            bad.append((path, " ".join(str(exc).split()) or type(exc).__name__))
+            bad.append((path, image_error(exc)))
     return bad
 
 
@@ -4583,9 +4635,9 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
     if torchrun_follower():  # rank 0 resolves and checks the run for every rank
         return command, cfg, {"resume": Resume()}
+    check_location(cfg)  # where the run it may resume is, or where the results go
     adopted = []
     if command == "train":
-        check_location(cfg)  # where the run it may resume is
         # a rerun takes what the command line leaves unsaid from the run it resumes
         typed_cfg = cfg
         cfg, options["resume"] = check_run_dir(cfg, typed)

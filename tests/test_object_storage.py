@@ -37,8 +37,39 @@ def test_missing_buckets_are_one_line_each_before_any_cluster_starts(s3, images,
     assert error_of([*DIGITS, "--data-dir", "s3://images/digits"], capsys).endswith(
         "--data-dir s3://images/digits: only --dataset folder reads its data from object storage; digits is kept "
         "in a local directory\n")
-    assert "--logdir s3://images/tb: a local path, not a URI" in error_of([*DIGITS, "--logdir", "s3://images/tb"],
-                                                                            capsys)
+    assert error_of([*DIGITS, "--logdir", "s3://images/tb"], capsys).endswith(
+        "--logdir s3://images/tb: a local path, not a URI (only --weights, --data-dir, --storage-path, --eval-only "
+        "and --predict-out take one)\n")
+    # what ray_dp cannot extend into a run's address (<storage-path>/<name>/...), or would print and record
+    changes = "would change what it names (options, fragments and escapes are not taken; say where"
+    for uri, problem in [("s3://", "names no bucket (write s3://BUCKET/path)"),
+                         ("s3://images//runs", "an empty path component ('//')"),
+                         ("s3://images/runs?endpoint_override=x", f"'?' in a URI {changes}"),
+                         ("s3://images/runs#x", f"'#' in a URI {changes}"),
+                         ("s3://images/a%2Fb", f"'%' in a URI {changes}"),
+                         ("s3://key:secret@images/runs", "credentials in a URI would be printed and kept in "
+                                                         "result.json")]:
+        assert f"--storage-path {uri}: {problem}" in error_of([*DIGITS, "--storage-path", uri], capsys)
+    assert error_of([*DIGITS, "--storage-path", "s3://images/runs", "--name", "a#b"], capsys).endswith(
+        "--name a#b: '#' would change what the run's URI (s3://images/runs/a#b) names; choose a name without '?', "
+        "'#' or '%'\n")
+
+
+def test_a_store_that_cannot_be_reached_is_one_line(s3, monkeypatch, no_cluster, capsys):
+    from conftest import free_port
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    assert error_of([*DIGITS, "--storage-path", "s3://runs/x"], capsys) == (
+        f"ray_dp.py: error: --storage-path s3://runs/x: bucket 'runs' at {endpoint} (AWS_ENDPOINT_URL) cannot be "
+        f"reached (AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 7, Could not connect to "
+        f"server)\n")
+
+
+def test_workers_reach_the_store_the_driver_checked_but_get_no_credentials(monkeypatch):
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    env_vars = ray_dp.fresh_runtime_env()["env_vars"]
+    assert env_vars["AWS_ENDPOINT_URL"] == ray_dp.os.environ["AWS_ENDPOINT_URL"] and env_vars["AWS_REGION"] == "eu-west-1"
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & env_vars.keys()
 
 
 def test_the_doctors_storage_check_names_a_missing_bucket(s3):
@@ -101,7 +132,50 @@ def test_a_run_in_a_bucket_resumes_and_fresh_deletes_its_prefix_and_nothing_besi
     capsys.readouterr()
     ray_dp.start_fresh(cfg)
     assert capsys.readouterr().out == "--fresh: deleted s3://runs/mine/q; starting run 'q' over\n"
-    assert [key for key in keys(s3, "runs") if not key.endswith("/")] == beside
+    # nothing beside it deleted; pyarrow keeps the storage path visible with an empty "directory" object
+    assert keys(s3, "runs") == sorted([*beside, "mine/"])
+
+
+def test_fresh_deletes_no_weights_and_no_data_that_a_run_holds(s3, tmp_path, no_cluster, capsys):
+    upload(s3, save_run(tmp_path / "t1", saved=(1, 2)), new_bucket(s3, "fresh"), "runs/t1")
+    before = keys(s3, "fresh")
+    weights = "s3://fresh/runs/t1/checkpoint_epoch_002/checkpoint.pt"
+    assert error_of([*DIGITS, "--storage-path", "s3://fresh/runs", "--name", "t1", "--fresh", "--weights",
+                     weights], capsys).endswith(f"--fresh: s3://fresh/runs/t1 holds --weights {weights}; not deleting it\n")
+    assert keys(s3, "fresh") == before
+    local = save_run(tmp_path / "runs" / "r9", saved=(1,))  # a file:// URI of a folder in a local run
+    digits_folder(local / "data", sizes=(20, 10))
+    assert error_of(["--storage-path", str(tmp_path / "runs"), "--name", "r9", "--fresh", "--dataset", "folder",
+                     "--data-dir", f"file://{local}/data"], capsys).endswith(
+        f"--fresh: {local} holds --data-dir file://{local}/data; not deleting it\n")
+    assert (local / "data" / "train").is_dir()
+
+
+def lists_on_rank_0_only(data_dir):
+    """On each of torchrun's ranks: the bucket's images as worker_data hands them; rank 1 cannot list."""
+    worker = ray_dp.Worker(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    if worker.rank == 1:
+        ray_dp.load_dataset = lambda cfg: (_ for _ in ()).throw(AssertionError("rank 1 listed the bucket"))
+    cfg = ray_dp.Config(dataset="folder", data_dir=data_dir)
+    train_set, val_set = ray_dp.worker_data(cfg, ray_dp.LoopOptions(torchrun=True), worker)
+    return train_set.samples, len(val_set)
+
+
+def test_under_torchrun_rank_0_lists_a_bucket_for_every_rank(s3, images):
+    ranks = run_distributed(lists_on_rank_0_only, 2, "s3://images/digits")
+    assert ranks[0] == ranks[1] and len(ranks[0][0]) == 256 and ranks[0][1] == 100
+
+
+def test_an_object_that_is_no_image_is_named_by_its_uri(s3, tmp_path):
+    (tmp_path / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "train" / "cat" / "a.png").write_text("not an image")
+    upload(s3, tmp_path, new_bucket(s3, "broken"), "set")
+    data = ray_dp.StoredImageFolder("s3://broken/set/train", lambda image: image, "s3://broken/set")
+    with pytest.raises(ray_dp.DataError) as error:
+        data[0]
+    assert str(error.value) == ("s3://broken/set/train/cat/a.png is not a readable image (cannot identify image "
+                                "file): remove or replace it in s3://broken/set/train/cat/ (ray_dp.py doctor "
+                                "--dataset folder --data-dir s3://broken/set --check-images finds every such file)")
 
 
 def test_every_path_to_a_checkpoint_takes_a_uri(s3, tmp_path):
@@ -197,4 +271,4 @@ def test_the_doctor_passes_against_the_bucket_and_leaves_nothing_in_it(s3, image
     assert checks["data"][1] == ("folder s3://images/digits: 256 train / 100 val images in 10 classes, the same on "
                                  "every node")
     assert checks["images"][1].startswith("all 356 images of s3://images/digits decode")
-    assert [key for key in keys(s3, "doctor") if not key.endswith("/")] == []
+    assert keys(s3, "doctor") == []  # not even the storage path's own "directory"
