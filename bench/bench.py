@@ -443,6 +443,18 @@ def to_markdown(report):
     return "\n".join(lines) + "\n"
 
 
+def write_section(report, started, name, title, lines):
+    """One section's run: bench/NAME.json and bench/NAME.md (printed too)."""
+    report["minutes"] = (time.time() - started) / 60
+    with open(os.path.join(REPO, "bench", f"{name}.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    markdown = "\n".join([f"# ray-dp {title} (`{report['command']}`, {report['minutes']:.0f} minutes)", "",
+                           f"Machine: {report['machine']}", *lines])
+    with open(os.path.join(REPO, "bench", f"{name}.md"), "w") as f:
+        f.write(markdown + "\n")
+    print(markdown)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per contender (default: 3)")
@@ -457,26 +469,12 @@ def main():
     report = {"machine": machine(), "repeats": args.repeats, "command": " ".join(["python bench/bench.py", *sys.argv[1:]])}
     if args.storage_only:
         report["storage"] = storage_throughput(args.repeats)
-        report["minutes"] = (time.time() - started) / 60
-        with open(os.path.join(REPO, "bench", "storage.json"), "w") as f:
-            json.dump(report, f, indent=2)
-        markdown = "\n".join([f"# ray-dp object storage (`{report['command']}`, {report['minutes']:.0f} minutes)", "",
-                               f"Machine: {report['machine']}", "", "## 6. Object storage read throughput", "",
-                               *storage_markdown(report["storage"])])
-        with open(os.path.join(REPO, "bench", "storage.md"), "w") as f:
-            f.write(markdown + "\n")
-        print(markdown)
+        write_section(report, started, "storage", "object storage", [
+            "", "## 6. Object storage read throughput", "", *storage_markdown(report["storage"])])
         return
     if args.startup_only:
         report["startup"] = startup(args.repeats)
-        report["minutes"] = (time.time() - started) / 60
-        with open(os.path.join(REPO, "bench", "startup.json"), "w") as f:
-            json.dump(report, f, indent=2)
-        markdown = "\n".join([f"# ray-dp start-up (`{report['command']}`, {report['minutes']:.0f} minutes)", "",
-                               f"Machine: {report['machine']}", *startup_markdown(report["startup"], args.repeats)])
-        with open(os.path.join(REPO, "bench", "startup.md"), "w") as f:
-            f.write(markdown + "\n")
-        print(markdown)
+        write_section(report, started, "startup", "start-up", startup_markdown(report["startup"], args.repeats))
         return
     print("1. launcher overhead", flush=True)
     report["launcher"], ray_runs = launcher_overhead(args.repeats)
