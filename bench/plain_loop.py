@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The plain PyTorch training loop a user would write (pytorch/examples' imagenet script, cut down), what
 bench.py's section 8 measures ray-dp against: ImageFolder or tensors in memory, DataLoader, model, SGD.
-Prints one JSON line: each epoch's seconds of training and its steps.
+Prints one JSON line: each epoch's seconds of training and mean train loss, the steps, the start.
 
     python bench/plain_loop.py --data-dir DIR --model mobilenet_v3_small --image-size 224   # DIR/train/CLASS/*.png
     python bench/plain_loop.py --model resnet18 --epochs 4   # the lessons' ResNet-18, 512 random 28 x 28 images
@@ -44,18 +44,21 @@ def main():
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, num_workers=args.loader_workers,
                         drop_last=True, persistent_workers=args.loader_workers > 0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    seconds = []
+    seconds, losses, started_at = [], [], time.time()
     for _ in range(args.epochs):
         model.train()
         batches = iter(loader)
-        begun = time.perf_counter()
+        begun, loss_sum = time.perf_counter(), 0.0
         for images, labels in batches:
             loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            loss_sum += loss.item()
         seconds.append(time.perf_counter() - begun)
-    print(json.dumps({"epoch_seconds": seconds, "steps": len(loader)}))
+        losses.append(loss_sum / len(loader))
+    print(json.dumps({"epoch_seconds": seconds, "train_loss": losses, "steps": len(loader),
+                      "started_at": started_at}))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def resident():
 
 default = step_faults()
 ray_dp.keep_freed_memory()
-step_faults(2)  # the heap grows to hold the block (its pages fault once, in the first two steps)
+step_faults(10)  # the heap grows until the block fits wherever small allocations fell: a few steps
 kept = step_faults()
 before_fork = resident()
 child = os.fork()
@@ -74,7 +74,7 @@ def test_channels_last_computes_the_gradients_of_the_layout_the_model_is_built_i
     try:
         torch.manual_seed(0)
         built = ray_dp.build_model(name, shape)
-        placed = ray_dp.on_device(ray_dp.build_model(name, shape), torch.device("cpu"))
+        placed = ray_dp.on_device(ray_dp.build_model(name, shape), torch.device("cpu"), name)
         placed.load_state_dict(built.state_dict())
         images, labels = torch.randn(6, *shape), torch.randint(0, 10, (6,))
         for model in (built, placed):
@@ -87,3 +87,46 @@ def test_channels_last_computes_the_gradients_of_the_layout_the_model_is_built_i
     assert not all(p.is_contiguous() for p in weights)  # moved: some weights' strides are NHWC's only
     for (key, a), b in zip(built.named_parameters(), placed.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-12, msg=key)
+
+
+def test_a_users_own_malloc_settings_are_left_as_they_are(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ray_dp, "memory_kept", False)
+    monkeypatch.setattr(ray_dp.ctypes, "CDLL", lambda name: calls.append(name))
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    ray_dp.keep_freed_memory()
+    assert calls == [] and not ray_dp.memory_kept
+
+
+def test_every_worker_loop_keeps_freed_memory(monkeypatch):
+    """worker_setup, which the training, teaching and evaluation loops all start with, under Ray and torchrun."""
+    kept = []
+    monkeypatch.setattr(ray_dp, "keep_freed_memory", lambda: kept.append(True))  # not in pytest's own process
+    monkeypatch.setattr(ray_dp.Worker, "from_ray", classmethod(lambda cls, cfg: ray_dp.Worker(0, 1, CPU)))
+    cfg, *_ = ray_dp.worker_setup({"config": ray_dp.Config(dataset="synthetic"), "options": ray_dp.LoopOptions()})
+    assert kept == [True] and cfg.dataset == "synthetic"
+
+
+CPU = torch.device("cpu")
+
+
+def test_a_worker_trains_its_model_in_channels_last_and_saves_it_contiguous(monkeypatch, tmp_path):
+    from test_differential import train
+    placed = []
+    wrap = ray_dp.wrap_model
+    monkeypatch.setattr(ray_dp, "wrap_model", lambda model, *rest: placed.append(model) or wrap(model, *rest))
+    cfg = ray_dp.Config(dataset="synthetic", synthetic_size=32, batch_size=16, epochs=1, model="lenet", quiet=True,
+                        storage_path=str(tmp_path), name="layout")
+    saved = train(cfg, 1, 0)["state"]
+    conv = [p for p in placed[0].parameters() if p.ndim == 4][1]  # the second convolution: 6 input channels
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    assert all(tensor.is_contiguous() for tensor in saved["model"].values())
+    assert saved["model"].keys() == ray_dp.build_model("lenet", (1, 28, 28)).state_dict().keys()
+
+
+def test_the_teaching_modes_convolutions_are_nhwc_as_ddps_lenet_on_a_cpu():
+    params = ray_dp.get_params(ray_dp.init_lenet_params(0), CPU)
+    weights = [p for p in params if p.ndim == 4]
+    assert len(weights) == 2 and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
+    assert not weights[1].is_contiguous()  # 6 input channels: NHWC's strides only (1 channel: both layouts')
+    assert all(p.requires_grad for p in params)
