@@ -28,6 +28,24 @@ Run it:
     python ray_dp.py --help                          # every flag, with units and defaults
 
 Outputs go to <storage-path>/<name>/: one checkpoint_epoch_NNN/ per epoch and result.json.
+
+The file, top to bottom (each section opens with a banner of "=" lines):
+    Config               every field is a command-line flag, declared with its help and its facts
+                         (may a rerun change it, does --eval-only refuse it, is it a path or a URI)
+    Data                 the data sets in memory, folders and buckets read per sample, their checks
+    Models               the lessons' LeNet and ResNet-18, an MLP, torchvision's models, --weights
+    Distributed helpers  who this worker is, the collectives, the allocator, SyncBatchNorm on CPU,
+                         the samplers and loaders
+    Train & evaluate     one epoch, exact evaluation, where the model is placed
+    Checkpoints          rank 0 saves; the run directory and what a rerun may change
+    Monitoring           the console, TensorBoard, the recovery record, ray.log
+    Teaching mode        --mode scratch: d2l's hand-written all-reduce LeNet
+    Inference            --eval-only: a saved model scored exactly on N workers
+    Launch, workers      one launcher seam for Ray and torchrun; what each worker runs
+    Launch, driver       the cluster, Ray Train's TorchTrainer, the commands
+    compare              the lesson's table, measured side by side
+    doctor               a pre-flight check of a Ray cluster
+    main                 the command line: one command, one line for every way it can end
 """
 from __future__ import annotations
 
