@@ -4584,9 +4584,6 @@ def collective_address(backend: str) -> dict:
     return {"interface": name, "address": address}
 
 
-SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's address
-
-
 def named_interface(name: str, spec: str) -> bool:
     """Whether interface `name` is one that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = spec picks."""
     exclude, spec = spec.startswith("^"), spec.lstrip("^")
@@ -4596,19 +4593,15 @@ def named_interface(name: str, spec: str) -> bool:
 
 
 def interface_addresses() -> dict:
-    """Each network interface's IPv4 address (Linux's SIOCGIFADDR); {} where it cannot be read."""
-    import fcntl
+    """Each network interface's first IPv4 address (psutil's list: any OS), by interface name."""
     import socket
-    import struct
+
+    import psutil
     found = {}
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR,
-                                     struct.pack("256s", name[:15].encode()))
-            except OSError:  # no IPv4 address (or not Linux)
-                continue
-            found[name] = socket.inet_ntoa(packed[20:24])
+    for name, addresses in psutil.net_if_addrs().items():
+        ipv4 = [entry.address for entry in addresses if entry.family == socket.AF_INET]
+        if ipv4:
+            found[name] = ipv4[0]
     return found
 
 

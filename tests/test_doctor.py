@@ -231,3 +231,15 @@ def test_another_torch_on_a_node_storage_it_cannot_write_and_a_hang_each_fail_wi
     assert "ProbeHang" in open(log).read()  # the workers' tracebacks: in the log, not on the console
     shutil.rmtree(os.path.dirname(log))
     assert time.time() - begun < 120  # the sleeping rank was not waited for
+
+
+def test_interface_addresses_name_each_interface_with_its_ipv4_address():
+    """psutil's list, as the doctor reads it: loopback's address, and each one an IPv4 address this host holds."""
+    import ipaddress
+    import socket
+    interfaces = ray_dp.interface_addresses()
+    assert interfaces.get("lo") == "127.0.0.1"
+    for name, address in interfaces.items():
+        assert ipaddress.ip_address(address).version == 4
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((address, 0))  # an address of this host: it binds
