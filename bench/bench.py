@@ -639,6 +639,13 @@ def write_section(report, started, name, title, lines):
     print(markdown)
 
 
+def figures_section(report, started, name, title, heading, measure, repeats):
+    """A section that is one measuring function: its docstring, then its figures' table."""
+    report[name] = measure(repeats)
+    doc = " ".join(line.strip() for line in measure.__doc__.splitlines())
+    write_section(report, started, name, title, ["", f"## {heading}", "", doc, "", *table(report[name])])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per contender (default: 3)")
@@ -663,16 +670,12 @@ def main():
             "", "## 6. Object storage read throughput", "", *storage_markdown(report["storage"])])
         return
     if args.step_only:
-        report["step"] = step_against_plain_loop(max(args.repeats, 4))
-        doc = " ".join(line.strip() for line in step_against_plain_loop.__doc__.splitlines())
-        write_section(report, started, "step", "training step", [
-            "", "## 7. A training step: ray_dp's against a plain loop's", "", doc, "", *table(report["step"])])
+        figures_section(report, started, "step", "training step", "7. A training step: ray_dp's against a plain loop's",
+                        step_against_plain_loop, max(args.repeats, 4))
         return
     if args.plain_only:
-        report["plain"] = against_plain_loop(args.repeats)
-        doc = " ".join(line.strip() for line in against_plain_loop.__doc__.splitlines())
-        write_section(report, started, "plain", "against the plain loop", [
-            "", "## 8. ray-dp against the plain PyTorch loop", "", doc, "", *table(report["plain"])])
+        figures_section(report, started, "plain", "against the plain loop",
+                        "8. ray-dp against the plain PyTorch loop", against_plain_loop, args.repeats)
         return
     if args.startup_only:
         report["startup"] = startup(args.repeats)
