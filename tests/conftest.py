@@ -15,6 +15,14 @@ sys.path.insert(0, REPO)  # tests import ray_dp (and helpers, beside them) by na
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 
 
+def pytest_configure(config):
+    """The gloo tests' forkserver starts now, importing torch and ray_dp while pytest collects the tests."""
+    import multiprocessing.forkserver
+
+    import helpers  # noqa: F401 (its preload list)
+    multiprocessing.forkserver.ensure_running()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

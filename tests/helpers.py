@@ -30,17 +30,32 @@ def _entry(rank, world, fn, workdir):
 
 # Each gloo test's processes are forked from one server process that imported torch, ray_dp and these helpers once
 # (multiprocessing's forkserver): a fresh process per rank, as mp.spawn gives, without its seconds of imports.
+# torch._dynamo too: torch.optim imports it with the first optimizer, 3 s of CPU in every process.
 FORKSERVER = mp.get_context("forkserver")
-FORKSERVER.set_forkserver_preload(["torch", "ray_dp", "helpers", "pytest"])
+FORKSERVER.set_forkserver_preload(["torch", "torch._dynamo", "ray_dp", "helpers", "pytest"])
+
+
+class Distributed:
+    """fn(*args) started on `world` local processes joined in a gloo process group; join() waits for them and
+    returns their return values, in rank order. This process is free meanwhile."""
+
+    def __init__(self, fn, world, *args):
+        self.world, self.workdir = world, tempfile.TemporaryDirectory()
+        # through a file: the forkserver sends a process at most 252 file descriptors, one per tensor shared
+        torch.save(args, os.path.join(self.workdir.name, "args.pt"))
+        self.processes = mp.start_processes(_entry, args=(world, fn, self.workdir.name), nprocs=world, join=False,
+                                            start_method="forkserver")
+
+    def join(self):
+        with self.workdir as workdir:
+            while not self.processes.join():  # raises if a rank failed, after stopping the others
+                pass
+            return [torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False) for r in range(self.world)]
 
 
 def run_distributed(fn, world, *args):
     """fn(*args) on `world` local processes joined in a gloo process group; their return values, in rank order."""
-    with tempfile.TemporaryDirectory() as workdir:
-        # through a file: the forkserver sends a process at most 252 file descriptors, one per tensor shared
-        torch.save(args, os.path.join(workdir, "args.pt"))
-        mp.start_processes(_entry, args=(world, fn, workdir), nprocs=world, join=True, start_method="forkserver")
-        return [torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return Distributed(fn, world, *args).join()
 
 
 def train(tmp_path, name, *flags):

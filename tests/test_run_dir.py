@@ -171,24 +171,28 @@ def test_torchrun_config_states_the_world_size_it_runs(monkeypatch):
     assert (cfg.workers, cfg.micro_batch, cfg.gpu) == (4, 16, torch.cuda.is_available())
 
 
-def never_joins(seconds):
+def never_joins(seconds, done):
     """Rank 0 waits in an all-reduce that rank 1 never joins; the bound set afterwards must end the wait."""
     ray_dp.bound_collectives(seconds)
     if dist.get_rank() == 1:
-        time.sleep(seconds + 8)
+        deadline = time.perf_counter() + seconds + 8
+        while not os.path.exists(done) and time.perf_counter() < deadline:  # until rank 0 has stopped waiting
+            time.sleep(0.05)
         return None
     start = time.perf_counter()
     try:
         dist.all_reduce(torch.ones(1))
     except RuntimeError:
         return time.perf_counter() - start
+    finally:
+        open(done, "w").close()
     return float("inf")
 
 
 @pytest.mark.timeout(120)
-def test_the_collective_timeout_applies_to_a_process_group_made_without_it():
+def test_the_collective_timeout_applies_to_a_process_group_made_without_it(tmp_path):
     # Ray Train's local mode (torchrun) makes the process group with torch's default (30 min).
-    waited = run_distributed(never_joins, 2, 2)[0]
+    waited = run_distributed(never_joins, 2, 2, str(tmp_path / "done"))[0]
     assert 1.5 < waited < 10
 
 
