@@ -30,6 +30,7 @@ Run it:
 Outputs go to <storage-path>/<name>/: one checkpoint_epoch_NNN/ per epoch and result.json.
 
 The file, top to bottom (each section opens with a banner of "=" lines):
+    Ray internals        every use of Ray's non-public API, each guarded: a note, or a refusal
     Config               every field is a command-line flag, declared with its help and its facts
                          (may a rerun change it, does --eval-only refuse it, is it a path or a URI)
     Data                 the data sets in memory, folders and buckets read per sample, their checks
@@ -118,6 +119,222 @@ IMPORTED_AT = time.time()
 # the import, which may be long before.
 COMMAND_AT: Optional[float] = None
 
+
+# ==================================================================================================
+# Ray internals: every bet ray_dp makes on Ray's non-public API, each behind a guard. Each was
+# checked with the Ray requirements.txt pins (RAY_CHECKED); a later Ray may move or change any of
+# them. Then what it serves turns off with one "note:" line and the run still trains, or, where
+# correctness depends on it (torchrun), the run is refused in one line naming SUPPORTED_RAY.
+# Besides these calls ray_dp sets environment knobs of Ray's (RUNTIME_ENV, prepare_ray_train) and
+# quiets loggers by name (RAY_LOGGERS): a knob or name a later Ray lacks is ignored, and only its
+# nicety is lost.
+# ==================================================================================================
+
+RAY_CHECKED = "2.60.0"
+
+
+def ray_internal(module: str, name: Optional[str] = None):
+    """Ray's module (or its attribute name), or None if this Ray has no such thing."""
+    try:
+        found = importlib.import_module(module)
+        return getattr(found, name) if name else found
+    except (ImportError, AttributeError):
+        return None
+
+
+@functools.cache  # once per process
+def internal_note(what: str, lost: str) -> None:
+    """One line: where this Ray is not the one ray_dp was checked with, and what is lost."""
+    print(f"note: Ray {ray.__version__} differs from Ray {RAY_CHECKED} in {what}: {lost}",
+          flush=True)
+
+
+def ray_joins_torchrun() -> bool:
+    """Ray Train's own test of whether this process runs under torchrun, in which case its local
+    mode joins torchrun's process group and ray_dp keeps the checkpoints itself: ray_dp must agree
+    with Ray, so a Ray without this test is refused."""
+    has_torchrun_env = ray_internal("ray.train.v2._internal.execution.local_mode.torch",
+                                    "has_torchrun_env")
+    if has_torchrun_env is None:
+        low, high = SUPPORTED_RAY
+        raise ConfigError(f"under torchrun ray_dp needs Ray Train's local mode as Ray >= {low} and "
+                          f"< {high} has it (Ray {ray.__version__} is installed): pip install -r "
+                          f"requirements.txt, or run without torchrun "
+                          f"(python ray_dp.py --workers N)")
+    return has_torchrun_env()
+
+
+# Ray Train's controller hooks (its state changes, the worker group's start, every report; the
+# public UserCallback sees reports only): the bases of RecoveryLog and QuietControllerLogs. Where
+# this Ray has other ones, stand-ins let those classes be defined, and fit() leaves them out.
+CALLBACK_MODULE = "ray.train.v2._internal.execution.callback"
+_HOOK_NAMES = ("ControllerCallback", "WorkerGroupCallback", "ReportCallback")
+_hooks = [ray_internal(CALLBACK_MODULE, name) for name in _HOOK_NAMES]
+CONTROLLER_HOOKS = None not in _hooks
+ControllerCallback, WorkerGroupCallback, ReportCallback = (
+    hook if CONTROLLER_HOOKS else type(name, (), {}) for hook, name in zip(_hooks, _HOOK_NAMES))
+HOOKS_LOST = ("no recovery lines, recovery.json or start-up breakdown, and Ray Train's controller "
+              "logs its routine lines")
+
+
+def ray_hook(default=None):
+    """A method Ray Train's controller calls with its own objects (states, worker groups), whose
+    attributes ray_dp reads: if this Ray's objects lack them, one note and `default`, not an error
+    that would stop the controller."""
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except (AttributeError, TypeError) as exc:
+                internal_note(f"what Ray Train's controller passes {method.__qualname__} "
+                              f"({first_line(exc)})", HOOKS_LOST)
+                return default
+        return guarded
+    return wrap
+
+
+ROUTING_LOST = "Ray's own output (warnings, tracebacks) stays on the console, not in ray.log"
+
+
+def ray_printer():
+    """Ray's printer of a batch of lines its processes forwarded:
+    print_to_stdstream(batch, ignore_prefix); None if this Ray has none."""
+    return ray_internal("ray._private.worker", "print_to_stdstream")
+
+
+def route_ray_prints(route) -> None:
+    """Ray prints what its processes forward through a dispatcher (a "ray_print_logs" handler per
+    ray.init), and the errors the cluster reports (a worker died, ...) through print_to_stdstream
+    itself: both through route(batch, ignore_prefix=...) from now on."""
+    try:
+        worker = ray_internal("ray._private.worker")
+        dispatcher = ray_internal("ray._private.ray_logging", "global_worker_stdstream_dispatcher")
+        handlers = [handler for name, handler in dispatcher.handlers if name == "ray_print_logs"]
+        if handlers:  # none if log_to_driver=False
+            ignore_prefix = getattr(handlers[-1], "keywords", {}).get("ignore_prefix", False)
+            dispatcher.remove_handler("ray_print_logs")
+            dispatcher.add_handler("ray_print_logs",
+                                   functools.partial(route, ignore_prefix=ignore_prefix))
+        worker.print_to_stdstream = route
+    except (AttributeError, TypeError, ValueError):  # a None above, or other shapes
+        internal_note("ray._private.ray_logging.global_worker_stdstream_dispatcher",
+                      ROUTING_LOST)
+
+
+# Ray's loggers whose routine lines ray_dp keeps off the console, and the level each is kept at.
+RAY_LOGGERS = {
+    # Ray's PlacementGroupCleaner polls the State API, which needs Ray's dashboard (not installed):
+    # it logs harmless errors, and a traceback when it is slow to stop at the end of a run.
+    "ray.train.v2._internal.execution.controller.placement_group_cleaner": logging.ERROR,
+    "ray.train.v2._internal.callbacks.placement_group_callback": logging.CRITICAL,
+    # Its autoscaling coordinator logs a traceback whenever a resource request times out on a busy
+    # machine (the request is sent again; Ray's message says it is safe to ignore)
+    "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client":
+        logging.ERROR,
+}
+# Ray turns token auth on for a cluster it starts, and says so on every run: good, and not news.
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def quiet_ray_logs():
+    """Runs in every Ray worker process: keep Ray Train's routine chatter off the console."""
+    for name, level in RAY_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
+    # "Reporting training result ..." per rank per epoch; this logger is named by file path, so
+    # LoggingConfig(log_level) does not reach it.
+    context = ray_internal("ray.train.v2._internal.execution.context", "__file__")
+    if context is None:
+        internal_note("ray.train.v2._internal.execution.context",
+                      "each rank logs a line per report")
+        return
+    logging.getLogger(context).setLevel(logging.WARNING)
+
+
+def recorded_node_types() -> Optional[list]:
+    """The node groups Ray records in its GCS (KubeRay, autoscaler v2): node_types_from_groups,
+    or None if it records none."""
+    state = ray_internal("ray._private.state", "state")
+    try:
+        recorded = state.get_cluster_config()
+        if recorded is None or not recorded.node_group_configs:
+            return None
+        return node_types_from_groups(recorded)
+    except AttributeError:  # this Ray keeps no such record (or state is None)
+        internal_note("ray._private.state.state.get_cluster_config",
+                      "an autoscaler's node groups (KubeRay) are not read; the config that "
+                      "`ray up` leaves on the head node still is")
+        return None
+
+
+def node_types_from_groups(cluster_config) -> list:
+    """From Ray's autoscaler_pb2.ClusterConfig:
+    (resources, max_count) per node group (-1: no limit)."""
+    return [(dict(group.resources), math.inf if group.max_count == -1 else group.max_count)
+            for group in cluster_config.node_group_configs]
+
+
+def gcs_address(address: str) -> Optional[str]:
+    """--address as host:port, as ray.init resolves it ('auto': the last cluster `ray start`
+    recorded on this machine, /tmp/ray/ray_current_cluster); "" if none is recorded, None if this
+    Ray cannot say (then nothing is checked before ray.init). ValueError if it is neither."""
+    canonicalize = ray_internal("ray._private.services", "canonicalize_bootstrap_address")
+    if canonicalize is None:
+        if address != "auto":
+            return address
+        internal_note("ray._private.services.canonicalize_bootstrap_address",
+                      "--address auto is not checked before Ray attaches (which may retry for "
+                      "minutes)")
+        return None
+    try:
+        return canonicalize(address) or ""
+    except ConnectionError:
+        return ""
+
+
+def ray_cpu_count() -> float:
+    """The CPUs a Ray started here registers: its count honours cgroup limits, not the host's."""
+    get_num_cpus = ray_internal("ray._private.utils", "get_num_cpus")
+    if get_num_cpus is None:
+        internal_note("ray._private.utils.get_num_cpus",
+                      "this machine's CPUs are counted without its cgroup limits")
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return get_num_cpus()
+
+
+def setup_hook_env_var() -> str:
+    """Where ray.init writes a runtime environment's worker_process_setup_hook."""
+    return (ray_internal("ray._private.ray_constants", "WORKER_PROCESS_SETUP_HOOK_ENV_VAR")
+            or "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR")  # Ray 2.60's name
+
+
+def shorten_placement_group_cleaner_waits() -> None:
+    """Ray Train's PlacementGroupCleaner asks the State API (served by Ray's dashboard, which
+    requirements.txt does not install) whether the controller still lives, waiting up to 10 s for
+    each answer, and at the end of every run the controller waits for the cleaner to stop, which it
+    does only between two questions: 10 s, then (at one second a question) still 3 s added to every
+    run. One second per question keeps its job (removing a dead controller's placement group), and
+    a 0.1 s wait for its stop ends runs that much sooner: a graceful stop is told to exit and leaves
+    the placement group to the controller, which removes it itself. (Ray builds the callback: its
+    defaults are the only handle, so its signature must be Ray 2.60's.)"""
+    import inspect
+    cleaner = ray_internal("ray.train.v2._internal.callbacks.placement_group_callback",
+                           "PlacementGroupCleanerCallback")
+    parameters = list(inspect.signature(cleaner.__init__).parameters) if cleaner else []
+    if parameters != ["self", "check_interval_s", "get_actor_timeout_s", "stop_timeout"]:
+        internal_note("PlacementGroupCleanerCallback(check_interval_s, get_actor_timeout_s, "
+                      "stop_timeout)", "each run may take seconds longer to end")
+        return
+    cleaner.__init__.__defaults__ = (1.0, 1.0, 0.1)
+
+
+def ray_auth_mode() -> str:
+    """The auth mode this process's Ray speaks (token, disabled, ...);
+    "unknown" if it cannot say."""
+    name_of = ray_internal("ray._private.authentication.authentication_utils",
+                           "get_authentication_mode_name")
+    mode = ray_internal("ray._raylet", "get_authentication_mode")
+    return name_of(mode()) if name_of and mode else "unknown"
 
 # ==================================================================================================
 # Config: every field is a command-line flag (--field-name),
@@ -769,9 +986,7 @@ def under_torchrun() -> bool:
     local mode then runs the loop in each torchrun process, and ray_dp keeps the checkpoints itself.
     Only the driver asks: Ray's own workers have RANK, WORLD_SIZE, ... too, but not torchrun's run
     id."""
-    from ray.train.v2._internal.execution.local_mode.torch import has_torchrun_env
-    # what makes Ray's local mode join it
-    return "TORCHELASTIC_RUN_ID" in os.environ and has_torchrun_env()
+    return "TORCHELASTIC_RUN_ID" in os.environ and ray_joins_torchrun()
 
 
 def torchrun_follower() -> bool:
@@ -2474,10 +2689,6 @@ class TensorBoardLogger(ray.train.UserCallback):
         self.tensorboard.write(metrics[0])
 
 
-from ray.train.v2._internal.execution.callback import (  # noqa: E402 (Ray Train's controller hooks)
-    ControllerCallback, ReportCallback, WorkerGroupCallback)
-
-
 class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
     """One console line per event of a run's life that is not an epoch: a worker or node lost,
     failure k of --max-failures, waiting for workers, a start that timed out, the worker group
@@ -2500,6 +2711,7 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.reported = None
         self.save_failed = False
 
+    @ray_hook()
     def after_controller_state_update(self, previous_state, current_state) -> None:
         # ShuttingDown(next_state=Errored)
         state = getattr(current_state, "next_state", current_state)
@@ -2513,13 +2725,16 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
             self.add(f"waiting up to {self.cfg.start_timeout:g} s for {plural(workers, 'worker')} "
                      f"(--start-timeout)", event="waiting", workers=workers)
 
+    @ray_hook()
     def before_worker_group_start(self, worker_group_context) -> None:
         self.clock.setdefault("group", time.time())
 
+    @ray_hook(default={})
     def before_init_train_context(self, workers) -> dict:
         self.clock.setdefault("actors", time.time())  # the workers' processes are up
         return {}
 
+    @ray_hook()
     def after_worker_group_start(self, worker_group) -> None:
         self.node_ips = {w.distributed_context.world_rank: w.metadata.node_ip
                          for w in worker_group.get_workers()}
@@ -2528,6 +2743,7 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
                    if self.events else None)
         self.add(message, event="started", workers=len(self.node_ips), nodes=nodes)
 
+    @ray_hook()
     def after_report(self, training_report, metrics: list) -> None:
         epoch = metrics[0]["epoch"]
         if "startup" in metrics[0] and not any(e["event"] == "startup" for e in self.events):
@@ -2693,22 +2909,7 @@ class RayOutput:
     local directory. Lines that start with "ray-dp: " are printed without Ray's process prefix."""
 
     def __init__(self):
-        from ray._private import ray_logging, worker
-        self.dispatcher, self.worker = ray_logging.global_worker_stdstream_dispatcher, worker
-        self.print_to_console, self.log_path = worker.print_to_stdstream, None
-
-    def install(self) -> None:
-        """Ray prints what its processes forward through a dispatcher (a handler per ray.init), and
-        the errors the cluster reports (a worker died, ...) through print_to_stdstream itself: route
-        both."""
-        handlers = [handler for name, handler in self.dispatcher.handlers
-                    if name == "ray_print_logs"]
-        if handlers:  # none if log_to_driver=False
-            ignore_prefix = getattr(handlers[-1], "keywords", {}).get("ignore_prefix", False)
-            self.dispatcher.remove_handler("ray_print_logs")
-            self.dispatcher.add_handler("ray_print_logs",
-                                        functools.partial(self.route, ignore_prefix=ignore_prefix))
-        self.worker.print_to_stdstream = self.route
+        self.print_to_console, self.log_path = ray_printer(), None
 
     def route(self, batch: dict, ignore_prefix: bool = False) -> None:
         if batch["is_err"] or batch.get("pid") == "raylet":
@@ -2741,7 +2942,11 @@ def send_ray_output_to(log_path: Optional[str]) -> None:
     global _ray_output
     if _ray_output is None:
         _ray_output = RayOutput()
-    _ray_output.install()  # again after each ray.init, which adds a printing handler of its own
+    if _ray_output.print_to_console:
+        # again after each ray.init, which adds a printing handler of its own
+        route_ray_prints(_ray_output.route)
+    else:
+        internal_note("ray._private.worker.print_to_stdstream", ROUTING_LOST)
     if log_path:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
     _ray_output.log_path = log_path
@@ -2751,25 +2956,6 @@ def local_run_dir(cfg: Config) -> str:
     """Where the driver's node keeps a run's logs: the run directory, or for cloud storage beside
     its TensorBoard events (LOGDIR/<name>)."""
     return os.path.join(cfg.logdir, cfg.name) if is_uri(cfg.run_dir) else cfg.run_dir
-
-
-def quiet_ray_logs():
-    """Runs in every Ray worker process: keep Ray Train's routine chatter off the console."""
-    from ray.train.v2._internal.execution import context
-    # Ray's PlacementGroupCleaner polls the State API, which needs Ray's dashboard (not installed):
-    # it logs harmless errors, and a traceback when it is slow to stop at the end of a run.
-    # Training is unaffected.
-    logging.getLogger("ray.train.v2._internal.execution.controller."
-                      "placement_group_cleaner").setLevel(logging.ERROR)
-    logging.getLogger("ray.train.v2._internal.callbacks."
-                      "placement_group_callback").setLevel(logging.CRITICAL)
-    # Its autoscaling coordinator logs a traceback whenever a resource request times out on a busy
-    # machine (the request is sent again; Ray's message says it is safe to ignore)
-    logging.getLogger("ray.train.v2._internal.execution.scaling_policy."
-                      "autoscaling_coordinator_client").setLevel(logging.ERROR)
-    # "Reporting training result ..." per rank per epoch; this logger is named by file path, so
-    # LoggingConfig(log_level) does not reach it.
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 class QuietControllerLogs(ControllerCallback):
@@ -3439,23 +3625,15 @@ def autoscaler_node_types(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[li
     """The attached cluster's node types, as its autoscaler knows them: from the node groups Ray
     records in its GCS (KubeRay, autoscaler v2), else from the config `ray up` left on this head
     node; None if neither."""
-    from ray._private.state import state
-    recorded = state.get_cluster_config()
-    if recorded is not None and recorded.node_group_configs:
-        return node_types_from_groups(recorded)
+    recorded = recorded_node_types()
+    if recorded is not None:
+        return recorded
     path = os.path.expanduser(bootstrap_path)
     if not os.path.isfile(path):
         return None
     import yaml
     with open(path) as f:
         return node_types_from_yaml(yaml.safe_load(f))
-
-
-def node_types_from_groups(cluster_config) -> list:
-    """From Ray's autoscaler_pb2.ClusterConfig:
-    (resources, max_count) per node group (-1: no limit)."""
-    return [(dict(group.resources), math.inf if group.max_count == -1 else group.max_count)
-            for group in cluster_config.node_group_configs]
 
 
 def node_types_from_yaml(cluster_yaml: dict) -> list:
@@ -3471,14 +3649,13 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
     is the last cluster `ray start` recorded on this machine (/tmp/ray/ray_current_cluster),
     possibly long gone."""
     import socket
-    from ray._private.services import canonicalize_bootstrap_address
     try:
-        resolved = canonicalize_bootstrap_address(address)
-    except ConnectionError:
-        resolved = None
+        resolved = gcs_address(address)
     except ValueError:
         raise ConfigError(f"--address {address}: give 'auto' or host:port "
                           f"(e.g. 10.0.0.5:6379)") from None
+    if resolved is None:  # this Ray cannot tell where 'auto' points
+        return
     if not resolved:
         raise ConfigError(f"--address {address}: no running Ray cluster is recorded on this "
                           f"machine; start one (ray start --head, or ray up cluster.yaml) or drop "
@@ -3498,9 +3675,7 @@ def connect(cfg: Config) -> Config:
     """Start (or attach to) Ray, after checking that the run fits, so that nothing starts in vain.
     Returns the config with the device decided."""
     if not ray.is_initialized() and not cfg.address:
-        # what ray.init registers: cgroup limits, not the host's
-        from ray._private.utils import get_num_cpus
-        machine = {"CPU": get_num_cpus(), "GPU": torch.cuda.device_count()}
+        machine = {"CPU": ray_cpu_count(), "GPU": torch.cuda.device_count()}
         cfg = settle_device(cfg, Cluster(machine, None, local=True))
         start_ray(cfg.address)
         return cfg
@@ -3521,10 +3696,7 @@ def start_ray(address: str) -> None:
         check_runtime_env()
         return
     if not address:
-        # Ray turns token auth on for a cluster it starts,
-        # and says so on every run: good, and not news.
-        logging.getLogger("ray._private.authentication."
-                          "authentication_token_setup").setLevel(logging.ERROR)
+        logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
         ray.init(address="local", runtime_env=fresh_runtime_env(), logging_level=logging.WARNING,
                  include_dashboard=False)
         return
@@ -3539,9 +3711,7 @@ def start_ray(address: str) -> None:
 def fresh_runtime_env() -> dict:
     """RUNTIME_ENV for a ray.init: Ray writes the setup hook into the env_vars it is given, and a
     later ray.init in the same process (a notebook's second Ray) refuses a hook already there."""
-    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-    env_vars = {k: v for k, v in RUNTIME_ENV["env_vars"].items()
-                if k != WORKER_PROCESS_SETUP_HOOK_ENV_VAR}
+    env_vars = {k: v for k, v in RUNTIME_ENV["env_vars"].items() if k != setup_hook_env_var()}
     # which object store the driver checked is the one every worker uses (credentials, though,
     # are each node's own: its IAM role or environment, never sent along)
     env_vars.update({k: os.environ[k] for k in STORE_SETTINGS if k in os.environ})
@@ -3568,21 +3738,6 @@ def cluster_of(cfg: Config) -> Cluster:
                    local=not attached)
 
 
-def shorten_placement_group_cleaner_waits() -> None:
-    """Ray Train's PlacementGroupCleaner asks the State API (served by Ray's dashboard, which
-    requirements.txt does not install) whether the controller still lives, waiting up to 10 s for
-    each answer, and at the end of every run the controller waits for the cleaner to stop, which it
-    does only between two questions: 10 s, then (at one second a question) still 3 s added to every
-    run. One second per question keeps its job (removing a dead controller's placement group), and
-    a 0.1 s wait for its stop ends runs that much sooner: a graceful stop is told to exit and leaves
-    the placement group to the controller, which removes it itself. (Ray builds the callback: its
-    defaults are the only handle. Pinned Ray 2.60: the signature is (check_interval_s=1.0,
-    get_actor_timeout_s=10, stop_timeout=None).)"""
-    from ray.train.v2._internal.callbacks.placement_group_callback import (
-        PlacementGroupCleanerCallback)
-    PlacementGroupCleanerCallback.__init__.__defaults__ = (1.0, 1.0, 0.1)
-
-
 # PRINT_PATCH=0: rank 0's epoch lines reach the console once,
 # not once as print and again as a log record.
 RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
@@ -3603,8 +3758,7 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
     logs = None if torchrun_follower() else local_run_dir(cfg)
     prepare_ray_train(cfg, logs and os.path.join(logs, "ray.log"))
     options.launched["fit"] = time.time()
-    callbacks = [QuietControllerLogs()] + ([RecoveryLog(
-        cfg, os.path.join(logs, "recovery.json"), done, options.launched)] if logs else [])
+    callbacks = controller_callbacks(cfg, logs, done, options.launched)
     # num_workers=0 under torchrun: Ray Train's local mode runs the loop in this very process.
     workers = (0 if options.torchrun else
                (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
@@ -3625,6 +3779,17 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
     except SystemExit:
         # Ray Train's own Ctrl-C handler, which fit() installs, aborts the run and exits
         raise KeyboardInterrupt from None
+
+
+def controller_callbacks(cfg: Config, logs: Optional[str], done: int = 0,
+                         launched: Optional[dict] = None) -> list:
+    """ray_dp's hooks in Ray Train's controller: its logs kept quiet and, where the run keeps its
+    logs (logs: that directory), its recovery record."""
+    if not CONTROLLER_HOOKS:
+        internal_note(CALLBACK_MODULE, HOOKS_LOST)
+        return []
+    return [QuietControllerLogs()] + ([RecoveryLog(
+        cfg, os.path.join(logs, "recovery.json"), done, launched)] if logs else [])
 
 
 def prepare_ray_train(cfg: Config, log_path: str) -> None:
@@ -4246,7 +4411,7 @@ class Doctor:
             scaling_config=scaling_config(cfg, cfg.processes),
             run_config=RunConfig(name="probe", storage_path=self.logs,
                                  logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-                                 callbacks=[QuietControllerLogs()]),
+                                 callbacks=controller_callbacks(cfg, None)),
             torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
                                      timeout_s=int(math.ceil(self.hang_timeout))))
         begun = time.time()
@@ -4355,12 +4520,9 @@ def node_software() -> dict:
     import socket
 
     import torchvision
-    from ray._private.authentication.authentication_utils import get_authentication_mode_name
-    from ray._raylet import get_authentication_mode
     return {"host": socket.gethostname(), "python": platform.python_version(),
             "ray": ray.__version__, "torch": torch.__version__,
-            "torchvision": torchvision.__version__,
-            "auth": get_authentication_mode_name(get_authentication_mode())}
+            "torchvision": torchvision.__version__, "auth": ray_auth_mode()}
 
 
 def alive_nodes() -> list:

@@ -40,10 +40,13 @@ os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCES
                    "AWS_EC2_METADATA_DISABLED": "true"})
 
 
-def start_s3_server(port: int, **env) -> subprocess.Popen:
-    """moto's S3 server on 127.0.0.1:port, once it answers."""
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def launch_s3_server(port: int, **env) -> subprocess.Popen:
+    """moto's S3 server starting on 127.0.0.1:port (answers_at: once it answers)."""
+    return subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def answers_at(server: subprocess.Popen, port: int) -> subprocess.Popen:
     deadline = time.time() + 60
     while True:
         try:
@@ -58,6 +61,11 @@ def start_s3_server(port: int, **env) -> subprocess.Popen:
             time.sleep(0.1)
 
 
+def start_s3_server(port: int, **env) -> subprocess.Popen:
+    """moto's S3 server on 127.0.0.1:port, once it answers."""
+    return answers_at(launch_s3_server(port, **env), port)
+
+
 def stop(server: subprocess.Popen) -> None:
     server.terminate()  # by its own process ID
     try:
@@ -66,13 +74,27 @@ def stop(server: subprocess.Popen) -> None:
         server.kill()
 
 
+_s3_server = None  # the session's, launched once the tests are collected
+
+
+def pytest_collection_modifyitems(config, items):
+    """The session's S3 server starts (seconds of imports) while the tests before the first that needs it run."""
+    global _s3_server
+    if any("s3" in item.fixturenames for item in items):
+        _s3_server = launch_s3_server(S3_PORT)
+
+
+def pytest_unconfigure(config):
+    if _s3_server is not None:
+        stop(_s3_server)
+
+
 @pytest.fixture(scope="session")
 def s3():
     """The S3 server for the session, and a boto3 client of it (buckets are made with it)."""
     import boto3
-    server = start_s3_server(S3_PORT)
+    answers_at(_s3_server, S3_PORT)
     yield boto3.client("s3")
-    stop(server)
 
 
 @pytest.fixture

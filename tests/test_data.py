@@ -8,6 +8,7 @@ import torch
 import torchvision.datasets.cifar
 
 import ray_dp
+from helpers import run_distributed
 
 
 def write_idx(path, array):
@@ -61,19 +62,21 @@ def test_digits_is_a_fixed_28x28_split_of_all_1797_digits():
     assert set(test.tensors[1].tolist()) == set(range(10))
 
 
-def test_digits_are_scikit_learns_own_read_without_importing_it():
-    import subprocess
+def sklearn_imported_by_load_digits():
     import sys
+    assert "sklearn" not in sys.modules  # a process that has not imported it (yet)
+    ray_dp.load_digits()
+    return "sklearn" in sys.modules
 
+
+def test_digits_are_scikit_learns_own_read_without_importing_it():
     from sklearn.datasets import load_digits
     pixels, labels = ray_dp.sklearn_digits_file()
     digits = load_digits()
     assert (pixels.reshape(-1, 8, 8) == digits.images).all() and (labels == digits.target).all()
     assert len(labels) == 1797
-    # (in a fresh interpreter: this one has imported scikit-learn just above)
-    check = "import sys, ray_dp; ray_dp.load_digits(); print('sklearn' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
-                          cwd=ray_dp.__file__.rpartition("/")[0]).stdout.strip() == "False"
+    # (in a new process: this one has imported scikit-learn just above)
+    assert run_distributed(sklearn_imported_by_load_digits, 1) == [False]
 
 
 def test_models_map_images_to_10_logits():

@@ -1,0 +1,170 @@
+"""ray_dp's bets on Ray's non-public API (its "Ray internals" section), each made unavailable as a later Ray might
+make it: the nicety it serves turns off with one note and the run goes on, or, under torchrun, a one-line refusal."""
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+
+import pytest
+import ray
+
+import ray_dp
+from helpers import error_of, train
+
+TORCHRUN_ENV = {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.fixture(autouse=True)
+def each_note_anew():
+    ray_dp.internal_note.cache_clear()
+    yield
+    ray_dp.internal_note.cache_clear()
+
+
+def missing(monkeypatch, module, name=None):
+    """Ray's module, or its attribute name, gone as a later Ray might have moved it."""
+    if name is None:
+        monkeypatch.setitem(sys.modules, module, None)  # importing it raises ImportError
+    else:
+        monkeypatch.delattr(importlib.import_module(module), name)
+
+
+def notes(capsys):
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: Ray ")]
+
+
+def note_about(capsys, what):
+    said = notes(capsys)
+    assert len(said) == 1 and f"differs from Ray {ray_dp.RAY_CHECKED} in {what}" in said[0], said
+    return said[0]
+
+
+def test_torchrun_is_one_line_refused_by_a_ray_without_ray_trains_torchrun_test(monkeypatch, no_cluster, capsys):
+    missing(monkeypatch, "ray.train.v2._internal.execution.local_mode.torch", "has_torchrun_env")
+    assert not ray_dp.under_torchrun()  # not under torchrun: nothing asked
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    err = error_of(["--dataset", "digits"], capsys)
+    assert err.startswith("ray_dp.py: error: under torchrun ray_dp needs Ray Train's local mode as Ray >= 2.59 "
+                          "and < 2.61 has it"), err
+
+
+def test_under_torchrun_ray_dp_agrees_with_ray_trains_own_test(monkeypatch):
+    from ray.train.v2._internal.execution.local_mode.torch import has_torchrun_env
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert ray_dp.under_torchrun() and has_torchrun_env()
+    monkeypatch.delenv("MASTER_PORT")
+    assert not ray_dp.under_torchrun() and not has_torchrun_env()
+
+
+def test_a_ray_without_controller_hooks_still_imports_ray_dp_whose_runs_leave_them_out(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, ray_dp.CALLBACK_MODULE, None)
+    spec = importlib.util.spec_from_file_location("ray_dp_on_another_ray", ray_dp.__file__)
+    other = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, other)
+    spec.loader.exec_module(other)
+    assert not other.CONTROLLER_HOOKS
+    assert other.controller_callbacks(other.Config(), str(tmp_path)) == []
+    assert "Ray Train's controller" in "".join(notes(capsys))
+    assert ray_dp.CONTROLLER_HOOKS and len(ray_dp.controller_callbacks(ray_dp.Config(), str(tmp_path))) == 2
+
+
+def test_a_controller_object_of_another_shape_is_a_note_not_an_error(tmp_path, capsys):
+    log = ray_dp.RecoveryLog(ray_dp.Config(), str(tmp_path / "recovery.json"))
+    log.after_worker_group_start(object())  # no get_workers()
+    assert "RecoveryLog.after_worker_group_start" in note_about(capsys, "what Ray Train's controller passes")
+    assert log.before_init_train_context() == {}  # called with other arguments: its default
+
+
+def test_output_routing_off_leaves_rays_printing_as_it_is(monkeypatch, capsys):
+    from ray._private import worker
+    printer = worker.print_to_stdstream
+    missing(monkeypatch, "ray._private.ray_logging", "global_worker_stdstream_dispatcher")
+    ray_dp.route_ray_prints(lambda batch, ignore_prefix=False: None)
+    assert worker.print_to_stdstream is printer
+    assert ray_dp.ROUTING_LOST in note_about(capsys, "ray._private.ray_logging.global_worker_stdstream_dispatcher")
+
+
+def test_quiet_logs_without_ray_trains_context_module_still_quiet_the_rest(monkeypatch, capsys):
+    missing(monkeypatch, "ray.train.v2._internal.execution.context")
+    for name in ray_dp.RAY_LOGGERS:
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    ray_dp.quiet_ray_logs()
+    assert {name: logging.getLogger(name).level for name in ray_dp.RAY_LOGGERS} == ray_dp.RAY_LOGGERS
+    note_about(capsys, "ray.train.v2._internal.execution.context")
+
+
+def test_without_rays_recorded_node_groups_the_bootstrap_config_still_decides(monkeypatch, tmp_path, capsys):
+    bootstrap = tmp_path / "ray_bootstrap_config.yaml"
+    bootstrap.write_text("head_node_type: head\navailable_node_types:\n  head: {resources: {CPU: 4}, max_workers: 0}\n"
+                         "  gpu: {resources: {CPU: 8, GPU: 1}, max_workers: 3}\n")
+    missing(monkeypatch, "ray._private.state", "state")
+    assert ray_dp.autoscaler_node_types(str(bootstrap)) == [({"CPU": 4}, 1), ({"CPU": 8, "GPU": 1}, 3)]
+    note_about(capsys, "ray._private.state.state.get_cluster_config")
+
+
+def test_without_rays_address_resolution_a_dead_address_is_still_one_line_and_auto_goes_unchecked(monkeypatch,
+                                                                                                     capsys):
+    from conftest import free_port
+    missing(monkeypatch, "ray._private.services", "canonicalize_bootstrap_address")
+    dead = f"127.0.0.1:{free_port()}"
+    with pytest.raises(ray_dp.ConfigError, match=f"^no Ray cluster answers at {dead}: start one"):
+        ray_dp.check_reachable(dead)
+    assert notes(capsys) == []
+    assert ray_dp.check_reachable("auto") is None  # left to ray.init
+    note_about(capsys, "ray._private.services.canonicalize_bootstrap_address")
+
+
+def test_without_rays_cpu_count_the_cpus_this_process_may_use_are_counted(monkeypatch, capsys):
+    real = ray_dp.ray_cpu_count()
+    missing(monkeypatch, "ray._private.utils", "get_num_cpus")
+    assert ray_dp.ray_cpu_count() == len(os.sched_getaffinity(0))
+    assert real == pytest.approx(len(os.sched_getaffinity(0)), abs=1)  # here, without cgroup limits: the same
+    note_about(capsys, "ray._private.utils.get_num_cpus")
+
+
+def test_without_rays_constant_the_setup_hook_is_still_left_out_of_a_second_ray_init(monkeypatch):
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+    missing(monkeypatch, "ray._private.ray_constants", "WORKER_PROCESS_SETUP_HOOK_ENV_VAR")
+    assert ray_dp.setup_hook_env_var() == WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+    monkeypatch.setitem(ray_dp.RUNTIME_ENV["env_vars"], WORKER_PROCESS_SETUP_HOOK_ENV_VAR, "ray_dp.quiet_ray_logs")
+    assert WORKER_PROCESS_SETUP_HOOK_ENV_VAR not in ray_dp.fresh_runtime_env()["env_vars"]
+
+
+def test_a_placement_group_cleaner_of_another_signature_is_left_as_it_is(monkeypatch, capsys):
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    def other_init(self, check_interval_s=2.0, timeout_s=5.0):
+        pass
+    monkeypatch.setattr(PlacementGroupCleanerCallback, "__init__", other_init)
+    ray_dp.shorten_placement_group_cleaner_waits()
+    assert other_init.__defaults__ == (2.0, 5.0)
+    note_about(capsys, "PlacementGroupCleanerCallback(check_interval_s, get_actor_timeout_s, stop_timeout)")
+    missing(monkeypatch, "ray.train.v2._internal.callbacks.placement_group_callback", "PlacementGroupCleanerCallback")
+    ray_dp.internal_note.cache_clear()
+    ray_dp.shorten_placement_group_cleaner_waits()
+    note_about(capsys, "PlacementGroupCleanerCallback(")
+
+
+def test_the_doctor_reports_an_auth_mode_it_cannot_read_as_unknown(monkeypatch):
+    assert ray_dp.ray_auth_mode() in ("disabled", "token", "k8s")
+    missing(monkeypatch, "ray._private.authentication.authentication_utils")
+    assert ray_dp.ray_auth_mode() == "unknown"
+    assert ray_dp.node_software()["auth"] == "unknown"
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_run_trains_where_every_ray_internal_is_missing(ray_cluster, tmp_path, monkeypatch, capsys):
+    # As a later Ray would look to ray_dp: none of its internals found, and no controller hooks to subclass.
+    monkeypatch.setattr(ray_dp, "ray_internal", lambda module, name=None: None)
+    monkeypatch.setattr(ray_dp, "CONTROLLER_HOOKS", False)
+    result = train(tmp_path, "no-internals", "--dataset", "digits", "--workers", "2", "--epochs", "1")
+    assert result["final"]["test_count"] == 360 and result["final"]["test_acc"] > 0.2  # chance: 0.1
+    assert result["recovery"] == {}  # no controller hooks, no record
+    said = "\n".join(notes(capsys))
+    assert f"differs from Ray {ray_dp.RAY_CHECKED} in {ray_dp.CALLBACK_MODULE}" in said
+    assert "PlacementGroupCleanerCallback(" in said and ray_dp.ROUTING_LOST in said
