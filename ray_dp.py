@@ -125,9 +125,11 @@ COMMAND_AT: Optional[float] = None
 # checked with the Ray requirements.txt pins (RAY_CHECKED); a later Ray may move or change any of
 # them. Then what it serves turns off with one "note:" line and the run still trains, or, where
 # correctness depends on it (torchrun), the run is refused in one line naming SUPPORTED_RAY.
-# Besides these calls ray_dp sets environment knobs of Ray's (RUNTIME_ENV, prepare_ray_train) and
-# quiets loggers by name (RAY_LOGGERS): a knob or name a later Ray lacks is ignored, and only its
-# nicety is lost.
+# The bets: Ray Train's torchrun test, its controller hooks and the objects they are given, the
+# class names of its states and errors, its environment knobs (RAY_TRAIN_KNOBS), its progress bar,
+# the printer of forwarded output, loggers by name (RAY_LOGGERS), the recorded node groups, the
+# bootstrap address, the CPU count, the setup hook's variable, the placement-group cleaner's
+# defaults, the auth mode. (RAY_DEDUP_LOGS and RAY_COLOR_PREFIX, set in start_ray, are public.)
 # ==================================================================================================
 
 RAY_CHECKED = "2.60.0"
@@ -142,11 +144,18 @@ def ray_internal(module: str, name: Optional[str] = None):
         return None
 
 
-@functools.cache  # once per process
+_noted = set()  # what internal_note has said in this process
+
+
 def internal_note(what: str, lost: str) -> None:
-    """One line: where this Ray is not the one ray_dp was checked with, and what is lost."""
-    print(f"note: Ray {ray.__version__} differs from Ray {RAY_CHECKED} in {what}: {lost}",
-          flush=True)
+    """One line, once per process: which of this Ray's internals ray_dp cannot use, and what is
+    lost. (Not functools.cache: run as a script, ray_dp's functions travel to Ray's processes by
+    value, and a cache wrapper travels by a name that their __main__ lacks.)"""
+    if (what, lost) in _noted:
+        return
+    _noted.add((what, lost))
+    print(f"note: ray_dp cannot use Ray {ray.__version__}'s {what} (it was checked with Ray "
+          f"{RAY_CHECKED}): {lost}", flush=True)
 
 
 def ray_joins_torchrun() -> bool:
@@ -155,13 +164,14 @@ def ray_joins_torchrun() -> bool:
     with Ray, so a Ray without this test is refused."""
     has_torchrun_env = ray_internal("ray.train.v2._internal.execution.local_mode.torch",
                                     "has_torchrun_env")
-    if has_torchrun_env is None:
+    try:
+        return has_torchrun_env()
+    except TypeError:  # None, or another signature
         low, high = SUPPORTED_RAY
         raise ConfigError(f"under torchrun ray_dp needs Ray Train's local mode as Ray >= {low} and "
                           f"< {high} has it (Ray {ray.__version__} is installed): pip install -r "
                           f"requirements.txt, or run without torchrun "
-                          f"(python ray_dp.py --workers N)")
-    return has_torchrun_env()
+                          f"(python ray_dp.py --workers N)") from None
 
 
 # Ray Train's controller hooks (its state changes, the worker group's start, every report; the
@@ -177,21 +187,40 @@ HOOKS_LOST = ("no recovery lines, recovery.json or start-up breakdown, and Ray T
               "logs its routine lines")
 
 
-def ray_hook(default=None):
-    """A method Ray Train's controller calls with its own objects (states, worker groups), whose
-    attributes ray_dp reads: if this Ray's objects lack them, one note and `default`, not an error
-    that would stop the controller."""
-    def wrap(method):
-        @functools.wraps(method)
-        def guarded(*args, **kwargs):
-            try:
-                return method(*args, **kwargs)
-            except (AttributeError, TypeError) as exc:
-                internal_note(f"what Ray Train's controller passes {method.__qualname__} "
-                              f"({first_line(exc)})", HOOKS_LOST)
-                return default
-        return guarded
-    return wrap
+# The class names of Ray Train's controller states and errors that RecoveryLog tells apart: a Ray
+# that renames one makes those lines generic (a failure without its kind), never an error.
+ERRORED_STATE, SCHEDULING_STATE = "ErroredState", "SchedulingState"
+START_TIMEOUT_ERROR, WORKER_GROUP_ERROR = "WorkerGroupStartupTimeoutError", "WorkerGroupError"
+
+
+def state_facts(state) -> tuple:
+    """What RecoveryLog reads of a state of Ray Train's controller: (its class name, the training
+    error it carries or None, the workers a SchedulingState waits for or None). A ShuttingDown
+    state is read as the state it leads to."""
+    state = getattr(state, "next_state", state)
+    decision = getattr(state, "scaling_decision", None)
+    return (type(state).__name__, getattr(state, "training_failed_error", None),
+            getattr(decision, "num_workers", None))
+
+
+def worker_node_ips(worker_group) -> dict:
+    """{world rank: node IP} of a worker group Ray Train's controller has started."""
+    try:
+        return {worker.distributed_context.world_rank: worker.metadata.node_ip
+                for worker in worker_group.get_workers()}
+    except (AttributeError, TypeError):
+        internal_note("worker group (get_workers, distributed_context, metadata)",
+                      "the recovery lines name no nodes")
+        return {}
+
+
+def ray_tqdm():
+    """Ray's tqdm, whose bar the driver draws from a worker's updates (a worker's output is not a
+    terminal); None if this Ray has none."""
+    tqdm = ray_internal("ray.experimental.tqdm_ray", "tqdm")
+    if tqdm is None:
+        internal_note("ray.experimental.tqdm_ray.tqdm", "no progress bar")
+    return tqdm
 
 
 ROUTING_LOST = "Ray's own output (warnings, tracebacks) stays on the console, not in ray.log"
@@ -222,6 +251,42 @@ def route_ray_prints(route) -> None:
                       ROUTING_LOST)
 
 
+# Ray Train's environment knobs that ray_dp sets, by the constant Ray names each with: what is lost
+# where this Ray names none (and so may read another variable).
+RAY_TRAIN_CONSTANTS = "ray.train.v2._internal.constants"
+RAY_TRAIN_KNOBS = {
+    "ENABLE_PREEMPTION_WATCHER_ENV_VAR": "its preemption watcher may print an error on every run",
+    "ENABLE_PRINT_PATCH_ENV_VAR": "rank 0's epoch lines may reach the console twice",
+    "HEALTH_CHECK_INTERVAL_S_ENV_VAR": "each report may wait for Ray Train's 2 s poll",
+    "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR": "--start-timeout may not apply (Ray's default: 60 s)",
+}
+
+
+def ray_train_knob(constant: str) -> str:
+    """The environment variable Ray Train reads for one of RAY_TRAIN_KNOBS: its own name for it, or
+    where it names none Ray 2.60's (RAY_TRAIN_ and the constant's stem)."""
+    return (ray_internal(RAY_TRAIN_CONSTANTS, constant)
+            or "RAY_TRAIN_" + constant.removesuffix("_ENV_VAR"))
+
+
+def check_ray_train_internals() -> None:
+    """On the driver, before a run: a note for each knob or logger this Ray names otherwise (not in
+    the workers, where it would print once a process)."""
+    for constant, lost in RAY_TRAIN_KNOBS.items():
+        if ray_internal(RAY_TRAIN_CONSTANTS, constant) is None:
+            internal_note(f"{RAY_TRAIN_CONSTANTS}.{constant}", lost)
+    if ray_report_logger() is None:
+        internal_note("ray.train.v2._internal.execution.context",
+                      "each rank logs a line per report")
+
+
+def ray_report_logger() -> Optional[str]:
+    """The logger of Ray Train's "Reporting training result ..." lines (per rank per report),
+    named by its file's path, so that LoggingConfig(log_level) does not reach it; None if this Ray
+    has no such module."""
+    return ray_internal("ray.train.v2._internal.execution.context", "__file__")
+
+
 # Ray's loggers whose routine lines ray_dp keeps off the console, and the level each is kept at.
 RAY_LOGGERS = {
     # Ray's PlacementGroupCleaner polls the State API, which needs Ray's dashboard (not installed):
@@ -241,14 +306,8 @@ def quiet_ray_logs():
     """Runs in every Ray worker process: keep Ray Train's routine chatter off the console."""
     for name, level in RAY_LOGGERS.items():
         logging.getLogger(name).setLevel(level)
-    # "Reporting training result ..." per rank per epoch; this logger is named by file path, so
-    # LoggingConfig(log_level) does not reach it.
-    context = ray_internal("ray.train.v2._internal.execution.context", "__file__")
-    if context is None:
-        internal_note("ray.train.v2._internal.execution.context",
-                      "each rank logs a line per report")
-        return
-    logging.getLogger(context).setLevel(logging.WARNING)
+    if (report_logger := ray_report_logger()) is not None:
+        logging.getLogger(report_logger).setLevel(logging.WARNING)
 
 
 def recorded_node_types() -> Optional[list]:
@@ -260,7 +319,7 @@ def recorded_node_types() -> Optional[list]:
         if recorded is None or not recorded.node_group_configs:
             return None
         return node_types_from_groups(recorded)
-    except AttributeError:  # this Ray keeps no such record (or state is None)
+    except (AttributeError, TypeError):  # this Ray keeps no such record, or another shape of it
         internal_note("ray._private.state.state.get_cluster_config",
                       "an autoscaler's node groups (KubeRay) are not read; the config that "
                       "`ray up` leaves on the head node still is")
@@ -294,18 +353,21 @@ def gcs_address(address: str) -> Optional[str]:
 
 def ray_cpu_count() -> float:
     """The CPUs a Ray started here registers: its count honours cgroup limits, not the host's."""
-    get_num_cpus = ray_internal("ray._private.utils", "get_num_cpus")
-    if get_num_cpus is None:
+    try:
+        return ray_internal("ray._private.utils", "get_num_cpus")()
+    except (TypeError, ValueError):  # None, or another signature
         internal_note("ray._private.utils.get_num_cpus",
                       "this machine's CPUs are counted without its cgroup limits")
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return get_num_cpus()
 
 
 def setup_hook_env_var() -> str:
     """Where ray.init writes a runtime environment's worker_process_setup_hook."""
-    return (ray_internal("ray._private.ray_constants", "WORKER_PROCESS_SETUP_HOOK_ENV_VAR")
-            or "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR")  # Ray 2.60's name
+    name = ray_internal("ray._private.ray_constants", "WORKER_PROCESS_SETUP_HOOK_ENV_VAR")
+    if name is None:
+        internal_note("ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR",
+                      "a second ray.init in this process may refuse ray_dp's setup hook")
+    return name or "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"  # Ray 2.60's name
 
 
 def shorten_placement_group_cleaner_waits() -> None:
@@ -334,7 +396,10 @@ def ray_auth_mode() -> str:
     name_of = ray_internal("ray._private.authentication.authentication_utils",
                            "get_authentication_mode_name")
     mode = ray_internal("ray._raylet", "get_authentication_mode")
-    return name_of(mode()) if name_of and mode else "unknown"
+    try:
+        return str(name_of(mode()))
+    except (TypeError, ValueError, AttributeError):  # a None, or other shapes
+        return "unknown"
 
 # ==================================================================================================
 # Config: every field is a command-line flag (--field-name),
@@ -2080,12 +2145,12 @@ class StepLog:
     terminal)."""
 
     def __init__(self, cfg: Config, epoch: int, steps: int, device: torch.device, progress: bool):
-        from ray.experimental.tqdm_ray import tqdm
         self.cfg, self.epoch, self.steps = cfg, epoch, steps
         # [loss sum, samples] since last log
         self.pending = torch.zeros(2, dtype=torch.float64, device=device)
         self.entries = []  # [global step, train loss averaged over all workers' samples]
-        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{cfg.epochs}") if progress else None
+        tqdm = ray_tqdm() if progress else None
+        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{cfg.epochs}") if tqdm else None
         self.start = time.perf_counter()
         self.first_step_at = None  # wall clock: the start-up breakdown's last mark
 
@@ -2711,39 +2776,30 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.reported = None
         self.save_failed = False
 
-    @ray_hook()
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        # ShuttingDown(next_state=Errored)
-        state = getattr(current_state, "next_state", current_state)
-        error = getattr(state, "training_failed_error", None)
-        kind = type(state).__name__
+        kind, error, workers = state_facts(current_state)
         if error is not None and error is not self.reported:
             self.reported = error
-            self.failed(error, stopping=kind == "ErroredState")
-        elif kind == "SchedulingState" and self.events:
-            workers = current_state.scaling_decision.num_workers
-            self.add(f"waiting up to {self.cfg.start_timeout:g} s for {plural(workers, 'worker')} "
+            self.failed(error, stopping=kind == ERRORED_STATE)
+        elif kind == SCHEDULING_STATE and self.events:
+            waiting_for = plural(workers, "worker") if workers is not None else "the workers"
+            self.add(f"waiting up to {self.cfg.start_timeout:g} s for {waiting_for} "
                      f"(--start-timeout)", event="waiting", workers=workers)
 
-    @ray_hook()
     def before_worker_group_start(self, worker_group_context) -> None:
         self.clock.setdefault("group", time.time())
 
-    @ray_hook(default={})
     def before_init_train_context(self, workers) -> dict:
         self.clock.setdefault("actors", time.time())  # the workers' processes are up
         return {}
 
-    @ray_hook()
     def after_worker_group_start(self, worker_group) -> None:
-        self.node_ips = {w.distributed_context.world_rank: w.metadata.node_ip
-                         for w in worker_group.get_workers()}
+        self.node_ips = worker_node_ips(worker_group)
         nodes = sorted(set(self.node_ips.values()))
         message = (f"{plural(len(self.node_ips), 'worker')} started on {', '.join(nodes)}"
                    if self.events else None)
         self.add(message, event="started", workers=len(self.node_ips), nodes=nodes)
 
-    @ray_hook()
     def after_report(self, training_report, metrics: list) -> None:
         epoch = metrics[0]["epoch"]
         if "startup" in metrics[0] and not any(e["event"] == "startup" for e in self.events):
@@ -2757,14 +2813,14 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
 
     def failed(self, error, stopping: bool) -> None:
         controller = getattr(error, "controller_failure", None)
-        if type(controller).__name__ == "WorkerGroupStartupTimeoutError" and not stopping:
+        if type(controller).__name__ == START_TIMEOUT_ERROR and not stopping:
             then = "trying again with what fits" if self.cfg.min_workers else "trying again"
             self.add(f"the workers did not all start within {self.cfg.start_timeout:g} s; {then}",
                      event="start_timeout")
             return
         # Ray charges --max-failures with the training's failures only (a worker group error that
         # is not a preemption); its own start-up errors and preemptions have limits of their own.
-        counted = type(error).__name__ == "WorkerGroupError" and "preempt" not in str(error).lower()
+        counted = type(error).__name__ == WORKER_GROUP_ERROR and "preempt" not in str(error).lower()
         self.failures += counted
         limit = self.cfg.max_failures
         if not counted:
@@ -3740,8 +3796,8 @@ def cluster_of(cfg: Config) -> Cluster:
 
 # PRINT_PATCH=0: rank 0's epoch lines reach the console once,
 # not once as print and again as a log record.
-RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-                            "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
+RUNTIME_ENV = {"env_vars": {ray_train_knob("ENABLE_PREEMPTION_WATCHER_ENV_VAR"): "0",
+                            ray_train_knob("ENABLE_PRINT_PATCH_ENV_VAR"): "0"},
                "worker_process_setup_hook": quiet_ray_logs}
 if __name__ != "__main__":
     # Imported (a notebook, another program): Ray's processes unpickle its functions by reference,
@@ -3798,8 +3854,10 @@ def prepare_ray_train(cfg: Config, log_path: str) -> None:
     # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by
     # default: with short epochs every report would wait for it, and a crash right after one would
     # lose it.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)  # Ray hands it on
+    check_ray_train_internals()
+    os.environ.setdefault(ray_train_knob("HEALTH_CHECK_INTERVAL_S_ENV_VAR"), "0.2")
+    # Ray hands it on to its controller
+    os.environ[ray_train_knob("WORKER_GROUP_START_TIMEOUT_S_ENV_VAR")] = str(cfg.start_timeout)
     shorten_placement_group_cleaner_waits()
     send_ray_output_to(log_path)
 

@@ -15,14 +15,6 @@ sys.path.insert(0, REPO)  # tests import ray_dp (and helpers, beside them) by na
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 
 
-def pytest_configure(config):
-    """The gloo tests' forkserver starts now, importing torch and ray_dp while pytest collects the tests."""
-    import multiprocessing.forkserver
-
-    import helpers  # noqa: F401 (its preload list)
-    multiprocessing.forkserver.ensure_running()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,10 +70,15 @@ _s3_server = None  # the session's, launched once the tests are collected
 
 
 def pytest_collection_modifyitems(config, items):
-    """The session's S3 server starts (seconds of imports) while the tests before the first that needs it run."""
+    """What the selected tests need starts now, while the first tests run: the session's S3 server (seconds of
+    imports), and the forkserver of the gloo tests' processes (helpers.FORKSERVER: it imports torch and ray_dp)."""
     global _s3_server
     if any("s3" in item.fixturenames for item in items):
         _s3_server = launch_s3_server(S3_PORT)
+    if any(getattr(item.module, "run_distributed", None) or getattr(item.module, "Distributed", None)
+           for item in items):
+        import multiprocessing.forkserver
+        multiprocessing.forkserver.ensure_running()
 
 
 def pytest_unconfigure(config):

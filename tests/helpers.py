@@ -30,14 +30,17 @@ def _entry(rank, world, fn, workdir):
 
 # Each gloo test's processes are forked from one server process that imported torch, ray_dp and these helpers once
 # (multiprocessing's forkserver): a fresh process per rank, as mp.spawn gives, without its seconds of imports.
-# torch._dynamo too: torch.optim imports it with the first optimizer, 3 s of CPU in every process.
+# torch._dynamo too: torch.optim imports it with the first optimizer, 3 s of CPU in every process. The ranks take the
+# test's working directory and sys.path, but the environment the server started with (conftest starts it after
+# collection): a test that sets a variable for its ranks passes it to them as an argument.
 FORKSERVER = mp.get_context("forkserver")
 FORKSERVER.set_forkserver_preload(["torch", "torch._dynamo", "ray_dp", "helpers", "pytest"])
 
 
 class Distributed:
     """fn(*args) started on `world` local processes joined in a gloo process group; join() waits for them and
-    returns their return values, in rank order. This process is free meanwhile."""
+    returns their return values, in rank order. This process is free meanwhile; leaving a `with Distributed(...)`
+    block before join() (an error) stops them."""
 
     def __init__(self, fn, world, *args):
         self.world, self.workdir = world, tempfile.TemporaryDirectory()
@@ -45,6 +48,15 @@ class Distributed:
         torch.save(args, os.path.join(self.workdir.name, "args.pt"))
         self.processes = mp.start_processes(_entry, args=(world, fn, self.workdir.name), nprocs=world, join=False,
                                             start_method="forkserver")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        for process in self.processes.processes:
+            if process.is_alive():
+                process.terminate()
+        self.workdir.cleanup()
 
     def join(self):
         with self.workdir as workdir:

@@ -175,14 +175,14 @@ def resolved(tmp_dir):
 def runs(tmp_path_factory):
     """N-worker runs (the reruns' first epoch on 2 workers, their second on 3), then one process each."""
     configs = resolved(tmp_path_factory.mktemp("differential"))
-    two = Distributed(on_process_group, 2, configs, {})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:  # meanwhile, here: the 2 ranks wait for each other's all-reduces, and leave a core's time free
-        one = {name: train(reference(cfg), 1, 0) for name, _, cfg, _ in configs}
-    finally:
-        torch.set_num_threads(threads)
-    on_two = two.join()[0]
+    with Distributed(on_process_group, 2, configs, {}) as two:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:  # meanwhile, here: the 2 ranks wait for each other's all-reduces, and leave a core's time free
+            one = {name: train(reference(cfg), 1, 0) for name, _, cfg, _ in configs}
+        finally:
+            torch.set_num_threads(threads)
+        on_two = two.join()[0]
     resumes = {name: on_two[name]["state"] for name, _, _, rerun in configs if rerun}
     on_three = run_distributed(on_process_group, 3, configs, resumes)[0]
     many = {name: (on_three if workers == 3 or rerun == 3 else on_two)[name]
