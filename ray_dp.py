@@ -154,8 +154,8 @@ def internal_note(what: str, lost: str) -> None:
     if (what, lost) in _noted:
         return
     _noted.add((what, lost))
-    print(f"note: ray_dp cannot use Ray {ray.__version__}'s {what} (it was checked with Ray "
-          f"{RAY_CHECKED}): {lost}", flush=True)
+    checked = "" if ray.__version__ == RAY_CHECKED else f" (ray_dp was checked with {RAY_CHECKED})"
+    print(f"note: ray_dp cannot use {what} of Ray {ray.__version__}{checked}: {lost}", flush=True)
 
 
 def ray_joins_torchrun() -> bool:
@@ -191,6 +191,7 @@ HOOKS_LOST = ("no recovery lines, recovery.json or start-up breakdown, and Ray T
 # that renames one makes those lines generic (a failure without its kind), never an error.
 ERRORED_STATE, SCHEDULING_STATE = "ErroredState", "SchedulingState"
 START_TIMEOUT_ERROR, WORKER_GROUP_ERROR = "WorkerGroupStartupTimeoutError", "WorkerGroupError"
+HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"  # a rank's process or node died
 
 
 def state_facts(state) -> tuple:
@@ -224,6 +225,18 @@ def ray_tqdm():
 
 
 ROUTING_LOST = "Ray's own output (warnings, tracebacks) stays on the console, not in ray.log"
+
+
+def forwarded_lines(batch) -> Optional[tuple]:
+    """What ray_dp reads of a batch of lines Ray forwards from its processes: (the lines, whether
+    they are chatter for ray.log: a stderr or the raylet's, and the process they came from); None
+    if the batch has another shape (then it is printed as Ray prints it)."""
+    try:
+        source = (f"({batch.get('actor_name') or batch.get('task_name') or ''} "
+                  f"pid={batch.get('pid')}, ip={batch.get('ip')})")
+        return list(batch["lines"]), bool(batch["is_err"] or batch.get("pid") == "raylet"), source
+    except (AttributeError, KeyError, TypeError):
+        return None
 
 
 def ray_printer():
@@ -2897,7 +2910,7 @@ def describe_worker_failures(failures: dict, node_ips: dict) -> str:
     could not). Otherwise the first error raised. The other ranks' errors follow from it; ray.log
     has them all."""
     lost = {rank for rank, error in failures.items()
-            if type(error).__name__ == "WorkerHealthCheckFailedError"}
+            if type(error).__name__ == HEALTH_CHECK_ERROR}
     if not lost and failures and all(PEER_LOST.search(str(error)) for error in failures.values()):
         lost = set(node_ips) - set(failures)
     if lost:
@@ -2968,24 +2981,27 @@ class RayOutput:
         self.print_to_console, self.log_path = ray_printer(), None
 
     def route(self, batch: dict, ignore_prefix: bool = False) -> None:
-        if batch["is_err"] or batch.get("pid") == "raylet":
-            self.to_log(batch)
+        facts = forwarded_lines(batch)
+        if facts is None:
+            self.print_to_console(batch, ignore_prefix=ignore_prefix)
+            return
+        all_lines, chatter, source = facts
+        if chatter:
+            self.to_log(all_lines, source)
             return
         # In order, a run of lines at a time:
         # ours without Ray's prefix, the rest as Ray prints them.
-        for ours, lines in itertools.groupby(batch["lines"],
-                                             key=lambda line: line.startswith("ray-dp: ")):
+        for ours, lines in itertools.groupby(all_lines,
+                                             key=lambda line: str(line).startswith("ray-dp: ")):
             self.print_to_console({**batch, "lines": list(lines)},
                                   ignore_prefix=ours or ignore_prefix)
 
-    def to_log(self, batch: dict) -> None:
+    def to_log(self, lines: list, source: str) -> None:
         if not self.log_path:
             return
-        source = (f"({batch.get('actor_name') or batch.get('task_name') or ''} "
-                  f"pid={batch.get('pid')}, ip={batch.get('ip')})")
         try:
             with open(self.log_path, "a") as f:
-                f.writelines(f"{source} {line}\n" for line in batch["lines"])
+                f.writelines(f"{source} {line}\n" for line in lines)
         except OSError:  # a full disk: the run's own failure says so, in one line
             pass
 
@@ -3851,10 +3867,10 @@ def controller_callbacks(cfg: Config, logs: Optional[str], done: int = 0,
 def prepare_ray_train(cfg: Config, log_path: str) -> None:
     """Ray Train's settings for a run of ray_dp's (training, evaluation, the doctor's probe), and
     Ray's chatter sent to log_path."""
+    check_ray_train_internals()
     # Ray Train's controller collects reports (and commits checkpoints) once per poll, 2 s by
     # default: with short epochs every report would wait for it, and a crash right after one would
     # lose it.
-    check_ray_train_internals()
     os.environ.setdefault(ray_train_knob("HEALTH_CHECK_INTERVAL_S_ENV_VAR"), "0.2")
     # Ray hands it on to its controller
     os.environ[ray_train_knob("WORKER_GROUP_START_TIMEOUT_S_ENV_VAR")] = str(cfg.start_timeout)

@@ -56,6 +56,7 @@ class Distributed:
         for process in self.processes.processes:
             if process.is_alive():
                 process.terminate()
+                process.join(5)
         self.workdir.cleanup()
 
     def join(self):
@@ -67,7 +68,8 @@ class Distributed:
 
 def run_distributed(fn, world, *args):
     """fn(*args) on `world` local processes joined in a gloo process group; their return values, in rank order."""
-    return Distributed(fn, world, *args).join()
+    with Distributed(fn, world, *args) as ranks:  # stopped if this process is interrupted (a test's timeout)
+        return ranks.join()
 
 
 def train(tmp_path, name, *flags):

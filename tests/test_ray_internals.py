@@ -30,12 +30,12 @@ def missing(monkeypatch, module, name=None):
 
 
 def notes(capsys):
-    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ray_dp cannot use Ray")]
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ray_dp cannot use ")]
 
 
 def note_about(capsys, what):
     said = notes(capsys)
-    assert len(said) == 1 and f"cannot use Ray {ray.__version__}'s {what} (it was checked with Ray " in said[0], said
+    assert len(said) == 1 and said[0].startswith(f"note: ray_dp cannot use {what} of Ray {ray.__version__}: "), said
     return said[0]
 
 
@@ -89,12 +89,24 @@ def test_ray_dp_bugs_in_the_recovery_log_stay_errors(tmp_path, monkeypatch):
         log.after_worker_group_start(type("Group", (), {"get_workers": lambda self: []})())
 
 
-def test_run_as_a_script_its_setup_hook_and_controller_callbacks_reach_rays_processes(tmp_path):
+def test_the_note_names_the_ray_ray_dp_was_checked_with_when_it_is_another(monkeypatch, capsys):
+    monkeypatch.setattr(ray, "__version__", "2.61.0")
+    ray_dp.internal_note("ray._private.utils.get_num_cpus", "what is lost")
+    assert notes(capsys) == ["note: ray_dp cannot use ray._private.utils.get_num_cpus of Ray 2.61.0 (ray_dp was "
+                             f"checked with {ray_dp.RAY_CHECKED}): what is lost"]
+    ray_dp.internal_note("ray._private.utils.get_num_cpus", "what is lost")
+    assert notes(capsys) == []  # once a process
+
+
+def test_run_as_a_script_its_setup_hook_and_controller_callbacks_reach_rays_processes(tmp_path, monkeypatch):
     # Run as a script, Ray pickles ray_dp's functions by value; a process whose __main__ is not ray_dp (this one)
     # must load them, as Ray's workers and controller do.
     import ray.cloudpickle
     hook, callbacks = ray.cloudpickle.loads(run_distributed(pickled_as_script, 1, str(tmp_path))[0])
+    for name in ray_dp.RAY_LOGGERS:
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
     hook()
+    assert {name: logging.getLogger(name).level for name in ray_dp.RAY_LOGGERS} == ray_dp.RAY_LOGGERS
     assert [type(c).__name__ for c in callbacks] == ["QuietControllerLogs", "RecoveryLog"]
     callbacks[1].add("a line", event="test")
     assert (tmp_path / "recovery.json").exists()
@@ -165,12 +177,13 @@ def test_without_rays_cpu_count_the_cpus_this_process_may_use_are_counted(monkey
     note_about(capsys, "ray._private.utils.get_num_cpus")
 
 
-def test_without_rays_constant_the_setup_hook_is_still_left_out_of_a_second_ray_init(monkeypatch):
+def test_without_rays_constant_the_setup_hook_is_still_left_out_of_a_second_ray_init(monkeypatch, capsys):
     from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
     missing(monkeypatch, "ray._private.ray_constants", "WORKER_PROCESS_SETUP_HOOK_ENV_VAR")
     assert ray_dp.setup_hook_env_var() == WORKER_PROCESS_SETUP_HOOK_ENV_VAR
     monkeypatch.setitem(ray_dp.RUNTIME_ENV["env_vars"], WORKER_PROCESS_SETUP_HOOK_ENV_VAR, "ray_dp.quiet_ray_logs")
     assert WORKER_PROCESS_SETUP_HOOK_ENV_VAR not in ray_dp.fresh_runtime_env()["env_vars"]
+    note_about(capsys, "ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR")
 
 
 def test_a_placement_group_cleaner_of_another_signature_is_left_as_it_is(monkeypatch, capsys):
@@ -217,6 +230,31 @@ def test_the_doctor_reports_an_auth_mode_it_cannot_read_as_unknown(monkeypatch):
     assert ray_dp.node_software()["auth"] == "unknown"
 
 
+def without_any_ray_internal(cfg):
+    """On each rank: ray_dp's worker side (setup hook, worker loop with rank 0's progress bar) where every internal
+    of Ray's is missing; the notes this rank printed and rank 0's trained state."""
+    import contextlib
+    import io
+
+    from test_differential import Recorder
+    ray_dp.ray_internal = lambda module, name=None: None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ray_dp.quiet_ray_logs()
+        recorder = Recorder()
+        worker = ray_dp.Worker(ray_dp.dist.get_rank(), ray_dp.dist.get_world_size(), ray_dp.torch.device("cpu"))
+        ray_dp.train_worker(cfg, worker, recorder, ray_dp.LoopOptions(progress=True), {})
+    return [line for line in out.getvalue().splitlines() if line.startswith("note:")], recorder.saved
+
+
+def test_a_workers_side_trains_where_every_ray_internal_is_missing():
+    cfg = ray_dp.Config(dataset="synthetic", synthetic_size=32, batch_size=8, epochs=1, workers=2, quiet=True)
+    (notes_0, saved), (notes_1, _) = run_distributed(without_any_ray_internal, 2, cfg)
+    assert saved["epoch"] == 1
+    assert notes_0 == ["note: ray_dp cannot use ray.experimental.tqdm_ray.tqdm of Ray "
+                       f"{ray.__version__}: no progress bar"] and notes_1 == []  # rank 0's bar only
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_a_run_trains_where_every_ray_internal_is_missing(ray_cluster, tmp_path, monkeypatch, capsys):
@@ -229,3 +267,18 @@ def test_a_run_trains_where_every_ray_internal_is_missing(ray_cluster, tmp_path,
     said = "\n".join(notes(capsys))
     assert f"cannot use Ray {ray.__version__}'s {ray_dp.CALLBACK_MODULE}" in said
     assert "PlacementGroupCleanerCallback(" in said and ray_dp.ROUTING_LOST in said
+
+
+def test_forwarded_lines_ours_bare_chatter_to_ray_log_and_other_shapes_as_ray_prints_them(tmp_path):
+    printed = []
+    output = ray_dp.RayOutput()
+    output.print_to_console = lambda batch, ignore_prefix=False: printed.append((batch["lines"], ignore_prefix))
+    output.log_path = str(tmp_path / "ray.log")
+    output.route({"lines": ["ray-dp: ours", "epoch 1/1: theirs"], "is_err": False, "pid": 7})
+    output.route({"lines": ["a warning"], "is_err": True, "pid": 7, "actor_name": "RayTrainWorker", "ip": "1.2.3.4"})
+    assert printed == [(["ray-dp: ours"], True), (["epoch 1/1: theirs"], False)]
+    assert (tmp_path / "ray.log").read_text() == "(RayTrainWorker pid=7, ip=1.2.3.4) a warning\n"
+    other = {"text": "a batch of another Ray's shape"}
+    output.print_to_console = lambda batch, ignore_prefix=False: printed.append(batch)
+    output.route(other)
+    assert printed[-1] is other
