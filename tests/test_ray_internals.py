@@ -203,7 +203,8 @@ def test_a_placement_group_cleaner_of_another_signature_is_left_as_it_is(monkeyp
 
 def test_ray_trains_knobs_go_by_the_names_ray_train_gives_them(monkeypatch, capsys):
     from ray.train.v2._internal import constants
-    assert ray_dp.ray_train_knob("WORKER_GROUP_START_TIMEOUT_S_ENV_VAR") == constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
+    knob = "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR"
+    assert ray_dp.ray_train_knob(knob) == constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
     assert set(ray_dp.RUNTIME_ENV["env_vars"]) >= {constants.ENABLE_PREEMPTION_WATCHER_ENV_VAR,
                                                    constants.ENABLE_PRINT_PATCH_ENV_VAR}
     ray_dp.check_ray_train_internals()
@@ -213,7 +214,7 @@ def test_ray_trains_knobs_go_by_the_names_ray_train_gives_them(monkeypatch, caps
     missing(monkeypatch, ray_dp.RAY_TRAIN_CONSTANTS, "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR")
     assert ray_dp.ray_train_knob("WORKER_GROUP_START_TIMEOUT_S_ENV_VAR") == "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
     ray_dp.check_ray_train_internals()
-    assert "--start-timeout may not apply" in note_about(capsys, f"{ray_dp.RAY_TRAIN_CONSTANTS}.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR")
+    assert "--start-timeout may not apply" in note_about(capsys, f"{ray_dp.RAY_TRAIN_CONSTANTS}.{knob}")
 
 
 def test_without_rays_tqdm_a_worker_trains_without_a_progress_bar(monkeypatch, capsys):
