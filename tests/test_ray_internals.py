@@ -266,7 +266,7 @@ def test_a_run_trains_where_every_ray_internal_is_missing(ray_cluster, tmp_path,
     assert result["final"]["test_count"] == 360 and result["final"]["test_acc"] > 0.2  # chance: 0.1
     assert result["recovery"] == {}  # no controller hooks, no record
     said = "\n".join(notes(capsys))
-    assert f"cannot use Ray {ray.__version__}'s {ray_dp.CALLBACK_MODULE}" in said
+    assert f"cannot use {ray_dp.CALLBACK_MODULE} of Ray {ray.__version__}: " in said
     assert "PlacementGroupCleanerCallback(" in said and ray_dp.ROUTING_LOST in said
 
 
