@@ -289,15 +289,17 @@ def check_ray_train_internals() -> None:
         if ray_internal(RAY_TRAIN_CONSTANTS, constant) is None:
             internal_note(f"{RAY_TRAIN_CONSTANTS}.{constant}", lost)
     if ray_report_logger() is None:
-        internal_note("ray.train.v2._internal.execution.context",
-                      "each rank logs a line per report")
+        internal_note(REPORT_MODULE, "each rank logs a line per report")
+
+
+REPORT_MODULE = "ray.train.v2._internal.execution.context"
 
 
 def ray_report_logger() -> Optional[str]:
     """The logger of Ray Train's "Reporting training result ..." lines (per rank per report),
     named by its file's path, so that LoggingConfig(log_level) does not reach it; None if this Ray
     has no such module."""
-    return ray_internal("ray.train.v2._internal.execution.context", "__file__")
+    return ray_internal(REPORT_MODULE, "__file__")
 
 
 # Ray's loggers whose routine lines ray_dp keeps off the console, and the level each is kept at.
@@ -3783,7 +3785,8 @@ def start_ray(address: str) -> None:
 def fresh_runtime_env() -> dict:
     """RUNTIME_ENV for a ray.init: Ray writes the setup hook into the env_vars it is given, and a
     later ray.init in the same process (a notebook's second Ray) refuses a hook already there."""
-    env_vars = {k: v for k, v in RUNTIME_ENV["env_vars"].items() if k != setup_hook_env_var()}
+    hook = setup_hook_env_var()
+    env_vars = {k: v for k, v in RUNTIME_ENV["env_vars"].items() if k != hook}
     # which object store the driver checked is the one every worker uses (credentials, though,
     # are each node's own: its IAM role or environment, never sent along)
     env_vars.update({k: os.environ[k] for k in STORE_SETTINGS if k in os.environ})
