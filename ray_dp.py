@@ -68,9 +68,11 @@ import math
 import os
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
@@ -290,6 +292,8 @@ def check_ray_train_internals() -> None:
             internal_note(f"{RAY_TRAIN_CONSTANTS}.{constant}", lost)
     if ray_report_logger() is None:
         internal_note(REPORT_MODULE, "each rank logs a line per report")
+    if ray_internal(*SIGTERM_SETTER) is None:
+        internal_note(".".join(SIGTERM_SETTER), SIGTERM_LOST)
 
 
 REPORT_MODULE = "ray.train.v2._internal.execution.context"
@@ -318,11 +322,34 @@ RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 def quiet_ray_logs():
-    """Runs in every Ray worker process: keep Ray Train's routine chatter off the console."""
+    """Runs in every Ray worker process (its setup hook): keep Ray Train's routine chatter off the
+    console, and make SIGTERM while it trains a graceful stop."""
     for name, level in RAY_LOGGERS.items():
         logging.getLogger(name).setLevel(level)
     if (report_logger := ray_report_logger()) is not None:
         logging.getLogger(report_logger).setLevel(logging.WARNING)
+    graceful_sigterm_in_ray_worker()
+
+
+SIGTERM_SETTER = ("ray._private.utils", "set_sigterm_handler")
+SIGTERM_LOST = ("SIGTERM to a Ray worker stops it at once (no graceful stop): its workers redo the "
+                "steps since the last checkpoint")
+
+
+def graceful_sigterm_in_ray_worker() -> None:
+    """A Ray worker trains in a thread of its own, and Ray's task loop sets its SIGTERM handler
+    (exit) in the main thread after this setup hook: set through set_sigterm_handler, which this
+    wraps, so that the handler becomes GracefulStop(Ray's). (A Ray without it: a note on the
+    driver, check_ray_train_internals; the worker stops at once, as before.)"""
+    module, name = SIGTERM_SETTER
+    setter = ray_internal(module, name)
+    if setter is None or getattr(setter, "graceful", False):
+        return
+
+    def set_graceful(handler):
+        setter(GracefulStop(handler))
+    set_graceful.graceful = True
+    setattr(sys.modules[module], name, set_graceful)
 
 
 def recorded_node_types() -> Optional[list]:
@@ -580,6 +607,11 @@ class Config:
     max_failures: int = option(0, "restart the worker group this many times after a worker dies, "
                                "from the last checkpoint (-1: without limit)", metavar="K",
                                rerun="free", evaluation="free")
+    checkpoint_every: str = option(
+        "10m", "also save a checkpoint within an epoch, to resume from exactly there: every STEPS "
+               "optimizer steps, or every Nm minutes of training (rank 0's clock); 0: at each "
+               "epoch's end only (--mode scratch: 0). SIGTERM saves at the next step boundary too",
+        metavar="STEPS|Nm", rerun="free", lesson="0")
     timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before "
                             "the run fails (torch.distributed's process-group timeout)",
                             metavar="SECONDS", rerun="free", evaluation="free")
@@ -884,6 +916,15 @@ def check_run_name(cfg: Config) -> None:
                           f"({cfg.run_dir}) names; choose a name without '?', '#' or '%'")
 
 
+def checkpoint_interval(every: str) -> Optional[tuple[int, float]]:
+    """--checkpoint-every as (steps, seconds), one of them 0; None if it is neither."""
+    if match := re.fullmatch(r"\s*(\d{1,9})\s*", every):
+        return int(match[1]), 0.0
+    if match := re.fullmatch(r"\s*(\d{1,6}(?:\.\d*)?|\.\d+)\s*m\s*", every):
+        return (0, float(match[1]) * 60) if float(match[1]) > 0 else None
+    return None
+
+
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     """One line for the first thing wrong with the final configuration (what the flags, the
     lesson's defaults, torchrun and the run it resumes or the checkpoint it evaluates made of it).
@@ -912,6 +953,11 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (cfg.log_every >= 1, f"--log-every must be at least 1, got {cfg.log_every}"),
         (cfg.max_failures >= -1,
          f"--max-failures must be -1 (no limit) or more, got {cfg.max_failures}"),
+        (checkpoint_interval(cfg.checkpoint_every) is not None,
+         f"--checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' "
+         f"ends only), got {cfg.checkpoint_every}"),
+        (not (cfg.mode == "scratch" and cfg.checkpoint_every != "0"),
+         "--checkpoint-every needs --mode ddp (scratch mode saves at each epoch's end)"),
         (1 <= cfg.timeout <= MAX_SECONDS,
          f"--timeout must be 1 to {MAX_SECONDS} seconds, got {cfg.timeout}"),
         (1 <= cfg.start_timeout <= MAX_SECONDS,
@@ -2004,11 +2050,38 @@ def grad_sync(model: nn.Module, sync: bool):
     return ddp.no_sync() if isinstance(ddp, DDP) and not sync else contextlib.nullcontext()
 
 
-def train_sampler(data: TensorDataset, rank: int, world: int, seed: int) -> DistributedSampler:
+def train_sampler(data: TensorDataset, rank: int, world: int, seed: int) -> "ResumableSampler":
     """This rank's shuffled shard.
     drop_last: every rank gets the same count, so the same number of steps."""
-    return DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed,
-                              drop_last=True)
+    return ResumableSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed,
+                            drop_last=True)
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part way: set_epoch(epoch, start) leaves out the
+    first `start` entries of the epoch's permutation (the samples that the steps a checkpoint has
+    done consumed, on however many workers: s steps of a global batch B are its first s x B) and
+    shards the rest as DistributedSampler shards a whole epoch. Nothing skipped is read."""
+
+    start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start = start
+
+    def remaining(self) -> int:
+        return len(self.dataset) - self.start
+
+    def __len__(self) -> int:
+        return self.remaining() // self.num_replicas if self.start else super().__len__()
+
+    def __iter__(self):
+        if not self.start:
+            return super().__iter__()
+        order = torch.randperm(len(self.dataset),
+                               generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        rest = order[self.start:self.start + len(self) * self.num_replicas]
+        return iter(rest[self.rank::self.num_replicas].tolist())
 
 
 class InMemoryBatches:
@@ -2016,7 +2089,7 @@ class InMemoryBatches:
     indexed by the sampler's micro-batches, with no loader processes and no per-sample collation.
     Iterates like a DataLoader: len() steps, a fresh pass per epoch in the sampler's order."""
 
-    def __init__(self, data: TensorDataset, sampler: DistributedSampler, micro_batch: int):
+    def __init__(self, data: TensorDataset, sampler: ResumableSampler, micro_batch: int):
         self.data, self.sampler = data, sampler
         self.batch_sampler = BatchSampler(sampler, micro_batch, drop_last=True)
 
@@ -2033,7 +2106,7 @@ class InMemoryBatches:
 # Random streams: (--seed, stream, ...) seeds each one (stream_seed). What must be equal on every
 # rank (the model's initial weights, the data order) is drawn from --seed itself; what must differ
 # gets a stream of its own, reproducible on a rerun and a resume: each sample's augmentation in
-# each epoch, each rank's dropout in each epoch.
+# each epoch, each rank's dropout in each step (a resume at any step draws what it would have).
 AUGMENTATION_STREAM, RANK_STREAM = 1, 2
 
 
@@ -2047,12 +2120,12 @@ class EpochKeys(torch.utils.data.Sampler):
     """A sampler's indices as (epoch, index) keys, for SampleStreams: the epoch rides along to the
     loader processes, whose own state lasts across epochs (persistent workers)."""
 
-    def __init__(self, sampler: DistributedSampler):
+    def __init__(self, sampler: ResumableSampler):
         self.sampler, self.epoch = sampler, 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch = epoch
-        self.sampler.set_epoch(epoch)
+        self.sampler.set_epoch(epoch, start)
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -2154,35 +2227,142 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 
 
+# What a rank votes for at a log step (StepLog.step adds the votes up on every rank): a stop
+# because this process got SIGTERM, a stop the driver asked for (SIGTERM to the driver), a
+# checkpoint due by rank 0's clock.
+SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE = "sigterm", "driver", "due"
+VOTES = (SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE)
+STOP_VOTES = {SIGTERM_VOTE, DRIVER_VOTE}
+
+
+class GracefulStop:
+    """SIGTERM while this process trains (what a reclaimed spot node or a drained one gets, a
+    couple of minutes before it goes): the run saves at the next log step and stops, rather than
+    losing the steps since its last checkpoint. Outside training, or at a second SIGTERM, what the
+    signal did before (Ray's handler, or the default: exit)."""
+
+    def __init__(self, before):
+        self.before, self.asked, self.training = before, False, False
+        self.on_ask = None  # the driver's: tell the workers
+
+    def __call__(self, signum, frame) -> None:
+        if self.training and not self.asked:
+            self.asked = True
+            print("ray-dp: SIGTERM: saving a checkpoint at the next log step, then stopping "
+                  "(a second SIGTERM stops at once)", flush=True)
+            if self.on_ask:
+                self.on_ask()
+            return
+        if callable(self.before):
+            self.before(signum, frame)
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def graceful_stop() -> Optional[GracefulStop]:
+    """This process's GracefulStop, installed if this thread may (Python's signal handlers are the
+    main thread's; Ray's workers train in another: ray_graceful_sigterm installs theirs)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if hasattr(handler, "asked"):  # GracefulStop, or one pickled by value from a script
+        return handler
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    stop = GracefulStop(handler)
+    signal.signal(signal.SIGTERM, stop)
+    return stop
+
+
+class SaveRules:
+    """When a worker saves within an epoch and whether it stops. --checkpoint-every STEPS: at
+    those steps (the same on every rank, no vote needed); Nm: when rank 0's clock says so; a stop:
+    when any rank got SIGTERM or the driver asked. Those two are votes that StepLog adds up, so
+    that every rank saves and stops at the same step. Rank 0 also keeps the driver's board
+    (ProgressBoard, under Ray) told how many steps it trained since the last checkpoint: what a
+    failure now would lose."""
+
+    def __init__(self, cfg: Config, save=None, board=None, stop: Optional[GracefulStop] = None):
+        self.every_steps, self.every_seconds = checkpoint_interval(cfg.checkpoint_every)
+        self.save_fn, self.stop = save, stop
+        self.main = rank_and_world()[0] == 0
+        self.board = board if self.main else None
+        self.last_save, self.since, self.answer = time.monotonic(), 0, None
+        self.driver_asked = False
+
+    def votes(self) -> list:
+        """This rank's votes now (StepLog counts them at its log steps; a stop asked for stays
+        asked)."""
+        votes = [SIGTERM_VOTE] if self.stop is not None and self.stop.asked else []
+        if self.answer is not None and ray.wait([self.answer], timeout=0)[0]:
+            self.driver_asked = self.driver_asked or ray.get(self.answer)
+            self.answer = None
+        if self.driver_asked:
+            votes.append(DRIVER_VOTE)
+        if (self.main and self.every_seconds
+                and time.monotonic() - self.last_save >= self.every_seconds):
+            votes.append(DUE_VOTE)
+        return votes
+
+    def due_at(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def stepped(self) -> None:
+        self.since += 1
+        if self.board is not None:  # no wait: its answer (a stop asked for?) is read next step
+            self.answer = self.board.stepped.remote(self.since)
+
+    def save(self, partial: dict) -> None:
+        if self.save_fn:
+            self.save_fn(partial)
+        self.saved()
+
+    def saved(self) -> None:
+        self.last_save, self.since = time.monotonic(), 0
+        if self.board is not None:
+            self.board.stepped.remote(0)
+
+
 class StepLog:
     """Per-step train loss for TensorBoard, averaged over workers every cfg.log_every steps, and
     rank 0's progress bar (Ray's tqdm: drawn by the driver, since a worker's output is not a
-    terminal)."""
+    terminal). The same all-reduce carries the ranks' votes (SaveRules.votes): a stop asked for,
+    a checkpoint due by the clock, decided together."""
 
-    def __init__(self, cfg: Config, epoch: int, steps: int, device: torch.device, progress: bool):
+    def __init__(self, cfg: Config, epoch: int, steps: int, device: torch.device, progress: bool,
+                 entries: Optional[list] = None, done: int = 0):
         self.cfg, self.epoch, self.steps = cfg, epoch, steps
-        # [loss sum, samples] since last log
-        self.pending = torch.zeros(2, dtype=torch.float64, device=device)
-        self.entries = []  # [global step, train loss averaged over all workers' samples]
+        # [loss sum, samples] since last log, then the votes
+        self.pending = torch.zeros(2 + len(VOTES), dtype=torch.float64, device=device)
+        # [global step, train loss averaged over all workers' samples]; a resumed epoch's so far
+        self.entries = list(entries or [])
         tqdm = ray_tqdm() if progress else None
-        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{cfg.epochs}") if tqdm else None
-        self.start = time.perf_counter()
+        self.bar = (tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{cfg.epochs}")
+                    if tqdm else None)
+        self.start, self.done = time.perf_counter(), done
         self.first_step_at = None  # wall clock: the start-up breakdown's last mark
 
-    def step(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
+    def step(self, step: int, loss_sum: torch.Tensor, samples: int, votes: list) -> set:
+        """The votes every rank agreed on at this step (none between two logs)."""
         self.first_step_at = self.first_step_at or time.time()
-        self.pending += torch.stack([loss_sum.double(), torch.tensor(samples, dtype=torch.float64)])
+        self.pending[:2] += torch.stack([loss_sum.double(),
+                                         torch.tensor(samples, dtype=torch.float64)])
+        agreed = set()
         # the same steps on every rank, so the all-reduces pair up
         if (step + 1) % self.cfg.log_every == 0:
-            total = all_reduce_sum(self.pending.clone())
-            self.entries.append([self.epoch * self.steps + step + 1, (total[0] / total[1]).item()])
+            self.pending[2:] = torch.tensor([vote in votes for vote in VOTES],
+                                            dtype=torch.float64)
+            total = all_reduce_sum(self.pending.clone()).tolist()
+            self.entries.append([self.epoch * self.steps + step + 1, total[0] / total[1]])
+            agreed = {vote for vote, count in zip(VOTES, total[2:]) if count}
             self.pending.zero_()
         if self.bar:
-            rate = (step + 1) * self.cfg.batch_size / (time.perf_counter() - self.start)
+            rate = ((step + 1 - self.done) * self.cfg.batch_size
+                    / (time.perf_counter() - self.start))
             loss = f", loss {self.entries[-1][1]:.4f}" if self.entries else ""
             self.bar.set_description(f"epoch {self.epoch + 1}/{self.cfg.epochs}{loss}, "
                                      f"{rate:.0f} samples/s")
             self.bar.update(1)
+        return agreed
 
     def close(self) -> list:
         if self.bar:
@@ -2191,22 +2371,33 @@ class StepLog:
 
 
 def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, epoch: int,
-                progress: bool = False) -> dict:
-    """One pass over this worker's shard (`train_batches`);
-    returns the train loss averaged over ALL workers' samples."""
+                progress: bool = False, rules: Optional["SaveRules"] = None,
+                partial: Optional[dict] = None) -> dict:
+    """One pass over this worker's shard (`train_batches`), or the rest of one from a mid-epoch
+    checkpoint (partial: what its steps so far added up to); returns the train loss averaged over
+    ALL workers' samples. rules: when to save within the epoch (every rank calls rules.save
+    at the same steps) and whether to stop; the epoch's metrics then say where it stopped."""
+    rules = rules or SaveRules(cfg)
+    partial = partial or {"step": 0, "samples_done": 0, "loss_sum": 0.0, "samples": 0,
+                          "step_log": []}
+    rank = rank_and_world()[0]
     model.train()
-    # this rank's own dropout (and other in-model randomness) for this epoch
-    torch.manual_seed(stream_seed(cfg.seed, RANK_STREAM, rank_and_world()[0], epoch))
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(cfg, epoch)
-    batches.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+    # a new shuffle each epoch, the same one on every rank; from a mid-epoch checkpoint, the rest
+    batches.sampler.set_epoch(epoch, partial["samples_done"])
+    first = partial["step"]
     # every rank gets the same count: no rank waits on a missing all-reduce
-    steps = len(batches) // cfg.accum_steps
+    steps = first + len(batches) // cfg.accum_steps
+    global_batch = cfg.micro_batch * cfg.accum_steps * rank_and_world()[1]
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    log = StepLog(cfg, epoch, steps, device, progress)
+    log = StepLog(cfg, epoch, steps, device, progress, partial["step_log"], first)
     micro_batches = iter(batches)
-    data_seconds, start = 0.0, time.perf_counter()
-    for step in range(steps):
+    data_seconds, start, stopped = 0.0, time.perf_counter(), None
+    for step in range(first, steps):
+        # this rank's own dropout (and other in-model randomness) for this step: a function of
+        # (seed, rank, epoch, step), so that a run resumed at any step draws what it would have
+        torch.manual_seed(stream_seed(cfg.seed, RANK_STREAM, rank, epoch, step))
         step_loss = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(cfg.accum_steps):
             tic = time.perf_counter()
@@ -2226,22 +2417,41 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_sum += step_loss
-        log.step(step, step_loss, cfg.micro_batch * cfg.accum_steps)
+        agreed = log.step(step, step_loss, cfg.micro_batch * cfg.accum_steps, rules.votes())
+        rules.stepped()
+        if step + 1 < steps and (rules.due_at(step + 1) or agreed):
+            totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(
+                (step + 1 - first) * cfg.micro_batch * cfg.accum_steps, dtype=torch.float64,
+                device=device)])).tolist()
+            rules.save({"epoch": epoch, "step": step + 1, "samples_done": partial["samples_done"]
+                        + (step + 1 - first) * global_batch,
+                        "loss_sum": partial["loss_sum"] + totals[0],
+                        "samples": partial["samples"] + int(totals[1]),
+                        "step_log": list(log.entries), "steps": steps})
+        if agreed & STOP_VOTES:
+            stopped, stopped_by = step + 1, sorted(agreed & STOP_VOTES)
+            break
     seconds = time.perf_counter() - start
-    local_samples = torch.tensor(steps * cfg.accum_steps * cfg.micro_batch, dtype=torch.float64,
-                                 device=device)
-    totals = all_reduce_sum(torch.stack([loss_sum, local_samples]))
-    return epoch_metrics(totals[0].item(), int(totals[1].item()), optimizer.param_groups[0]["lr"],
-                         seconds, data_seconds, log)
+    trained = ((stopped or steps) - first) * cfg.accum_steps * cfg.micro_batch
+    totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(trained, dtype=torch.float64,
+                                                                device=device)]))
+    samples = partial["samples"] + int(totals[1].item())
+    metrics = epoch_metrics((partial["loss_sum"] + totals[0].item()), samples,
+                            optimizer.param_groups[0]["lr"], seconds, data_seconds, log,
+                            trained=samples - partial["samples"])
+    return ({**metrics, "stopped_at_step": stopped, "steps": steps, "stopped_by": stopped_by}
+            if stopped else metrics)
 
 
 def epoch_metrics(loss_sum: float, samples: int, lr: float, seconds: float, data_seconds: float,
-                  log: StepLog, **more) -> dict:
+                  log: StepLog, trained: Optional[int] = None, **more) -> dict:
     """An epoch's training metrics, the same keys in both modes: the loss averaged over all workers'
-    samples, the learning rate, the samples trained, the time, throughput, time waiting for data,
+    samples, the learning rate, the samples trained, the time, throughput (of the samples trained
+    in these seconds: an epoch resumed mid-way trained `trained` of them), time waiting for data,
     and the per-step losses for TensorBoard."""
     return {"train_loss": loss_sum / samples, "lr": lr, "train_samples": samples,
-            "epoch_seconds": seconds, "samples_per_second": samples / seconds,
+            "epoch_seconds": seconds,
+            "samples_per_second": (samples if trained is None else trained) / seconds,
             "data_seconds": data_seconds, "first_step_at": log.first_step_at,
             "step_log": log.close(), **more}
 
@@ -2367,20 +2577,36 @@ CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_FORMAT = 2
 
 
-def checkpoint_dir_name(epoch: int) -> str:
-    return f"checkpoint_epoch_{epoch:03d}"
+def checkpoint_dir_name(epoch: int, step: int = 0) -> str:
+    """checkpoint_epoch_003: after epoch 3; checkpoint_epoch_003_step_000040: after 40 steps of
+    it."""
+    return f"checkpoint_epoch_{epoch:03d}" + (f"_step_{step:06d}" if step else "")
+
+
+CHECKPOINT_DIR = re.compile(r"checkpoint_epoch_(\d+)(?:_step_(\d+))?")
+
+
+def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
+    """(epochs done, steps of the next one done) of a checkpoint directory's name, or None."""
+    match = CHECKPOINT_DIR.fullmatch(name)
+    if not match:
+        return None
+    epoch, step = int(match[1]), int(match[2] or 0)
+    return (epoch - 1, step) if step else (epoch, 0)
 
 
 def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config,
-                     history: list, classes: list) -> dict:
-    """What a checkpoint holds after `epoch` epochs; `classes`, the names of the model's outputs in
-    order, is what an evaluation scores against (not what the test set's labels happen to reach)."""
+                     history: list, classes: list, partial: Optional[dict] = None) -> dict:
+    """What a checkpoint holds after `epoch` epochs (and, mid-epoch, `partial`: the steps of the
+    next one done, the samples they consumed and what their losses added up to); `classes`, the
+    names of the model's outputs in order, is what an evaluation scores against (not what the test
+    set's labels happen to reach)."""
     # contiguous, whatever layout trained it (on_device): what users' code and tools expect of a
     # state_dict (.view, .numpy(), safetensors)
     return {"model": {key: value.contiguous() for key, value in model_state.items()},
             "optimizer": optimizer_state, "epoch": epoch,
-            "config": asdict(cfg), "history": history, "classes": list(classes),
-            "format": CHECKPOINT_FORMAT}
+            "config": asdict(cfg), "history": list(history), "classes": list(classes),
+            "format": CHECKPOINT_FORMAT, **({"partial": partial} if partial else {})}
 
 
 def renumbered(record: dict) -> dict:
@@ -2442,16 +2668,16 @@ def checkpoint_file(path: str) -> str:
 
 
 def epoch_checkpoints(run_dir: str) -> list[str]:
-    """A run's checkpoint files (local or a URI) in epoch order: by number, since as text epoch 1000
-    sorts before 999."""
+    """A run's checkpoint files (local or a URI) in the order they were trained, mid-epoch ones
+    included: by number, since as text epoch 1000 sorts before 999."""
     from pyarrow import fs
     run_dir = str(run_dir)
     storage, path = files_at(run_dir)
     found = {}
     for info in storage.get_file_info(fs.FileSelector(path, allow_not_found=True)):
-        match = re.fullmatch(r"checkpoint_epoch_(\d+)", info.base_name)
-        if match and info.type == fs.FileType.Directory:
-            found[int(match[1])] = f"{info.path}/{CHECKPOINT_FILE}"
+        order = checkpoint_order(info.base_name)
+        if order and info.type == fs.FileType.Directory:
+            found[order] = f"{info.path}/{CHECKPOINT_FILE}"
     epochs = sorted(found)
     kinds = storage.get_file_info([found[epoch] for epoch in epochs])
     return [f"{run_dir.rstrip('/')}/{Path(found[epoch]).parent.name}/{CHECKPOINT_FILE}"
@@ -2472,10 +2698,19 @@ def latest_committed(run_dir: str) -> Optional[str]:
         except (ValueError, KeyError, TypeError):
             raise ConfigError(f"{run_dir}/checkpoint_manager_snapshot.json is not Ray's list of "
                               f"checkpoints; rerun with --fresh to start over") from None
-        return (f"{run_dir}/{committed[-1]['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if committed
-                else None)
+        # the last one reported (Ray lists the ones it keeps by their score: keep_score)
+        latest = (snapshot_latest(committed) if committed else None)
+        return f"{run_dir}/{latest}/{CHECKPOINT_FILE}" if latest else None
     files = epoch_checkpoints(run_dir)
     return files[-1] if files else None
+
+
+def snapshot_latest(committed: list) -> str:
+    """The directory of the latest of the checkpoints Ray's snapshot lists: by their names' order
+    (a run's own reports; Ray lists by score where one is kept by score)."""
+    names = [entry["checkpoint_dir_name"] for entry in committed]
+    ordered = [name for name in names if checkpoint_order(name)]
+    return max(ordered, key=checkpoint_order) if ordered else names[-1]
 
 
 def write_json(path: str, data: dict) -> None:
@@ -2522,6 +2757,11 @@ class Resume:
     checkpoint from before they were kept)."""
     done: int = 0
     classes: Optional[list] = None
+    step: int = 0  # a mid-epoch checkpoint: the steps of epoch done + 1 it has done
+
+    @property
+    def resumes(self) -> bool:
+        return bool(self.done or self.step)
 
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Resume]:
@@ -2558,7 +2798,7 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
               f"{stored['epochs']}): epoch {done + 1} trains at lr "
               f"{learning_rate(cfg, done):.4g}", flush=True)
-    return cfg, Resume(done, state.get("classes"))
+    return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0))
 
 
 def stored_config(state: dict) -> dict:
@@ -2765,8 +3005,34 @@ class TensorBoardLogger(ray.train.UserCallback):
         self.tensorboard = TensorBoardWriter(cfg)
 
     def after_report(self, run_context, metrics: list, checkpoint) -> None:
-        # rank 0's: the values are all-reduced, the same on every rank
-        self.tensorboard.write(metrics[0])
+        # rank 0's: the values are all-reduced, the same on every rank; a mid-epoch checkpoint's
+        # report has no epoch's metrics yet (its steps' losses come with the epoch's)
+        if "step" not in metrics[0]:
+            self.tensorboard.write(metrics[0])
+
+
+class ProgressBoard:
+    """A Ray actor on the driver's side of a run: rank 0 tells it, each step and without waiting,
+    how many steps it trained since the last checkpoint (what a failure then loses: the steps the
+    restarted workers redo), and reads from it whether the driver asked for a stop (SIGTERM to the
+    driver). It outlives the worker groups of a run, so it can count across their restarts."""
+
+    def __init__(self):
+        self.since, self.redone, self.stop = 0, 0, False
+
+    def stepped(self, since: int) -> bool:
+        self.since = since
+        return self.stop
+
+    def restarted(self) -> None:
+        """A worker group starts: what the last one trained since its last checkpoint is redone."""
+        self.redone, self.since = self.redone + self.since, 0
+
+    def ask_stop(self) -> None:
+        self.stop = True
+
+    def steps_redone(self) -> int:
+        return self.redone
 
 
 class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
@@ -2816,6 +3082,7 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.add(message, event="started", workers=len(self.node_ips), nodes=nodes)
 
     def after_report(self, training_report, metrics: list) -> None:
+        # the epoch this report's checkpoint is in (mid-epoch: at metrics' step), or has ended
         epoch = metrics[0]["epoch"]
         if "startup" in metrics[0] and not any(e["event"] == "startup" for e in self.events):
             phases = startup_breakdown(self.launched, self.clock, metrics[0]["startup"])
@@ -2824,7 +3091,7 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         for failure in pending:  # the first report after a restart: the epochs trained twice
             failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
             self.save()
-        self.done = epoch
+        self.done = epoch - 1 if "step" in metrics[0] else epoch
 
     def failed(self, error, stopping: bool) -> None:
         controller = getattr(error, "controller_failure", None)
@@ -3330,6 +3597,7 @@ class LoopOptions:
     start_from: Optional[object] = None  # --weights: the file's tensors, in Ray's object store
     data: Optional[object] = None  # (train, test) held in memory, in Ray's object store
     launched: dict = field(default_factory=dict)  # the driver's clocks: the start-up breakdown
+    board: Optional[object] = None  # Ray: the driver's ProgressBoard (steps since a checkpoint)
 
 
 class RayLauncher:
@@ -3347,9 +3615,9 @@ class RayLauncher:
         with checkpoint.as_directory() as directory:
             return load_checkpoint(os.path.join(directory, CHECKPOINT_FILE))
 
-    def report(self, metrics: dict, state: Optional[dict], epoch: int) -> None:
+    def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
         """Every rank reports (a barrier); only rank 0 passes a checkpoint (state)."""
-        dir_name = checkpoint_dir_name(epoch)
+        dir_name = checkpoint_dir_name(epoch, step)
         if state is None:
             ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=dir_name)
             return
@@ -3377,9 +3645,11 @@ class TorchrunLauncher:
             state = load_checkpoint(str(files[-1])) if files else None
         return from_rank_0(state, self.worker.device)
 
-    def report(self, metrics: dict, state: Optional[dict], epoch: int) -> None:
+    def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
         if state is not None:
-            save_checkpoint(self.cfg.run_dir, state, epoch)
+            save_checkpoint(self.cfg.run_dir, state, epoch, step)
+        if step:  # within an epoch: the checkpoint only (Ray's local mode has no other use)
+            return
         ray.train.report(metrics)  # local mode keeps the last metrics for the Result
         if self.tensorboard:
             self.tensorboard.write(metrics)
@@ -3388,14 +3658,20 @@ class TorchrunLauncher:
                 print(f"ray-dp: {format_startup(phases)}", flush=True)
 
 
-def save_checkpoint(run_dir: str, state: dict, epoch: int) -> None:
-    """Rank 0's checkpoint of an epoch, where Ray would have committed it, whole or not at all (a
-    crash or a full disk mid-write leaves no half one): renamed into place on a disk, one object
-    in a bucket."""
+def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0) -> None:
+    """Rank 0's checkpoint of an epoch (or of `step` steps of it), where Ray would have committed
+    it, whole or not at all (a crash or a full disk mid-write leaves no half one): renamed into
+    place on a disk, one object in a bucket. Then the mid-epoch checkpoints before it go: a run
+    keeps its epochs' and its last."""
     saved = io.BytesIO()
     torch.save(state, saved)
-    write_stored(os.path.join(run_dir, checkpoint_dir_name(epoch), CHECKPOINT_FILE),
-                 saved.getvalue())
+    name = checkpoint_dir_name(epoch, step)
+    write_stored(os.path.join(run_dir, name, CHECKPOINT_FILE), saved.getvalue())
+    storage, path = files_at(run_dir)
+    for older in epoch_checkpoints(run_dir):
+        folder = PurePosixPath(older).parent.name
+        if folder != name and checkpoint_order(folder)[1]:
+            storage.delete_dir(f"{path}/{folder}")
 
 
 Launcher = Union[RayLauncher, TorchrunLauncher]
@@ -3438,10 +3714,12 @@ def starting_weights(cfg: Config, options: LoopOptions) -> dict:
     return read_weights(cfg.weights)
 
 
-def resume(launcher: "Launcher") -> tuple[int, list, Optional[dict]]:
-    """(epochs done, the metrics history so far, the checkpoint's state or None): both modes'."""
+def resume(launcher: "Launcher") -> tuple["Start", Optional[dict]]:
+    """Where the loop starts, and the checkpoint's state or None: both modes'."""
     state = launcher.latest_checkpoint()
-    return (0, [], None) if state is None else (state["epoch"], state["history"], state)
+    if state is None:
+        return Start(), None
+    return Start(state["epoch"], state["history"], state.get("partial")), state
 
 
 def from_rank_0(value, device: torch.device):
@@ -3464,21 +3742,30 @@ def check_classes_agree(classes: list, device: torch.device) -> None:
                         "on every node that trains (ray_dp.py doctor checks it)")
 
 
-def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: int, history: list,
-               train_fn, eval_fn, state_fn, marks: dict) -> dict:
+def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start: "Start",
+               train_fn, eval_fn, state_fn, marks: dict, rules: Optional[SaveRules] = None) -> dict:
     """The epoch loop both modes share: train, evaluate, print (rank 0), report + checkpoint
-    (rank 0's). start_epoch: the epochs done, so the index (from 0) of the first one to train.
-    marks: the wall clock when this worker's loop started, had its data, its model."""
+    (rank 0's). start: where the checkpoint left off (the index, from 0, of the first epoch to
+    train, and the steps of it done). train_fn(epoch, partial). rules (--mode ddp): the
+    checkpoints within an epoch, and the stop. marks: the wall clock when this worker's loop
+    started, had its data, its model."""
+    start_epoch, history = start.epoch, start.history
     if worker.is_main and start_epoch >= cfg.epochs:
         print(f"ray-dp: {finished_run(cfg, start_epoch)}", flush=True)
-    elif worker.is_main and start_epoch:
-        print(f"ray-dp: resuming at epoch {start_epoch + 1} of {cfg.epochs} with "
-              f"{plural(worker.world, 'worker')}, from the checkpoint of epoch {start_epoch}",
-              flush=True)
+    elif worker.is_main and (start_epoch or start.partial):
+        print(f"ray-dp: {start.describe(cfg, worker)}", flush=True)
+    stopped = None
     for epoch in range(start_epoch, cfg.epochs):
+        trained = train_fn(epoch, start.partial if epoch == start_epoch else None)
+        stopped_at, steps = trained.pop("stopped_at_step", None), trained.pop("steps", None)
+        by = trained.pop("stopped_by", [])
+        if stopped_at is not None and stopped_at < steps:  # saved at that step (SaveRules)
+            stopped = {"epoch": epoch + 1, "step": stopped_at, "steps": steps, "by": by}
+            break
         # ended_at (wall clock):
         # the time between two epochs' ends counts evaluation and reporting too.
-        metrics = {"epoch": epoch + 1, **train_fn(epoch), **eval_fn(), "ended_at": time.time()}
+        metrics = {"epoch": epoch + 1, **trained, **eval_fn(), "ended_at": time.time(),
+                   "keep": keep_score(epoch + 1)}
         if epoch == start_epoch:  # the start-up breakdown's worker marks, with the first step's
             marks = {**marks, "first_step": metrics["first_step_at"]}
             metrics["startup"] = marks
@@ -3487,9 +3774,40 @@ def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start_epoch: i
             print(format_epoch(metrics, cfg.epochs), flush=True)
         launcher.report(metrics, state_fn(epoch + 1, history) if worker.is_main else None,
                         epoch + 1)
+        if rules:
+            rules.saved()
+        if stopped_at is not None and epoch + 1 < cfg.epochs:  # at the epoch's last step
+            stopped = {"epoch": epoch + 2, "step": 0, "steps": None, "by": by}
+            break
     return {"history": history, "world_size": worker.world, "device": worker.device.type,
             "started_at_epoch": start_epoch + 1, "first_step_at": marks.get("first_step"),
-            "startup": marks, "node_ranks": node_ranks(worker)}
+            "startup": marks, "node_ranks": node_ranks(worker), "stopped": stopped}
+
+
+@dataclass
+class Start:
+    """Where a worker's loop starts: the index of the first epoch to train (the epochs done), the
+    metrics history so far, and from a mid-epoch checkpoint what that epoch's steps so far added up
+    to (partial)."""
+    epoch: int = 0
+    history: list = field(default_factory=list)
+    partial: Optional[dict] = None
+
+    def describe(self, cfg: Config, worker: Worker) -> str:
+        workers = plural(worker.world, "worker")
+        if not self.partial:
+            return (f"resuming at epoch {self.epoch + 1} of {cfg.epochs} with {workers}, from the "
+                    f"checkpoint of epoch {self.epoch}")
+        step = self.partial["step"]
+        return (f"resuming at epoch {self.epoch + 1} of {cfg.epochs}, step {step + 1} (of "
+                f"{self.partial['steps']} on the workers that saved it), with {workers}, from the "
+                f"checkpoint of epoch {self.epoch + 1} step {step}")
+
+
+def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
+    """The score Ray keeps checkpoints by (CheckpointConfig: the best --epochs + 1): every epoch's
+    own above every mid-epoch one, and a later mid-epoch one above an earlier."""
+    return 1e9 + epoch if not step else epoch - 1 + step / (steps + 1)
 
 
 def finished_run(cfg: Config, done: int) -> str:
@@ -3520,7 +3838,7 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
     # identical initial weights on every rank (DDP also broadcasts rank 0's)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, input_shape(cfg, train_set), len(classes))
-    start_epoch, history, state = resume(launcher)
+    start, state = resume(launcher)
     if state is None and cfg.weights:  # --weights: where a new run starts from
         load_weights(model, starting_weights(cfg, options))
     if cfg.sync_bn:
@@ -3537,15 +3855,59 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
         optimizer.load_state_dict(state["optimizer"])
     batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
     marks["model"] = time.time()
-    return run_epochs(
-        cfg, worker, launcher, start_epoch, history,
-        train_fn=lambda epoch: train_epoch(model, optimizer, batches, cfg, worker.device, epoch,
-                                           options.progress and worker.is_main),
-        eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device, len(classes)),
-        state_fn=lambda epoch, hist: checkpoint_state(unwrap(model).state_dict(),
-                                                      optimizer.state_dict(), epoch, cfg, hist,
-                                                      classes),
-        marks=marks)
+
+    def state_of(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
+        return checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(), epoch, cfg,
+                                history, classes, partial)
+
+    def save_within_epoch(partial: dict) -> None:
+        epoch, step = partial["epoch"], partial["step"]
+        metrics = {"epoch": epoch + 1, "step": step, "steps": partial["steps"],
+                   "keep": keep_score(epoch + 1, step, partial["steps"])}
+        launcher.report(metrics, state_of(epoch, start.history, partial) if worker.is_main
+                        else None, epoch + 1, step)
+
+    if options.board is not None and worker.is_main:
+        ray.get(options.board.restarted.remote())
+    stop = graceful_stop()
+    rules = SaveRules(cfg, save_within_epoch, options.board, stop)
+    with training(stop):
+        out = run_epochs(
+            cfg, worker, launcher, start,
+            train_fn=lambda epoch, partial: train_epoch(
+                model, optimizer, batches, cfg, worker.device, epoch,
+                options.progress and worker.is_main, rules, partial),
+            eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device, len(classes)),
+            state_fn=state_of, marks=marks, rules=rules)
+    if out["stopped"] and SIGTERM_VOTE in out["stopped"]["by"] and not options.torchrun:
+        # a worker's node is going: Ray restarts the workers (--max-failures) from the checkpoint
+        # just saved, on the nodes there are
+        raise StoppedBySigterm(f"a worker got SIGTERM; saved {where(out['stopped'])} and stopped")
+    return out
+
+
+class StoppedBySigterm(RuntimeError):
+    """Every rank's end after a worker's SIGTERM and the checkpoint it led to."""
+
+
+def where(stopped: dict) -> str:
+    """Where a stopped run's checkpoint is: "epoch 3, step 40 of 120", or "epoch 2's end"."""
+    if stopped["step"]:
+        return f"epoch {stopped['epoch']}, step {stopped['step']} of {stopped['steps']}"
+    return f"epoch {stopped['epoch'] - 1}'s end"
+
+
+@contextlib.contextmanager
+def training(stop: Optional[GracefulStop]):
+    """SIGTERM asks for a graceful stop while this process trains (GracefulStop)."""
+    if stop is None:
+        yield
+        return
+    stop.training, stop.asked = True, False
+    try:
+        yield
+    finally:
+        stop.training = False
 
 
 def scratch_loop_per_worker(config: dict) -> dict:
@@ -3555,16 +3917,16 @@ def scratch_loop_per_worker(config: dict) -> dict:
     cfg, worker, launcher, options = worker_setup(config)
     train_set, test_set = worker_data(cfg, options, worker)
     marks["data"] = time.time()
-    start_epoch, history, state = resume(launcher)
+    start, state = resume(launcher)
     channels, size = train_set.tensors[0].shape[1], train_set.tensors[0].shape[-1]
     initial = (init_lenet_params(cfg.seed, channels, size) if state is None
                else state_dict_to_params(state["model"]))
     params = get_params(initial, worker.device)
     marks["model"] = time.time()
     return run_epochs(
-        cfg, worker, launcher, start_epoch, history,
-        train_fn=lambda epoch: scratch_train_epoch(params, train_set, cfg, worker, epoch,
-                                                   options.progress and worker.is_main),
+        cfg, worker, launcher, start,
+        train_fn=lambda epoch, _: scratch_train_epoch(params, train_set, cfg, worker, epoch,
+                                                      options.progress and worker.is_main),
         eval_fn=lambda: evaluate(lambda X: lenet(X, params), test_set, worker.device),
         state_fn=lambda epoch, hist: checkpoint_state(params_to_state_dict(params), {}, epoch,
                                                       cfg, hist, class_names(train_set)),
@@ -3842,7 +4204,7 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
         train_loop_config={"config": cfg, "options": options},
         scaling_config=scaling_config(cfg, workers),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
-                             checkpoint_config=CheckpointConfig(num_to_keep=None),
+                             checkpoint_config=checkpoint_config(cfg),
                              # no INFO per report
                              logging_config=ray.train.LoggingConfig(log_level="WARNING"),
                              callbacks=callbacks + ([TensorBoardLogger(cfg)] if training else []),
@@ -3854,6 +4216,28 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
     except SystemExit:
         # Ray Train's own Ctrl-C handler, which fit() installs, aborts the run and exits
         raise KeyboardInterrupt from None
+
+
+def checkpoint_config(cfg: Config) -> CheckpointConfig:
+    """Every epoch's checkpoint, and of the mid-epoch ones what room is left in --epochs + 1:
+    Ray keeps the best by keep_score (and always the latest). A run whose checkpoints came before
+    mid-epoch ones (no score) keeps them all, as it did."""
+    if not reports_keep_score(cfg.run_dir):
+        return CheckpointConfig(num_to_keep=None)
+    return CheckpointConfig(num_to_keep=cfg.epochs + 1, checkpoint_score_attribute="keep",
+                            checkpoint_score_order="max")
+
+
+def reports_keep_score(run_dir: str) -> bool:
+    """Whether every checkpoint Ray lists for the run carries keep_score (none listed: yes)."""
+    from pyarrow import fs
+    storage, path = files_at(run_dir)
+    snapshot = f"{path}/checkpoint_manager_snapshot.json"
+    if storage.get_file_info(snapshot).type == fs.FileType.NotFound:
+        return True
+    with storage.open_input_stream(snapshot) as f:
+        committed = json.loads(f.read()).get("checkpoint_results", [])
+    return all("keep" in (entry.get("metrics") or {}) for entry in committed)
 
 
 def controller_callbacks(cfg: Config, logs: Optional[str], done: int = 0,
@@ -3961,7 +4345,7 @@ def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Option
             **more}
 
 
-def summarize(cfg: Config, result: ray.train.Result, launched: dict) -> dict:
+def summarize(cfg: Config, result: ray.train.Result, launched: dict, board=None) -> dict:
     out = result.return_value
     history = out["history"]
     # Medians, leaving out epoch 1 (warm-up) when there are more:
@@ -3969,6 +4353,8 @@ def summarize(cfg: Config, result: ray.train.Result, launched: dict) -> dict:
     timed = history[1:] or history
     checkpoint = last_checkpoint(cfg, history[-1]["epoch"])
     recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
+    if recovery and board is not None:  # the optimizer steps trained twice because of failures
+        recovery["steps_redone"] = ray.get(board.steps_redone.remote())
     # the start-up breakdown as the controller printed it (Ray), or rank 0 (torchrun)
     startup = [e["seconds"] for e in recovery.get("events", []) if e["event"] == "startup"]
     summary = run_record(
@@ -4032,6 +4418,10 @@ def wrote_run(cfg: Config, summary: dict) -> str:
                    f"{checkpoint_dir_name(first)} to {checkpoint_dir_name(last)}")
     return (f"wrote {result} and {checkpoints} beside it; TensorBoard events in "
             f"{os.path.join(cfg.logdir, cfg.name)}")
+
+
+class RunStopped(RuntimeError):
+    """A graceful stop (SIGTERM): where, and how to go on."""
 
 
 class RunFailed(RuntimeError):
@@ -4113,7 +4503,7 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
     launched = ({} if not first else {"started": STARTED_AT, "imported": IMPORTED_AT}
                 if __name__ == "__main__" else {"imported": COMMAND_AT or time.time()})
     # a run that resumes starts from its checkpoint: --weights is neither read nor needed
-    resumes = resume.done > 0
+    resumes = resume.resumes
     if not follower:
         if data is None:
             cfg, data = check_data(cfg)
@@ -4140,12 +4530,18 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
                           start_from=(ray.put(read_weights(cfg.weights))
                                       if cfg.weights and shared and not resumes else None),
                           data=ray.put(data.datasets) if shared and sent(cfg, data) else None,
-                          launched=launched)
+                          launched=launched,
+                          board=(ray.remote(num_cpus=0)(ProgressBoard).remote()
+                                 if shared and cfg.mode != "scratch" else None))
     if torchrun:
         # local mode logs every report at INFO
         logging.getLogger("ray.train").setLevel(logging.WARNING)
     try:
-        with contextlib.redirect_stdout(io.StringIO()) if follower else contextlib.nullcontext():
+        stop = None if torchrun else graceful_stop()
+        if stop is not None and options.board is not None:  # SIGTERM to the driver: tell rank 0
+            stop.on_ask = options.board.ask_stop.remote
+        with contextlib.redirect_stdout(io.StringIO()) if follower else contextlib.nullcontext(), \
+                training(stop):
             result = fit(cfg, loop, options, resume.done)
     except ray.train.TrainingFailedError as exc:
         # rank 0 records the failure; the others' configs were never the run's
@@ -4157,8 +4553,11 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
         raise
     if follower:
         return None
+    if stopped := result.return_value["stopped"]:
+        raise RunStopped(f"stopped at {where(stopped)} (SIGTERM), its checkpoint saved: the same "
+                         f"command resumes from there")
     try:
-        summary = summarize(cfg, result, options.launched)
+        summary = summarize(cfg, result, options.launched, options.board)
     except OSError as exc:
         if disk_full(exc):  # result.json: the checkpoints are all committed
             raise RunFailed(storage_full(cfg, exc)) from None
@@ -4346,7 +4745,7 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
         if (summary := finished_result(cfg, resume)) is not None:  # a row done before
             resolved.append((cfg, resume, None, summary))
             continue
-        validate(cfg, resuming=resume.done > 0)
+        validate(cfg, resuming=resume.resumes)
         cfg, data = check_data(cfg)
         check_model_fits(cfg, data)
         resolved.append((cfg, resume, data, None))
@@ -4948,7 +5347,7 @@ def parse_command(argv) -> tuple[str, Config, dict]:
         adopted = [as_flag(f, getattr(cfg, f)) for f in CONFIG_FIELDS
                    if getattr(cfg, f) != getattr(typed_cfg, f) and f in CLI_FIELDS]
     try:
-        validate(cfg, resuming=options.get("resume", Resume()).done > 0)
+        validate(cfg, resuming=options.get("resume", Resume()).resumes)
     except ConfigError as exc:
         if adopted:  # the value at fault may be one the user never typed
             raise ConfigError(f"{exc}; run '{cfg.name}' trained with {', '.join(adopted)}, which "
@@ -5053,6 +5452,9 @@ def main(argv=None) -> int:
     except RunFailed as exc:
         print(f"ray_dp.py: training failed: {exc}", file=sys.stderr)
         return 1
+    except RunStopped as exc:
+        print(f"ray_dp.py: {exc}", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as a shell reports one
     except ray.train.TrainingFailedError as exc:  # --eval-only's workers
         print(f"ray_dp.py: evaluation failed: {describe_training_error(exc, {})}", file=sys.stderr)
         return 1

@@ -91,10 +91,12 @@ class Recorder:
     def latest_checkpoint(self):
         return copy.deepcopy(self.resume_from)
 
-    def report(self, metrics, state, epoch):
-        self.reports.append({k: v for k, v in metrics.items() if k.startswith("test_") or k == "train_loss"})
+    def report(self, metrics, state, epoch, step=0):
         if state is not None:
             self.saved = copy.deepcopy(state)
+        if step:  # a mid-epoch checkpoint: no epoch's metrics
+            return
+        self.reports.append({k: v for k, v in metrics.items() if k.startswith("test_") or k == "train_loss"})
         if epoch == self.stop_after:
             raise Stop
 

@@ -33,7 +33,7 @@ class Recorder:
     def latest_checkpoint(self):
         return self.state
 
-    def report(self, metrics, state, epoch):
+    def report(self, metrics, state, epoch, step=0):
         self.reports.append((epoch, metrics["epoch"], state and state["epoch"]))
         self.saved.append(state)
 

@@ -1,0 +1,256 @@
+"""Spot-safe training (#28): checkpoints within an epoch (--checkpoint-every), a resume from one that continues at
+the next step with the same data order, and a graceful stop on SIGTERM.
+
+A kill here is an exception on every rank at the same micro-batch (before its forward pass: no collective in flight),
+so that one process group serves every scenario; a resume is a new run of ray_dp's worker loop (train_worker) from
+the last checkpoint the killed one saved. Same world size, same arithmetic: the final parameters must be bitwise
+those of the uninterrupted run."""
+import copy
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ray_dp
+from helpers import assert_bitwise_equal, run_distributed
+from test_trust import tiny_folder
+
+BASE = dict(dataset="synthetic", synthetic_size=60, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
+            name="spot", checkpoint_every="1", log_every=1)
+
+
+class Killed(Exception):
+    """The run ends here, as a killed worker's would."""
+
+
+class Saves:
+    """A launcher that keeps every checkpoint (copied: a state_dict shares the model's storage), resumes from the
+    one it is given, and counts the reports."""
+
+    def __init__(self, resume_from=None):
+        self.resume_from, self.checkpoints, self.epochs = resume_from, [], []
+
+    def latest_checkpoint(self):
+        return copy.deepcopy(self.resume_from)
+
+    def report(self, metrics, state, epoch, step=0):
+        if state is not None:
+            self.checkpoints.append(((epoch, step), copy.deepcopy(state)))
+        if not step:
+            self.epochs.append(metrics)
+
+
+class killed_after:
+    """Raise Killed at the micro-batch after `micro_batches` of them (counted over the whole run): resized() is what
+    train_epoch calls once per micro-batch, on either data path."""
+
+    def __init__(self, micro_batches):
+        self.left, self.resized = micro_batches, ray_dp.resized
+
+    def __enter__(self):
+        def counting(x, size):
+            if self.left == 0:
+                raise Killed
+            self.left -= 1
+            return self.resized(x, size)
+        ray_dp.resized = counting
+
+    def __exit__(self, *error):
+        ray_dp.resized = self.resized
+        return error[0] is Killed
+
+
+def run(cfg, launcher, world, torchrun=False):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return ray_dp.train_worker(ray_dp.replace(cfg, workers=world), ray_dp.Worker(rank, world, torch.device("cpu")),
+                               launcher, ray_dp.LoopOptions(torchrun=torchrun), {})
+
+
+def config(tmp_dir, **overrides):
+    settings = {**BASE, **overrides}
+    if settings["dataset"] == "folder":
+        settings["data_dir"] = str(tiny_folder(tmp_dir / "images", classes=("a", "b", "c"), per_class=20, size=12))
+    cfg = ray_dp.Config(**settings, workers=2)
+    ray_dp.validate(cfg)
+    cfg, data = ray_dp.check_data(cfg)
+    ray_dp.check_model_fits(cfg, data)
+    return cfg
+
+
+def kills_and_resumes(cases):
+    """On each rank: for each (name, cfg, kills): the uninterrupted run's final state, and for each kill point the
+    final state after a kill there and a resume from the last checkpoint before it (and where that was)."""
+    torch.multiprocessing.set_start_method("fork", force=True)  # loader processes, as torchrun's and Ray's fork
+    out = {}
+    for name, cfg, kills in cases:
+        whole = Saves()
+        run(cfg, whole, dist.get_world_size())
+        every_epoch = Saves()
+        run(ray_dp.replace(cfg, checkpoint_every="0"), every_epoch, dist.get_world_size())
+        resumed = {}
+        for micro_batches in kills:
+            first = Saves()
+            with killed_after(micro_batches):
+                run(cfg, first, dist.get_world_size())
+            # rank 0's (the one that saves), on every rank: as Ray's checkpoint and torchrun's broadcast give it
+            last = ray_dp.from_rank_0(first.checkpoints[-1] if first.checkpoints else ((0, 0), None),
+                                      torch.device("cpu"))
+            second = Saves(last[1])
+            run(cfg, second, dist.get_world_size())
+            resumed[micro_batches] = {"from": last[0], "final": second.checkpoints and second.checkpoints[-1][1]["model"],
+                                      "epochs": second.epochs}
+        out[name] = {"whole": whole.checkpoints, "every_epoch": every_epoch.checkpoints and every_epoch.checkpoints[-1][1]["model"],
+                     "resumed": resumed}
+    return out if dist.get_rank() == 0 else None
+
+
+# 60 samples, global batch 12: 5 steps an epoch. accum 2 on 2 workers: 3 samples a micro-batch, 2 micro-batches a
+# step, 10 an epoch. Kills: inside the first step (before any checkpoint), inside the accumulation of step 2, at the
+# start of the last step of epoch 1, in the middle of epoch 2, inside the last step of the run.
+ACCUM_KILLS = (1, 3, 8, 15, 19)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spot")
+    cases = [("in-memory-accum-2", config(tmp, accum_steps=2), ACCUM_KILLS),
+             ("folder-augment-loader-process", config(tmp, dataset="folder", loader_workers=1, checkpoint_every="2"),
+              (2, 5, 7)),
+             ("dropout-adamw", config(tmp, model="mobilenet_v3_small", synthetic_size=24, optimizer="adamw",
+                                      lr=0.002, checkpoint_every="1"), (1, 3))]
+    return run_distributed(kills_and_resumes, 2, cases)[0]
+
+
+def test_checkpoints_within_an_epoch_change_nothing_the_run_computes(runs):
+    for name, out in runs.items():
+        assert_bitwise_equal(out["whole"][-1][1]["model"], out["every_epoch"])
+
+
+def test_every_step_and_every_2_steps_are_saved_and_named_by_epoch_and_step(runs):
+    saved = [where for where, _ in runs["in-memory-accum-2"]["whole"]]
+    assert saved == [(1, 1), (1, 2), (1, 3), (1, 4), (1, 0), (2, 1), (2, 2), (2, 3), (2, 4), (2, 0)]
+    assert [where for where, _ in runs["folder-augment-loader-process"]["whole"]] == [(1, 2), (1, 4), (1, 0),
+                                                                                      (2, 2), (2, 4), (2, 0)]
+    assert ray_dp.checkpoint_dir_name(2, 4) == "checkpoint_epoch_002_step_000004"
+    state = dict(runs["in-memory-accum-2"]["whole"])[(2, 3)]
+    assert (state["epoch"], state["partial"]["step"], state["partial"]["samples_done"]) == (1, 3, 36)
+
+
+@pytest.mark.parametrize("name", ["in-memory-accum-2", "folder-augment-loader-process", "dropout-adamw"])
+def test_a_run_killed_at_any_step_and_resumed_ends_bitwise_where_the_uninterrupted_one_does(runs, name):
+    out = runs[name]
+    for micro_batches, resumed in out["resumed"].items():
+        assert_bitwise_equal(resumed["final"], out["whole"][-1][1]["model"]), micro_batches
+
+
+def test_the_resume_starts_from_the_last_checkpoint_before_the_kill(runs):
+    # (epoch, step) of the checkpoint: (1, 0) is after epoch 1, (2, s) after s steps of epoch 2; (0, 0): none yet
+    started = {kill: resumed["from"] for kill, resumed in runs["in-memory-accum-2"]["resumed"].items()}
+    assert started == {1: (0, 0), 3: (1, 1), 8: (1, 4), 15: (2, 2), 19: (2, 4)}
+
+
+def test_a_resumed_epoch_reports_every_sample_of_it_and_the_same_losses(runs):
+    out = runs["in-memory-accum-2"]
+    whole = dict(out["whole"])[(2, 0)]["history"]
+    resumed = out["resumed"][15]["epochs"]  # killed in epoch 2, resumed at its step 3
+    assert [m["epoch"] for m in resumed] == [2] and resumed[0]["train_samples"] == whole[1]["train_samples"] == 60
+    assert resumed[0]["train_loss"] == pytest.approx(whole[1]["train_loss"], rel=1e-12)
+    assert [s for s, _ in resumed[0]["step_log"]] == [s for s, _ in whole[1]["step_log"]]
+
+
+def test_the_rest_of_an_epoch_on_another_number_of_workers_takes_every_remaining_sample_once():
+    data = torch.utils.data.TensorDataset(torch.arange(103))
+    for before, after, steps in [(2, 3, 2), (3, 2, 1), (4, 1, 3), (2, 2, 0)]:
+        global_batch = 12
+        first = [ray_dp.train_sampler(data, r, before, seed=5) for r in range(before)]
+        for s in first:
+            s.set_epoch(3)
+        consumed = [i for s in first for i in list(s)[:steps * global_batch // before]]
+        rest = [ray_dp.train_sampler(data, r, after, seed=5) for r in range(after)]
+        for s in rest:
+            s.set_epoch(3, steps * global_batch)
+        remaining = [i for s in rest for i in s]
+        order = torch.randperm(103, generator=torch.Generator().manual_seed(5 + 3)).tolist()
+        assert sorted(consumed) == sorted(order[:steps * global_batch])
+        assert len(set(remaining)) == len(remaining) and not set(remaining) & set(consumed)
+        # all of the rest but what no whole share of `after` workers holds (drop_last, as DistributedSampler)
+        assert len(remaining) == (103 - steps * global_batch) // after * after
+        assert set(remaining) <= set(order[steps * global_batch:])
+
+
+def test_from_the_start_the_sampler_is_torchs_distributed_sampler():
+    data = torch.utils.data.TensorDataset(torch.arange(103))
+    for world in (1, 2, 3):
+        for rank in range(world):
+            ours = ray_dp.train_sampler(data, rank, world, seed=7)
+            theirs = torch.utils.data.DistributedSampler(data, world, rank, shuffle=True, seed=7, drop_last=True)
+            ours.set_epoch(4), theirs.set_epoch(4)
+            assert list(ours) == list(theirs) and len(ours) == len(theirs)
+
+
+@pytest.mark.parametrize("every, parsed", [("0", (0, 0.0)), ("200", (200, 0.0)), ("10m", (0, 600.0)),
+                                           ("0.5m", (0, 30.0)), (" 3 ", (3, 0.0))])
+def test_checkpoint_every_takes_steps_or_minutes(every, parsed):
+    assert ray_dp.checkpoint_interval(every) == parsed
+
+
+@pytest.mark.parametrize("every", ["-1", "10s", "m", "0m", "1.5", "ten"])
+def test_checkpoint_every_that_is_neither_is_one_line(every, capsys):
+    assert ray_dp.main(["--dataset", "digits", "--checkpoint-every", every]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"ray_dp.py: error: --checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' ends "
+        f"only), got {every}")
+
+
+def test_scratch_mode_saves_at_epochs_ends_only(capsys):
+    assert ray_dp.parse_command(["--mode", "scratch", "--dataset", "digits"])[1].checkpoint_every == "0"
+    assert ray_dp.main(["--mode", "scratch", "--dataset", "digits", "--checkpoint-every", "5"]) == 2
+    assert "--checkpoint-every needs --mode ddp" in capsys.readouterr().err
+
+
+def sigterm_at(cfg, micro_batches, torchrun):
+    """On each rank: SIGTERM to rank 1 only, at its micro-batch `micro_batches`; the run saves at the next log step
+    and stops (under Ray every rank raises then, for Ray to restart the workers). Then a resume from that
+    checkpoint, to the end."""
+    torch.multiprocessing.set_start_method("fork", force=True)
+    stopped, resumed_run = Saves(), None
+    resized = ray_dp.resized
+    count = [0]
+
+    def signalling(x, size):
+        count[0] += 1
+        if dist.get_rank() == 1 and count[0] == micro_batches:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return resized(x, size)
+    ray_dp.resized = signalling
+    try:
+        out = run(cfg, stopped, dist.get_world_size(), torchrun)
+    except ray_dp.StoppedBySigterm as exc:
+        out = {"stopped": str(exc)}
+    finally:
+        ray_dp.resized = resized
+    saved_at, state = ray_dp.from_rank_0(stopped.checkpoints[-1] if stopped.checkpoints else None,
+                                         torch.device("cpu"))
+    resumed_run = Saves(state)
+    run(cfg, resumed_run, dist.get_world_size())
+    whole = Saves()
+    run(cfg, whole, dist.get_world_size())
+    final = resumed_run.checkpoints and (resumed_run.checkpoints[-1][1]["model"], whole.checkpoints[-1][1]["model"])
+    return {"stopped": out["stopped"], "saved_at": saved_at, "final": final,
+            "handler": type(signal.getsignal(signal.SIGTERM)).__name__}
+
+
+@pytest.mark.parametrize("torchrun", [True, False])
+def test_sigterm_to_one_worker_saves_at_the_next_log_step_on_every_rank_and_the_resume_redoes_nothing(tmp_path,
+                                                                                                   torchrun):
+    cfg = config(tmp_path, checkpoint_every="0", log_every=2)
+    zero, one = run_distributed(sigterm_at, 2, cfg, 2, torchrun)  # in step 2 (of 5): saved after it, a log step
+    if torchrun:  # the processes end: torchrun's restart (or the same command) resumes
+        assert zero["stopped"] == one["stopped"] == {"epoch": 1, "step": 2, "steps": 5, "by": ["sigterm"]}
+    else:  # Ray's workers fail, all of them, after the checkpoint: Ray restarts them (--max-failures)
+        assert zero["stopped"] == one["stopped"] == "a worker got SIGTERM; saved epoch 1, step 2 of 5 and stopped"
+    assert zero["saved_at"] == (1, 2)
+    assert_bitwise_equal(*zero["final"])
+    assert zero["handler"] == "GracefulStop"
