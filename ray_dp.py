@@ -2341,7 +2341,7 @@ class StepLog:
         self.start, self.done = time.perf_counter(), done
         self.first_step_at = None  # wall clock: the start-up breakdown's last mark
 
-    def step(self, step: int, loss_sum: torch.Tensor, samples: int, votes: list) -> set:
+    def step(self, step: int, loss_sum: torch.Tensor, samples: int, votes: tuple = ()) -> set:
         """The votes every rank agreed on at this step (none between two logs)."""
         self.first_step_at = self.first_step_at or time.time()
         self.pending[:2] += torch.stack([loss_sum.double(),
@@ -4532,7 +4532,8 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
                           data=ray.put(data.datasets) if shared and sent(cfg, data) else None,
                           launched=launched,
                           board=(ray.remote(num_cpus=0)(ProgressBoard).remote()
-                                 if shared and cfg.mode != "scratch" else None))
+                                 if shared and cfg.mode != "scratch" and ray.is_initialized()
+                                 else None))
     if torchrun:
         # local mode logs every report at INFO
         logging.getLogger("ray.train").setLevel(logging.WARNING)

@@ -23,12 +23,14 @@ def train(tmp_path, name, *flags):
     return helpers.train(tmp_path, name, *RUN, *flags)
 
 
-def crash_once(marker, at_epoch, at_step):
+def crash_once(marker, at_epoch, at_step, sigterm=False):
     """ray_dp's training function, except that rank 1 dies at this step of this epoch as a killed process
-    would (os._exit: no exception, no cleanup), once: the marker file, at an absolute path, lets the
-    restarted group run through. The driver hands it to Ray in place of ray_dp.train_loop_per_worker."""
+    would (os._exit: no exception, no cleanup), or gets SIGTERM there (as a reclaimed spot node's processes do),
+    once: the marker file, at an absolute path, lets the restarted group run through. The driver hands it to Ray
+    in place of ray_dp.train_loop_per_worker."""
     def train_loop_per_worker(config):
         import os
+        import signal
 
         import ray
 
@@ -40,7 +42,9 @@ def crash_once(marker, at_epoch, at_step):
                 for step, batch in enumerate(batches(self)):
                     if (self.sampler.epoch, step) == (at_epoch, at_step):
                         open(marker, "w").close()
-                        os._exit(1)
+                        if not sigterm:
+                            os._exit(1)
+                        os.kill(os.getpid(), signal.SIGTERM)
                     yield batch
             ray_dp.InMemoryBatches.__iter__ = dying
         return ray_dp.train_loop_per_worker(config)
@@ -65,13 +69,56 @@ def test_a_second_run_with_the_same_seed_ends_identical_even_through_dataloader_
     assert_bitwise_equal(final_weights(train(tmp_path, "again", "--loader-workers", "2")), reference)
 
 
-def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_and_ends_identical(tmp_path, monkeypatch, reference):
+def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_within_the_epoch_and_ends_identical(
+        tmp_path, monkeypatch, capsys, reference):
     marker = tmp_path / "crashed"
     monkeypatch.setattr(ray_dp, "train_loop_per_worker", crash_once(str(marker), 2, 50))  # epoch 3, step 51
-    result = train(tmp_path, "crash", "--max-failures", "1")
+    result = train(tmp_path, "crash", "--max-failures", "1", "--checkpoint-every", "20")
     assert marker.exists()  # it did die
-    assert result["started_at_epoch"] >= 2  # the restarted group resumed from a checkpoint
-    assert [m["epoch"] for m in result["epochs"]] == [1, 2, 3]
+    # the restarted group resumed from the checkpoint after step 40 of epoch 3: steps 41 to 50 are trained twice
+    assert "resuming at epoch 3 of 3, step 41 (of 179 on the workers that saved it), with 2 workers, from the " \
+           "checkpoint of epoch 3 step 40" in capsys.readouterr().out
+    assert result["started_at_epoch"] == 3 and result["recovery"]["steps_redone"] == 10
+    assert [m["epoch"] for m in result["epochs"]] == [1, 2, 3] and result["epochs"][-1]["train_samples"] == 1432
+    assert_bitwise_equal(final_weights(result), reference)
+    # the epochs' checkpoints, and of the mid-epoch ones what room --epochs + 1 leaves: the latest
+    assert sorted(p.name for p in (tmp_path / "crash").glob("checkpoint_epoch_*")) == [
+        "checkpoint_epoch_001", "checkpoint_epoch_002", "checkpoint_epoch_003", "checkpoint_epoch_003_step_000160"]
+
+
+def test_sigterm_to_a_worker_saves_at_the_next_log_step_and_ray_restarts_from_there(tmp_path, monkeypatch, capsys,
+                                                                                   reference):
+    monkeypatch.setattr(ray_dp, "train_loop_per_worker", crash_once(str(tmp_path / "signalled"), 1, 33, sigterm=True))
+    result = train(tmp_path, "spot", "--max-failures", "1", "--checkpoint-every", "0")
+    out = capsys.readouterr().out
+    assert "ray-dp: SIGTERM: saving a checkpoint at the next log step, then stopping" in out
+    # signalled in step 34 of epoch 2: saved after step 40 (--log-every 10), where the restarted workers go on
+    assert "from the checkpoint of epoch 2 step 40" in out and "a worker got SIGTERM; saved epoch 2, step 40" in out
+    assert result["recovery"]["steps_redone"] == 0 and result["recovery"]["failures"] == 1
+    assert_bitwise_equal(final_weights(result), reference)
+
+
+def test_sigterm_to_the_driver_stops_at_the_next_log_step_and_the_same_command_resumes_identically(tmp_path,
+                                                                                                  reference):
+    command = [sys.executable, "ray_dp.py", *RUN, "--cpu", "--storage-path", str(tmp_path), "--name", "drained",
+               "--logdir", str(tmp_path / "tb"), "--address", ray.get_runtime_context().gcs_address]
+    driver = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, RAY_AUTH_MODE="token"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    snapshot = tmp_path / "drained" / "checkpoint_manager_snapshot.json"
+    deadline = time.time() + 240
+    while not (snapshot.exists() and "checkpoint_epoch_001" in snapshot.read_text()):  # epoch 1 committed
+        assert driver.poll() is None and time.time() < deadline, "the first run never checkpointed"
+        time.sleep(0.1)
+    driver.send_signal(signal.SIGTERM)
+    stdout, stderr = driver.communicate(timeout=120)
+    assert driver.returncode == 143 and "Traceback" not in stderr, stderr
+    last = stderr.splitlines()[-1]
+    assert last.startswith("ray_dp.py: stopped at epoch ") and last.endswith(
+        " (SIGTERM), its checkpoint saved: the same command resumes from there"), last
+    assert "ray-dp: SIGTERM: saving a checkpoint at the next log step" in stdout
+
+    result = train(tmp_path, "drained")  # the same command, in this process
+    assert result["recovery"]["steps_redone"] == 0
     assert_bitwise_equal(final_weights(result), reference)
 
 

@@ -254,3 +254,26 @@ def test_sigterm_to_one_worker_saves_at_the_next_log_step_on_every_rank_and_the_
     assert zero["saved_at"] == (1, 2)
     assert_bitwise_equal(*zero["final"])
     assert zero["handler"] == "GracefulStop"
+
+
+def saved_at(cfg, epoch_step):
+    """On each rank: a run whose checkpoints go on every step; rank 0's at (epoch, step)."""
+    saves = Saves()
+    run(cfg, saves, dist.get_world_size())
+    return dict(saves.checkpoints).get(epoch_step)
+
+
+def resumed_on(cfg, state):
+    saves = Saves(state)
+    run(cfg, saves, dist.get_world_size())
+    return saves.epochs
+
+
+def test_an_elastic_resize_mid_epoch_spreads_the_rest_of_the_epoch_over_the_new_workers(tmp_path):
+    cfg = config(tmp_path, checkpoint_every="1", min_workers=1)  # --workers 1:3 (elastic), started on 2
+    state = run_distributed(saved_at, 2, cfg, (1, 2))[0]  # 2 of the 5 steps of epoch 1: its first 24 samples
+    assert state["partial"]["samples_done"] == 24
+    epochs = run_distributed(resumed_on, 3, cfg, state)[0]  # the rest of it on 3 workers: 36 samples, 4 each a step
+    assert [m["epoch"] for m in epochs] == [1, 2]
+    assert epochs[0]["train_samples"] == 60 and epochs[1]["train_samples"] == 60
+    assert [s for s, _ in epochs[0]["step_log"]] == [1, 2, 3, 4, 5]
