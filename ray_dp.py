@@ -4464,14 +4464,17 @@ def storage_full(cfg: Config, error: Optional[BaseException] = None) -> str:
     safe (committed whole: what a rerun resumes from), and how to go on."""
     try:
         latest = latest_committed(cfg.run_dir)
-        epoch = load_checkpoint(latest)["epoch"] if latest else None
+        state = load_checkpoint(latest) if latest else None
     except (ConfigError, OSError):  # what storage still answers decides what may be called safe
         latest = None
     if latest is None:
         safe = "no checkpoint was saved, so the same command starts it over once there is space"
     else:
-        safe = (f"the last checkpoint that is safe is {os.path.dirname(latest)} (epoch {epoch} of "
-                f"{cfg.epochs}): once there is space, the same command resumes from it")
+        step = (state.get("partial") or {}).get("step", 0)
+        at = (f"epoch {state['epoch'] + 1} of {cfg.epochs}, step {step}" if step
+              else f"epoch {state['epoch']} of {cfg.epochs}")
+        safe = (f"the last checkpoint that is safe is {os.path.dirname(latest)} ({at}): once "
+                f"there is space, the same command resumes from it")
     return f"{full_device(cfg, error)}; {safe}"
 
 
@@ -5398,12 +5401,19 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
     if latest is None:
         return "interrupted; nothing was saved"
     try:
-        epoch = load_checkpoint(latest)["epoch"]  # its name may be an old run's, counted from 0
+        state = load_checkpoint(latest)  # its name may be an old run's, counted from 0
+        done, step = state["epoch"], (state.get("partial") or {}).get("step", 0)
     except ConfigError:  # a checkpoint cut short: say what its name says
-        epoch = int(Path(latest).parent.name.rpartition("_")[2])
+        done, step = checkpoint_order(Path(latest).parent.name) or (0, 0)
     same = "the same command without --fresh" if cfg.fresh else "the same command"
-    return (f"interrupted after epoch {epoch} of {cfg.epochs} (saved in {cfg.run_dir}); "
+    return (f"interrupted {position(done, step, cfg.epochs)} (saved in {cfg.run_dir}); "
             f"{same} with --name {cfg.name} resumes it")
+
+
+def position(done: int, step: int, epochs: int) -> str:
+    """Where a checkpoint is: "after epoch 2 of 3", or mid-epoch "at epoch 3 of 3, step 40"."""
+    return (f"at epoch {done + 1} of {epochs}, step {step}" if step
+            else f"after epoch {done} of {epochs}")
 
 
 def train(**settings) -> dict:

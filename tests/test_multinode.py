@@ -251,6 +251,49 @@ def test_torchrun_runs_the_same_loop_with_the_same_result(tmp_path, single_node_
     assert list((tmp_path / "tb" / "torchrun").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.ray
+def test_torchrun_killed_mid_epoch_then_sigterm_resumes_from_its_step_checkpoints_bitwise(tmp_path, single_node_result):
+    """A torchrun worker killed (SIGKILL) in epoch 2, the same command again, that one stopped by SIGTERM to torchrun
+    (what a reclaimed node's processes get), and the same command a third time: the run ends where the
+    uninterrupted one does."""
+    import psutil
+    command = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "ray_dp.py", *RUN, "--storage-path",
+               str(tmp_path), "--name", "spot", "--logdir", str(tmp_path / "tb"), "--checkpoint-every", "25"]
+    run_dir = tmp_path / "spot"
+
+    def started_then(kill, after):
+        """The command until a checkpoint later than `after` appears, then kill(torchrun); what it printed."""
+        agent = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 240
+        while not [p for p in run_dir.glob("checkpoint_epoch_*_step_*") if ray_dp.checkpoint_order(p.name) > after]:
+            assert agent.poll() is None and time.time() < deadline, "no checkpoint came"
+            time.sleep(0.02)
+        kill(agent)
+        return agent.communicate(timeout=120)[0]
+
+    def kill_rank_1(agent):
+        rank_1 = [c for c in psutil.Process(agent.pid).children() if c.environ().get("LOCAL_RANK") == "1"]
+        rank_1[0].kill()
+
+    first = started_then(kill_rank_1, after=(1, 0))
+    assert "epoch 1/2:" in first and "epoch 2/2:" not in first
+    latest = max((p.name for p in run_dir.glob("checkpoint_epoch_*")), key=ray_dp.checkpoint_order)
+    assert latest.startswith("checkpoint_epoch_002_step_")
+    second = started_then(lambda agent: agent.send_signal(signal.SIGTERM), after=ray_dp.checkpoint_order(latest))
+    step = int(latest.rpartition("_")[2])
+    assert f"from the checkpoint of epoch 2 step {step}" in second
+    assert "ray_dp.py: stopped at epoch 2, step " in second and "(SIGTERM), its checkpoint saved" in second
+    third = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "from the checkpoint of epoch 2 step " in third.stdout
+    result = json.loads((run_dir / "result.json").read_text())
+    assert [m["train_samples"] for m in result["epochs"]] == [1432, 1432]
+    assert_bitwise_equal(final_weights(result), final_weights(single_node_result))
+    # the epochs' checkpoints stay, and no mid-epoch one after the last epoch's
+    assert sorted(p.name for p in run_dir.glob("checkpoint_epoch_*")) == ["checkpoint_epoch_001",
+                                                                         "checkpoint_epoch_002"]
+
+
 @pytest.fixture
 def sshd(tmp_path):
     """An SSH server on 127.0.0.3 and 127.0.0.4 that lets in a throw-away key: the 'machines' of ray up."""
