@@ -6,6 +6,7 @@
     python bench/bench.py --startup-only # section 5 alone: start-up next to a bare TorchTrainer (~2 minutes)
     python bench/bench.py --step-only    # section 7: ray-dp's training step against a plain loop's (~4 minutes)
     python bench/bench.py --plain-only   # section 8: ray-dp against the plain PyTorch loop (~15 minutes)
+    python bench/bench.py --spot-only    # section 9: what spot-safe training costs: a save, a step, a loss (~3 min)
 
 Each figure comes from ray_dp.py's own result.json (per-epoch seconds from the workers' clocks, the first
 epoch left out as warm-up) of real runs of the command line, so it measures what users run. The one
@@ -627,6 +628,119 @@ def to_markdown(report):
     return "\n".join(lines) + "\n"
 
 
+def spot_costs(repeats):
+    """What spot-safe training (--checkpoint-every, SIGTERM) costs and saves. A save: rank 0's mid-epoch
+    checkpoint of a model and its SGD momentum (checkpoint_state, then save_checkpoint: torch.save and the rename
+    into place, on this machine's disk; under Ray the same bytes go through ray.train.report), median of the repeats,
+    and what it costs as a share of training at the default --checkpoint-every 10m. Per step: the dropout stream
+    seeded per (rank, epoch, step), and rank 0's message to the driver's ProgressBoard with the look at its last
+    answer (a local Ray). A loss: `--workers 2 --dataset digits --batch-size 8 --epochs 2` (179 steps an epoch) with
+    rank 1 killed (os._exit) at step 151 of epoch 2 and --max-failures 1, at --checkpoint-every 0 (epochs' ends only)
+    and 20, against the same run uninterrupted: wall seconds of the whole command in this process (Ray started
+    once before), the steps redone from result.json, and the seconds lost."""
+    import ray
+    import torchvision
+    figures = {}
+    models = [("lenet, digits", ray_dp.build_model("lenet", (1, 28, 28), 10)),
+              ("resnet18 (the lesson's), 28 px", ray_dp.build_model("resnet18", (1, 28, 28), 10)),
+              ("torchvision resnet50, ImageNet (1000 classes)", torchvision.models.resnet50())]
+    cfg = ray_dp.Config()
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, model in models:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            optimizer.step()  # the momentum buffers a checkpoint carries
+            seconds = []
+            for _ in range(max(repeats, 3)):
+                tic = time.perf_counter()
+                state = ray_dp.checkpoint_state(model.state_dict(), optimizer.state_dict(), 1, cfg, [], list("abc"),
+                                                {"epoch": 1, "step": 5, "samples_done": 40, "loss_sum": 1.0,
+                                                 "samples": 40, "step_log": [], "steps": 10})
+                ray_dp.save_checkpoint(tmp, state, 2, 5)
+                seconds.append(time.perf_counter() - tic)
+            size = os.path.getsize(os.path.join(tmp, ray_dp.checkpoint_dir_name(2, 5), ray_dp.CHECKPOINT_FILE))
+            figures[f"save, {label}: MB"] = round(size / 1e6, 1)
+            figures[f"save, {label}: s"] = round(statistics.median(seconds), 3)
+            figures[f"save, {label}: % of training at --checkpoint-every 10m"] = round(
+                100 * statistics.median(seconds) / 600, 3)
+    tic, n = time.perf_counter(), 2000
+    for step in range(n):
+        torch.manual_seed(ray_dp.stream_seed(0, ray_dp.RANK_STREAM, 0, 1, step))
+    figures["per step: dropout stream seeded, us"] = round((time.perf_counter() - tic) / n * 1e6, 1)
+    # as the tests' shared cluster: 4 logical CPUs, room for 2 workers and Ray Train's controller
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
+             runtime_env=ray_dp.RUNTIME_ENV)
+    try:
+        board = ray.remote(num_cpus=0)(ray_dp.ProgressBoard).remote()
+        rules = ray_dp.SaveRules(cfg, board=board)
+        ray.get(board.steps_redone.remote())
+        tic = time.perf_counter()
+        for _ in range(n):
+            rules.votes()
+            rules.stepped()
+        figures["per step: rank 0 tells the ProgressBoard (no wait), us"] = round(
+            (time.perf_counter() - tic) / n * 1e6, 1)
+        figures.update(a_loss(max(1, repeats // 3)))
+    finally:
+        ray.shutdown()
+    return figures
+
+
+def killed_once(marker, at_epoch, at_step):
+    """ray_dp's training function, except that rank 1 dies (os._exit) at this step of this epoch, once."""
+    def train_loop_per_worker(config):
+        import os
+
+        import ray
+
+        import ray_dp
+        if ray.train.get_context().get_world_rank() == 1 and not os.path.exists(marker):
+            batches = ray_dp.InMemoryBatches.__iter__
+
+            def dying(self):
+                for step, batch in enumerate(batches(self)):
+                    if (self.sampler.epoch, step) == (at_epoch, at_step):
+                        open(marker, "w").close()
+                        os._exit(1)
+                    yield batch
+            ray_dp.InMemoryBatches.__iter__ = dying
+        return ray_dp.train_loop_per_worker(config)
+    return train_loop_per_worker
+
+
+def a_loss(repeats):
+    import ray
+    run = ["--workers", "2", "--dataset", "digits", "--batch-size", "8", "--epochs", "2", "--quiet", "--cpu",
+           "--address", ray.get_runtime_context().gcs_address]
+    walls = {"uninterrupted": [], "killed, --checkpoint-every 0": [], "killed, --checkpoint-every 20": []}
+    redone = {}
+    loop = ray_dp.train_loop_per_worker
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            for label in walls:
+                name = f"{label.split(',')[0]}-{label.split()[-1]}-{repeat}".replace(" ", "")
+                every = label.split()[-1] if "killed" in label else "0"
+                marker = os.path.join(tmp, name + ".killed")  # not the run's directory, tmp/name
+                ray_dp.train_loop_per_worker = killed_once(marker, 1, 150) if "killed" in label else loop
+                tic = time.perf_counter()
+                try:
+                    code = ray_dp.main([*run, "--storage-path", tmp, "--name", name, "--logdir", tmp,
+                                        "--checkpoint-every", every, "--max-failures", "1"])
+                finally:
+                    ray_dp.train_loop_per_worker = loop
+                assert code == 0, label
+                walls[label].append(time.perf_counter() - tic)
+                with open(os.path.join(tmp, name, "result.json")) as f:
+                    redone[label] = json.load(f)["recovery"].get("steps_redone")
+    base = statistics.median(walls["uninterrupted"])
+    figures = {"a loss: uninterrupted run, s": round(base, 1)}
+    for label in list(walls)[1:]:
+        figures[f"a loss, {label}: steps redone"] = redone[label]
+        figures[f"a loss, {label}: s lost"] = round(statistics.median(walls[label]) - base, 1)
+    return figures
+
+
 def write_section(report, started, name, title, lines):
     """One section's run: bench/NAME.json and bench/NAME.md (printed too)."""
     report["minutes"] = (time.time() - started) / 60
@@ -658,6 +772,9 @@ def main():
     parser.add_argument("--plain-only", action="store_true",
                         help="only section 8 (ray-dp against the plain PyTorch loop, on a folder and in memory), "
                              "written to bench/plain.md and plain.json (~5 minutes per repeat)")
+    parser.add_argument("--spot-only", action="store_true",
+                        help="only section 9 (what spot-safe training costs: a save, per step, a loss), written "
+                             "to bench/spot.md and spot.json (~3 minutes)")
     parser.add_argument("--startup-only", action="store_true",
                         help="only section 5 (start-up), written to bench/startup.md and startup.json (~2 min "
                              "per repeat)")
@@ -676,6 +793,10 @@ def main():
     if args.plain_only:
         figures_section(report, started, "plain", "against the plain loop",
                         "8. ray-dp against the plain PyTorch loop", against_plain_loop, args.repeats)
+        return
+    if args.spot_only:
+        figures_section(report, started, "spot", "spot-safe training",
+                        "9. Spot-safe training: what a save, a step and a loss cost", spot_costs, args.repeats)
         return
     if args.startup_only:
         report["startup"] = startup(args.repeats)

@@ -91,7 +91,8 @@ def test_sigterm_to_a_worker_saves_at_the_next_log_step_and_ray_restarts_from_th
     monkeypatch.setattr(ray_dp, "train_loop_per_worker", crash_once(str(tmp_path / "signalled"), 1, 33, sigterm=True))
     result = train(tmp_path, "spot", "--max-failures", "1", "--checkpoint-every", "0")
     out = capsys.readouterr().out
-    assert "ray-dp: SIGTERM: saving a checkpoint at the next log step, then stopping" in out
+    assert ("ray-dp: SIGTERM: saving a checkpoint at the next log step (--log-every) or the epoch's end, then "
+            "stopping") in out
     # signalled in step 34 of epoch 2: saved after step 40 (--log-every 10), where the restarted workers go on
     assert "from the checkpoint of epoch 2 step 40" in out and "a worker got SIGTERM; saved epoch 2, step 40" in out
     assert result["recovery"]["steps_redone"] == 0 and result["recovery"]["failures"] == 1

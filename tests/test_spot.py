@@ -277,3 +277,11 @@ def test_an_elastic_resize_mid_epoch_spreads_the_rest_of_the_epoch_over_the_new_
     assert [m["epoch"] for m in epochs] == [1, 2]
     assert epochs[0]["train_samples"] == 60 and epochs[1]["train_samples"] == 60
     assert [s for s, _ in epochs[0]["step_log"]] == [1, 2, 3, 4, 5]
+
+
+def test_an_epoch_shorter_than_log_every_still_stops_at_its_end_after_a_sigterm(tmp_path):
+    cfg = config(tmp_path, checkpoint_every="0", log_every=10)  # 5 steps an epoch: no log step in it
+    zero, one = run_distributed(sigterm_at, 2, cfg, 2, True)
+    assert zero["stopped"] == one["stopped"] == {"epoch": 2, "step": 0, "steps": None, "by": ["sigterm"]}
+    assert zero["saved_at"] == (1, 0)  # the epoch's own checkpoint; the same command resumes at epoch 2
+    assert_bitwise_equal(*zero["final"])
