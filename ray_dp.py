@@ -2405,6 +2405,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
     log = StepLog(cfg, epoch, steps, device, progress, partial["step_log"], first)
     micro_batches = iter(batches)
     data_seconds, start, stopped = 0.0, time.perf_counter(), None
+    saves, save_seconds = 0, 0.0  # the checkpoints within this epoch, and their time
     for step in range(first, steps):
         # this rank's own dropout (and other in-model randomness) for this step: a function of
         # (seed, rank, epoch, step), so that a run resumed at any step draws what it would have
@@ -2431,6 +2432,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
         agreed = log.step(step, step_loss, cfg.micro_batch * cfg.accum_steps, rules.votes)
         rules.stepped(logged=(step + 1) % cfg.log_every == 0)
         if step + 1 < steps and (rules.due_at(step + 1) or agreed):
+            tic = time.perf_counter()
             totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(
                 (step + 1 - first) * cfg.micro_batch * cfg.accum_steps, dtype=torch.float64,
                 device=device)])).tolist()
@@ -2439,6 +2441,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
                         "loss_sum": partial["loss_sum"] + totals[0],
                         "samples": partial["samples"] + int(totals[1]),
                         "step_log": list(log.entries), "steps": steps})
+            saves, save_seconds = saves + 1, save_seconds + time.perf_counter() - tic
         if agreed & STOP_VOTES:
             stopped, stopped_by = step + 1, sorted(agreed & STOP_VOTES)
             break
@@ -2453,7 +2456,8 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
     samples = partial["samples"] + int(totals[1])
     metrics = epoch_metrics((partial["loss_sum"] + totals[0]), samples,
                             optimizer.param_groups[0]["lr"], seconds, data_seconds, log,
-                            trained=samples - partial["samples"])
+                            trained=samples - partial["samples"], checkpoints_within=saves,
+                            checkpoint_seconds=save_seconds)
     return ({**metrics, "stopped_at_step": stopped, "steps": steps, "stopped_by": stopped_by}
             if stopped else metrics)
 

@@ -99,17 +99,24 @@ def test_sigterm_to_a_worker_saves_at_the_next_log_step_and_ray_restarts_from_th
     assert_bitwise_equal(final_weights(result), reference)
 
 
-def test_sigterm_to_the_driver_stops_at_the_next_log_step_and_the_same_command_resumes_identically(tmp_path,
-                                                                                                  reference):
-    command = [sys.executable, "ray_dp.py", *RUN, "--cpu", "--storage-path", str(tmp_path), "--name", "drained",
+def driver_past_epoch_1(tmp_path, name, stdout):
+    """`python ray_dp.py` on the shared cluster, in a session of its own (Ctrl-C in a terminal signals the whole
+    foreground process group), once Ray has committed its epoch 1; and the path of Ray's snapshot of the run."""
+    command = [sys.executable, "ray_dp.py", *RUN, "--cpu", "--storage-path", str(tmp_path), "--name", name,
                "--logdir", str(tmp_path / "tb"), "--address", ray.get_runtime_context().gcs_address]
     driver = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, RAY_AUTH_MODE="token"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    snapshot = tmp_path / "drained" / "checkpoint_manager_snapshot.json"
+                              stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    snapshot = tmp_path / name / "checkpoint_manager_snapshot.json"
     deadline = time.time() + 240
     while not (snapshot.exists() and "checkpoint_epoch_001" in snapshot.read_text()):  # epoch 1 committed
         assert driver.poll() is None and time.time() < deadline, "the first run never checkpointed"
         time.sleep(0.1)
+    return driver, snapshot
+
+
+def test_sigterm_to_the_driver_stops_at_the_next_log_step_and_the_same_command_resumes_identically(tmp_path,
+                                                                                                  reference):
+    driver, _ = driver_past_epoch_1(tmp_path, "drained", stdout=subprocess.PIPE)
     driver.send_signal(signal.SIGTERM)
     stdout, stderr = driver.communicate(timeout=120)
     assert driver.returncode == 143 and "Traceback" not in stderr, stderr
@@ -130,16 +137,7 @@ def test_a_worker_death_without_max_failures_fails_with_a_message(tmp_path, monk
 
 
 def test_ctrl_c_says_where_it_stopped_and_the_same_command_resumes_identically(tmp_path, reference):
-    command = [sys.executable, "ray_dp.py", *RUN, "--cpu", "--storage-path", str(tmp_path), "--name", "killed",
-               "--logdir", str(tmp_path / "tb"), "--address", ray.get_runtime_context().gcs_address]
-    # A session of its own: Ctrl-C in a terminal signals the whole foreground process group.
-    driver = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, RAY_AUTH_MODE="token"),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    snapshot = tmp_path / "killed" / "checkpoint_manager_snapshot.json"
-    deadline = time.time() + 240
-    while not (snapshot.exists() and "checkpoint_epoch_001" in snapshot.read_text()):  # epoch 1 committed
-        assert driver.poll() is None and time.time() < deadline, "the first run never checkpointed"
-        time.sleep(0.1)
+    driver, snapshot = driver_past_epoch_1(tmp_path, "killed", stdout=subprocess.DEVNULL)
     os.killpg(driver.pid, signal.SIGINT)
     stderr = driver.communicate(timeout=120)[1]
     committed = json.loads(snapshot.read_text())["checkpoint_results"]
