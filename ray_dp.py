@@ -3197,6 +3197,10 @@ def describe_worker_failures(failures: dict, node_ips: dict) -> str:
     when every error raised is a collective that lost its peer, the ranks that raised nothing (they
     could not). Otherwise the first error raised. The other ranks' errors follow from it; ray.log
     has them all."""
+    stopped = [re.search(f"{SIGTERM_STOPPED}; saved .* and stopped", str(error))
+               for error in failures.values()]
+    if failures and all(stopped):  # every rank saved, then stopped: which one got it matters not
+        return stopped[0][0]
     lost = {rank for rank, error in failures.items()
             if type(error).__name__ == HEALTH_CHECK_ERROR}
     if not lost and failures and all(PEER_LOST.search(str(error)) for error in failures.values()):
@@ -3901,12 +3905,15 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
     if out["stopped"] and SIGTERM_VOTE in out["stopped"]["by"] and not options.torchrun:
         # a worker's node is going: Ray restarts the workers (--max-failures) from the checkpoint
         # just saved, on the nodes there are
-        raise StoppedBySigterm(f"a worker got SIGTERM; saved {where(out['stopped'])} and stopped")
+        raise StoppedBySigtermError(f"{SIGTERM_STOPPED}; saved {where(out['stopped'])} and stopped")
     return out
 
 
-class StoppedBySigterm(RuntimeError):
+class StoppedBySigtermError(RuntimeError):
     """Every rank's end after a worker's SIGTERM and the checkpoint it led to."""
+
+
+SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
 def where(stopped: dict) -> str:

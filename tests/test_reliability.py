@@ -94,7 +94,9 @@ def test_sigterm_to_a_worker_saves_at_the_next_log_step_and_ray_restarts_from_th
     assert ("ray-dp: SIGTERM: saving a checkpoint at the next log step (--log-every) or the epoch's end, then "
             "stopping") in out
     # signalled in step 34 of epoch 2: saved after step 40 (--log-every 10), where the restarted workers go on
-    assert "from the checkpoint of epoch 2 step 40" in out and "a worker got SIGTERM; saved epoch 2, step 40" in out
+    assert ("ray-dp: a worker got SIGTERM; saved epoch 2, step 40 of 179 and stopped during epoch 2; failure 1 "
+            "(--max-failures: 1 allowed): restarting the workers from the last checkpoint") in out
+    assert "from the checkpoint of epoch 2 step 40" in out
     assert result["recovery"]["steps_redone"] == 0 and result["recovery"]["failures"] == 1
     assert_bitwise_equal(final_weights(result), reference)
 

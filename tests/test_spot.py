@@ -227,7 +227,7 @@ def sigterm_at(cfg, micro_batches, torchrun):
     ray_dp.resized = signalling
     try:
         out = run(cfg, stopped, dist.get_world_size(), torchrun)
-    except ray_dp.StoppedBySigterm as exc:
+    except ray_dp.StoppedBySigtermError as exc:
         out = {"stopped": str(exc)}
     finally:
         ray_dp.resized = resized
