@@ -115,6 +115,7 @@ import ray.train  # noqa: E402 (after the version check: older Rays fail right h
 import ray.train.torch  # noqa: E402
 from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 IMPORTED_AT = time.time()
 # Imported (a notebook), the start-up breakdown begins where a command does (main, train), not at
@@ -610,7 +611,7 @@ class Config:
     checkpoint_every: str = option(
         "10m", "also save a checkpoint within an epoch, to resume from exactly there: every STEPS "
                "optimizer steps, or every Nm minutes of training (rank 0's clock); 0: at each "
-               "epoch's end only (--mode scratch: 0). SIGTERM saves at the next step boundary too",
+               "epoch's end only (--mode scratch: 0). SIGTERM saves at the next --log-every step",
         metavar="STEPS|Nm", rerun="free", lesson="0")
     timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before "
                             "the run fails (torch.distributed's process-group timeout)",
@@ -840,7 +841,9 @@ def store_problem(uri: str, access: str) -> Optional[str]:
         found = storage.get_file_info(bucket).type
     except (OSError, ArrowException) as exc:
         reason = " ".join(str(exc).split())
-        if re.search(r"ACCESS_DENIED|INVALID_ACCESS_KEY|SIGNATURE|FORBIDDEN|403", reason):
+        # HTTP 403, not the digits of a port (the endpoint's address is in the reason too)
+        if re.search(r"ACCESS_DENIED|INVALID_ACCESS_KEY|SIGNATURE|FORBIDDEN|(?<![:\d])403(?!\d)",
+                     reason):
             return (f"the store{at} refused access to bucket '{bucket}' ({store_error(reason)}): "
                     f"check the credentials this machine uses (AWS_ACCESS_KEY_ID and "
                     f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or its IAM role) and that they may "
@@ -956,7 +959,8 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (checkpoint_interval(cfg.checkpoint_every) is not None,
          f"--checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' "
          f"ends only), got {cfg.checkpoint_every}"),
-        (not (cfg.mode == "scratch" and cfg.checkpoint_every != "0"),
+        (not (cfg.mode == "scratch" and checkpoint_interval(cfg.checkpoint_every) not in
+              (None, (0, 0.0))),
          "--checkpoint-every needs --mode ddp (scratch mode saves at each epoch's end)"),
         (1 <= cfg.timeout <= MAX_SECONDS,
          f"--timeout must be 1 to {MAX_SECONDS} seconds, got {cfg.timeout}"),
@@ -2061,7 +2065,8 @@ class ResumableSampler(DistributedSampler):
     """DistributedSampler that can start an epoch part way: set_epoch(epoch, start) leaves out the
     first `start` entries of the epoch's permutation (the samples that the steps a checkpoint has
     done consumed, on however many workers: s steps of a global batch B are its first s x B) and
-    shards the rest as DistributedSampler shards a whole epoch. Nothing skipped is read."""
+    shards the rest as DistributedSampler shards a whole epoch (train_sampler's: shuffled, whole
+    shares only). Nothing skipped is read."""
 
     start = 0
 
@@ -2110,12 +2115,13 @@ class InMemoryBatches:
 AUGMENTATION_STREAM, RANK_STREAM = 1, 2
 
 
-def seed_generators(seed: int, device: torch.device) -> None:
-    """The generators a training step draws from: the CPU's, and the GPU's it runs on (not
-    torch.manual_seed's every device: 0.14 ms a call, against 2 us)."""
+def seed_generators(seed: int, device: torch.device, every_gpu: bool = False) -> None:
+    """The generators a training step draws from: the CPU's, and the GPU's it runs on, or with
+    every_gpu (--mode dp: nn.DataParallel's replicas) every GPU's (not torch.manual_seed's every
+    device kind: 0.14 ms a call, against 2 us)."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
+        (torch.cuda.manual_seed_all if every_gpu else torch.cuda.manual_seed)(seed)
 
 
 def stream_seed(seed: int, stream: int, *keys: int) -> int:
@@ -2254,23 +2260,24 @@ class GracefulStop:
         self.on_ask = None  # the driver's: tell the workers
 
     def __call__(self, signum, frame) -> None:
-        if self.training and not self.asked:
+        # the driver's on_ask: False when no worker trains now to hear it (waiting for workers)
+        if self.training and not self.asked and (self.on_ask is None or self.on_ask()):
             self.asked = True
             print("ray-dp: SIGTERM: saving a checkpoint at the next log step (--log-every) or "
                   "the epoch's end, then stopping (a second SIGTERM stops at once)", flush=True)
-            if self.on_ask:
-                self.on_ask()
             return
         if callable(self.before):
             self.before(signum, frame)
-            return
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        elif self.before == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        # SIG_IGN, or a handler not set from Python (None): ignored, as it was
 
 
 def graceful_stop() -> Optional[GracefulStop]:
     """This process's GracefulStop, installed if this thread may (Python's signal handlers are the
-    main thread's; Ray's workers train in another: ray_graceful_sigterm installs theirs)."""
+    main thread's; Ray's workers train in another: graceful_sigterm_in_ray_worker installs
+    theirs)."""
     handler = signal.getsignal(signal.SIGTERM)
     if hasattr(handler, "asked"):  # GracefulStop, or one pickled by value from a script
         return handler
@@ -2302,7 +2309,10 @@ class SaveRules:
         asked)."""
         votes = [SIGTERM_VOTE] if self.stop is not None and self.stop.asked else []
         if self.answer is not None and ray.wait([self.answer], timeout=0)[0]:
-            self.driver_asked = self.driver_asked or ray.get(self.answer)
+            try:
+                self.driver_asked = self.driver_asked or ray.get(self.answer)
+            except ray.exceptions.RayError:  # the board is gone: no more news from the driver
+                self.board = None
             self.answer = None
         if self.driver_asked:
             votes.append(DRIVER_VOTE)
@@ -2339,10 +2349,13 @@ class StepLog:
     a checkpoint due by the clock, decided together."""
 
     def __init__(self, cfg: Config, epoch: int, steps: int, device: torch.device, progress: bool,
-                 entries: Optional[list] = None, done: int = 0):
+                 entries: Optional[list] = None, done: int = 0, pending: Optional[list] = None):
         self.cfg, self.epoch, self.steps = cfg, epoch, steps
-        # [loss sum, samples] since last log, then the votes
+        # [loss sum, samples] since last log, then the votes; from a mid-epoch checkpoint all
+        # ranks' sums so far on rank 0 (pending), which the next log's all-reduce adds to the rest
         self.pending = torch.zeros(2 + len(VOTES), dtype=torch.float64, device=device)
+        if pending:
+            self.pending[:2] = torch.tensor(pending, dtype=torch.float64)
         # [global step, train loss averaged over all workers' samples]; a resumed epoch's so far
         self.entries = list(entries or [])
         tqdm = ray_tqdm() if progress else None
@@ -2351,9 +2364,9 @@ class StepLog:
         self.start, self.done = time.perf_counter(), done
         self.first_step_at = None  # wall clock: the start-up breakdown's last mark
 
-    def step(self, step: int, loss_sum: torch.Tensor, samples: int, votes=tuple) -> set:
+    def step(self, step: int, loss_sum: torch.Tensor, samples: int, votes=list) -> set:
         """The votes every rank agreed on at this step (none between two logs: votes(), this
-        rank's, is asked for at log steps only)."""
+        rank's, is asked for at log steps only; the teaching loop casts none)."""
         self.first_step_at = self.first_step_at or time.time()
         self.pending[:2] += torch.stack([loss_sum.double(),
                                          torch.tensor(samples, dtype=torch.float64)])
@@ -2402,45 +2415,32 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
     steps = first + len(batches) // cfg.accum_steps
     global_batch = cfg.micro_batch * cfg.accum_steps * rank_and_world()[1]
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    log = StepLog(cfg, epoch, steps, device, progress, partial["step_log"], first)
+    log = StepLog(cfg, epoch, steps, device, progress, partial["step_log"], first,
+                  partial.get("pending") if rank == 0 else None)
     micro_batches = iter(batches)
     data_seconds, start, stopped = 0.0, time.perf_counter(), None
     saves, save_seconds = 0, 0.0  # the checkpoints within this epoch, and their time
     for step in range(first, steps):
         # this rank's own dropout (and other in-model randomness) for this step: a function of
         # (seed, rank, epoch, step), so that a run resumed at any step draws what it would have
-        seed_generators(stream_seed(cfg.seed, RANK_STREAM, rank, epoch, step), device)
-        step_loss = torch.zeros((), dtype=torch.float64, device=device)
-        for micro in range(cfg.accum_steps):
-            tic = time.perf_counter()
-            x, y = next(micro_batches)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            x = resized(x, cfg.image_size)  # data held in memory; a folder's come at their size
-            data_seconds += time.perf_counter() - tic
-            last = micro == cfg.accum_steps - 1
-            with grad_sync(model, sync=last), autocast(cfg, device):
-                loss = F.cross_entropy(model(x), y, label_smoothing=cfg.label_smoothing)
-                # Dividing by K makes K accumulated micro-batches one mean over the whole step's
-                # samples.
-                (loss / cfg.accum_steps).backward()
-            step_loss += loss.detach() * len(y)
-        if cfg.clip_grad_norm:  # after the last backward's all-reduce: every rank clips the same
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        seed_generators(stream_seed(cfg.seed, RANK_STREAM, rank, epoch, step), device,
+                        every_gpu=cfg.mode == "dp")
+        step_loss, waited = train_step(model, optimizer, micro_batches, cfg, device)
+        data_seconds += waited
         loss_sum += step_loss
         agreed = log.step(step, step_loss, cfg.micro_batch * cfg.accum_steps, rules.votes)
         rules.stepped(logged=(step + 1) % cfg.log_every == 0)
         if step + 1 < steps and (rules.due_at(step + 1) or agreed):
             tic = time.perf_counter()
-            totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(
+            # the epoch's losses so far, and those since the last log (TensorBoard's next point)
+            totals = all_reduce_sum(torch.cat([torch.stack([loss_sum, torch.tensor(
                 (step + 1 - first) * cfg.micro_batch * cfg.accum_steps, dtype=torch.float64,
-                device=device)])).tolist()
+                device=device)]), log.pending[:2]])).tolist()
             rules.save({"epoch": epoch, "step": step + 1, "samples_done": partial["samples_done"]
                         + (step + 1 - first) * global_batch,
                         "loss_sum": partial["loss_sum"] + totals[0],
                         "samples": partial["samples"] + int(totals[1]),
-                        "step_log": list(log.entries), "steps": steps})
+                        "step_log": list(log.entries), "pending": totals[2:], "steps": steps})
             saves, save_seconds = saves + 1, save_seconds + time.perf_counter() - tic
         if agreed & STOP_VOTES:
             stopped, stopped_by = step + 1, sorted(agreed & STOP_VOTES)
@@ -2460,6 +2460,31 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
                             checkpoint_seconds=save_seconds)
     return ({**metrics, "stopped_at_step": stopped, "steps": steps, "stopped_by": stopped_by}
             if stopped else metrics)
+
+
+def train_step(model, optimizer, micro_batches, cfg: Config, device: torch.device) -> tuple:
+    """One optimizer step over --accum-steps micro-batches: (the loss summed over this rank's
+    samples, the seconds spent waiting for them)."""
+    step_loss = torch.zeros((), dtype=torch.float64, device=device)
+    data_seconds = 0.0
+    for micro in range(cfg.accum_steps):
+        tic = time.perf_counter()
+        x, y = next(micro_batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x = resized(x, cfg.image_size)  # data held in memory; a folder's come at their size
+        data_seconds += time.perf_counter() - tic
+        last = micro == cfg.accum_steps - 1
+        with grad_sync(model, sync=last), autocast(cfg, device):
+            loss = F.cross_entropy(model(x), y, label_smoothing=cfg.label_smoothing)
+            # Dividing by K makes K accumulated micro-batches one mean over the whole step's
+            # samples.
+            (loss / cfg.accum_steps).backward()
+        step_loss += loss.detach() * len(y)
+    if cfg.clip_grad_norm:  # after the last backward's all-reduce: every rank clips the same
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss, data_seconds
 
 
 def epoch_metrics(loss_sum: float, samples: int, lr: float, seconds: float, data_seconds: float,
@@ -2713,23 +2738,17 @@ def latest_committed(run_dir: str) -> Optional[str]:
     if storage.get_file_info(snapshot).type != fs.FileType.NotFound:
         try:
             with storage.open_input_stream(snapshot) as f:
-                committed = json.loads(f.read())["checkpoint_results"]
+                state = json.loads(f.read())
+            committed = state["checkpoint_results"]
+            # the last one reported, as Ray resumes from it (its list is in keep_score's order)
+            latest = committed and (state.get("latest_checkpoint_result")
+                                    or committed[-1])["checkpoint_dir_name"]
         except (ValueError, KeyError, TypeError):
             raise ConfigError(f"{run_dir}/checkpoint_manager_snapshot.json is not Ray's list of "
                               f"checkpoints; rerun with --fresh to start over") from None
-        # the last one reported (Ray lists the ones it keeps by their score: keep_score)
-        latest = (snapshot_latest(committed) if committed else None)
         return f"{run_dir}/{latest}/{CHECKPOINT_FILE}" if latest else None
     files = epoch_checkpoints(run_dir)
     return files[-1] if files else None
-
-
-def snapshot_latest(committed: list) -> str:
-    """The directory of the latest of the checkpoints Ray's snapshot lists: by their names' order
-    (a run's own reports; Ray lists by score where one is kept by score)."""
-    names = [entry["checkpoint_dir_name"] for entry in committed]
-    ordered = [name for name in names if checkpoint_order(name)]
-    return max(ordered, key=checkpoint_order) if ordered else names[-1]
 
 
 def write_json(path: str, data: dict) -> None:
@@ -2841,6 +2860,9 @@ def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
         return cfg
     adopt = {name: stored[name] for name in CONFIG_FIELDS if name in RERUN_ADOPTS - typed
              if stored[name] != getattr(cfg, name)}
+    if stored["mode"] == "scratch":  # the lesson's defaults for what a rerun may change untyped
+        adopt.update({name: value for name, value in LESSON_DEFAULTS.items()
+                      if name not in typed | RERUN_ADOPTS})
     shown = [as_flag(k, v) for k, v in adopt.items() if k in CLI_FIELDS]
     if shown:
         print(f"note: run '{cfg.name}' resumes with its own {', '.join(shown)}", flush=True)
@@ -2887,7 +2909,7 @@ def check_deletable(cfg: Config, storage, run_dir: str) -> None:
     from pyarrow import fs
     names = {Path(info.path).name for info in storage.get_file_info(fs.FileSelector(run_dir))}
     if not (names & set(RUN_MARKERS)
-            or any(re.fullmatch(r"checkpoint_epoch_\d+", n) for n in names)):
+            or any(checkpoint_order(n) for n in names)):
         raise ConfigError(f"--fresh: {cfg.run_dir} is not a ray-dp run (no checkpoints, no "
                           f"result.json); not deleting it")
     target = location(cfg.run_dir)
@@ -3036,22 +3058,41 @@ class ProgressBoard:
     restarted workers redo), and reads from it whether the driver asked for a stop (SIGTERM to the
     driver). It outlives the worker groups of a run, so it can count across their restarts."""
 
+    HEARD_WITHIN = 60.0  # seconds: rank 0 trains, and will hear of a stop
+
     def __init__(self):
-        self.since, self.redone, self.stop = 0, 0, False
+        self.since, self.redone, self.stop, self.heard_at = 0, 0, False, 0.0
 
     def stepped(self, since: int) -> bool:
-        self.since = since
+        self.since, self.heard_at = since, time.time()
         return self.stop
 
     def restarted(self) -> None:
         """A worker group starts: what the last one trained since its last checkpoint is redone."""
-        self.redone, self.since = self.redone + self.since, 0
+        self.redone, self.since, self.heard_at = self.redone + self.since, 0, time.time()
 
-    def ask_stop(self) -> None:
+    def ask_stop(self) -> bool:
+        """Whether rank 0 will hear of it: it told the board something in the last minute."""
         self.stop = True
+        return time.time() - self.heard_at < self.HEARD_WITHIN
 
     def steps_redone(self) -> int:
         return self.redone
+
+
+def progress_board():
+    """A ProgressBoard on the driver's node, which lives as long as the driver does."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0, scheduling_strategy=here)(ProgressBoard).remote()
+
+
+def board_heard(board) -> bool:
+    """The driver's SIGTERM, told to the board: whether rank 0 will hear of it (False: no worker
+    trains now, or the board is gone; the signal then stops the driver at once)."""
+    try:
+        return ray.get(board.ask_stop.remote(), timeout=10)
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
 
 
 class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
@@ -3787,16 +3828,15 @@ def run_epochs(cfg: Config, worker: Worker, launcher: "Launcher", start: "Start"
             break
         # ended_at (wall clock):
         # the time between two epochs' ends counts evaluation and reporting too.
-        metrics = {"epoch": epoch + 1, **trained, **eval_fn(), "ended_at": time.time(),
-                   "keep": keep_score(epoch + 1)}
+        metrics = {"epoch": epoch + 1, **trained, **eval_fn(), "ended_at": time.time()}
         if epoch == start_epoch:  # the start-up breakdown's worker marks, with the first step's
             marks = {**marks, "first_step": metrics["first_step_at"]}
             metrics["startup"] = marks
         history.append(metrics)
         if worker.is_main:
             print(format_epoch(metrics, cfg.epochs), flush=True)
-        launcher.report(metrics, state_fn(epoch + 1, history) if worker.is_main else None,
-                        epoch + 1)
+        launcher.report({**metrics, "keep": keep_score(epoch + 1)},
+                        state_fn(epoch + 1, history) if worker.is_main else None, epoch + 1)
         if rules:
             rules.saved()
         if stopped_at is not None and epoch + 1 < cfg.epochs:  # at the epoch's last step
@@ -3822,9 +3862,9 @@ class Start:
             return (f"resuming at epoch {self.epoch + 1} of {cfg.epochs} with {workers}, from the "
                     f"checkpoint of epoch {self.epoch}")
         step = self.partial["step"]
-        return (f"resuming at epoch {self.epoch + 1} of {cfg.epochs}, step {step + 1} (of "
-                f"{self.partial['steps']} on the workers that saved it), with {workers}, from the "
-                f"checkpoint of epoch {self.epoch + 1} step {step}")
+        return (f"resuming at epoch {self.epoch + 1} of {cfg.epochs}, step {step + 1} of "
+                f"{self.partial['steps']}, with {workers}, from the checkpoint at epoch "
+                f"{self.epoch + 1}, step {step}")
 
 
 def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
@@ -3890,10 +3930,9 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
         launcher.report(metrics, state_of(epoch, start.history, partial) if worker.is_main
                         else None, epoch + 1, step)
 
-    if options.board is not None and worker.is_main:
-        ray.get(options.board.restarted.remote())
+    board = options.board if worker.is_main and told(options.board, "restarted") else None
     stop = graceful_stop()
-    rules = SaveRules(cfg, save_within_epoch, options.board, stop)
+    rules = SaveRules(cfg, save_within_epoch, board, stop)
     with training(stop):
         out = run_epochs(
             cfg, worker, launcher, start,
@@ -3902,11 +3941,24 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
                 options.progress and worker.is_main, rules, partial),
             eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device, len(classes)),
             state_fn=state_of, marks=marks, rules=rules)
-    if out["stopped"] and SIGTERM_VOTE in out["stopped"]["by"] and not options.torchrun:
-        # a worker's node is going: Ray restarts the workers (--max-failures) from the checkpoint
-        # just saved, on the nodes there are
+    if (out["stopped"] and SIGTERM_VOTE in out["stopped"]["by"] and not options.torchrun
+            and cfg.max_failures):
+        # a worker's node is going: Ray restarts the workers (--max-failures; without it, the run
+        # ends as the driver's stop does) from the checkpoint just saved, on the nodes there are
         raise StoppedBySigtermError(f"{SIGTERM_STOPPED}; saved {where(out['stopped'])} and stopped")
     return out
+
+
+def told(board, method: str) -> bool:
+    """board.method() done; False where there is no board, or it is gone (the run goes on
+    without: no steps_redone, no stop from the driver)."""
+    if board is None:
+        return False
+    try:
+        ray.get(getattr(board, method).remote(), timeout=30)
+        return True
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
 
 
 class StoppedBySigtermError(RuntimeError):
@@ -3917,10 +3969,10 @@ SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
 def where(stopped: dict) -> str:
-    """Where a stopped run's checkpoint is: "epoch 3, step 40 of 120", or "epoch 2's end"."""
+    """Where a stopped run's checkpoint is: "epoch 3, step 40 of 120", or "the end of epoch 2"."""
     if stopped["step"]:
         return f"epoch {stopped['epoch']}, step {stopped['step']} of {stopped['steps']}"
-    return f"epoch {stopped['epoch'] - 1}'s end"
+    return f"the end of epoch {stopped['epoch'] - 1}"
 
 
 @contextlib.contextmanager
@@ -3933,7 +3985,7 @@ def training(stop: Optional[GracefulStop]):
     try:
         yield
     finally:
-        stop.training = False
+        stop.training, stop.on_ask = False, None
 
 
 def scratch_loop_per_worker(config: dict) -> dict:
@@ -4560,9 +4612,8 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
                                       if cfg.weights and shared and not resumes else None),
                           data=ray.put(data.datasets) if shared and sent(cfg, data) else None,
                           launched=launched,
-                          board=(ray.remote(num_cpus=0)(ProgressBoard).remote()
-                                 if shared and cfg.mode != "scratch" and ray.is_initialized()
-                                 else None))
+                          board=(progress_board() if shared and cfg.mode != "scratch"
+                                 and ray.is_initialized() else None))
     if torchrun:
         # local mode logs every report at INFO
         logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -4570,7 +4621,7 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
         # SIGTERM to the driver: rank 0 hears of it from the board (--mode ddp under Ray)
         stop = graceful_stop() if options.board is not None else None
         if stop is not None:
-            stop.on_ask = options.board.ask_stop.remote
+            stop.on_ask = functools.partial(board_heard, options.board)
         with contextlib.redirect_stdout(io.StringIO()) if follower else contextlib.nullcontext(), \
                 training(stop):
             result = fit(cfg, loop, options, resume.done)
@@ -4664,7 +4715,10 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
         # same global batch.
         factor = workers if scale_lr else 1
         label = f"{mode}-{algorithm}-{workers}w" if mode == "scratch" else f"{mode}-{workers}w"
+        # scratch rows save at epochs' ends only (the lesson's loop has no steps to resume at)
+        every = "0" if mode == "scratch" else base.checkpoint_every
         configs.append(replace(base, mode=mode, allreduce=algorithm, workers=workers, name=label,
+                               checkpoint_every=every,
                                storage_path=base.run_dir,
                                logdir=os.path.join(base.logdir, base.name),
                                batch_size=base.batch_size * factor, lr=round(base.lr * factor, 10)))
@@ -4995,7 +5049,6 @@ class Doctor:
         """function(*args) once on each node, all at once, by node name: its return value, or the
         exception it raised, or a TimeoutError for a node that did not answer within
         --start-timeout."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         remote = ray.remote(num_cpus=0, max_retries=0)(function)
         calls = {name: remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             node_id, soft=False)).remote(*args) for name, node_id in self.nodes.items()}
@@ -5448,7 +5501,8 @@ def train(**settings) -> dict:
     names them with _ for - (ray_dp.train(workers=2, dataset="digits", epochs=3); a switch takes
     True or False). It trains (or resumes, or with eval_only evaluates) as the command line would,
     and returns what the run's result.json holds: the config, "final" and, for training, every
-    epoch's metrics in "epochs". Bad settings raise ConfigError, a failed run RunFailed."""
+    epoch's metrics in "epochs". Bad settings raise ConfigError, a failed run RunFailed, a run
+    stopped by SIGTERM (its checkpoint saved: the same call resumes it) RunStopped."""
     global COMMAND_AT
     COMMAND_AT = time.time()
     command, cfg, options = parse_command(settings_as_flags(settings))

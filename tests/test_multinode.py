@@ -281,11 +281,11 @@ def test_torchrun_killed_mid_epoch_then_sigterm_resumes_from_its_step_checkpoint
     assert latest.startswith("checkpoint_epoch_002_step_")
     second = started_then(lambda agent: agent.send_signal(signal.SIGTERM), after=ray_dp.checkpoint_order(latest))
     step = int(latest.rpartition("_")[2])
-    assert f"from the checkpoint of epoch 2 step {step}" in second
+    assert f"from the checkpoint at epoch 2, step {step}" in second
     assert "ray_dp.py: stopped at epoch 2, step " in second and "(SIGTERM), its checkpoint saved" in second
     third = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert third.returncode == 0, third.stderr[-3000:]
-    assert "from the checkpoint of epoch 2 step " in third.stdout
+    assert "from the checkpoint at epoch 2, step " in third.stdout
     result = json.loads((run_dir / "result.json").read_text())
     assert [m["train_samples"] for m in result["epochs"]] == [1432, 1432]
     assert_bitwise_equal(final_weights(result), final_weights(single_node_result))

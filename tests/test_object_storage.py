@@ -65,6 +65,22 @@ def test_a_store_that_cannot_be_reached_is_one_line(s3, monkeypatch, no_cluster,
         f"server)\n")
 
 
+def test_a_port_with_403_in_it_is_not_a_refusal(monkeypatch):
+    import pyarrow
+
+    class Unreachable:
+        def get_file_info(self, path):
+            raise OSError("AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 7, Could not connect "
+                          "to server http://127.0.0.1:40371")
+
+    class FileSystem:
+        @staticmethod
+        def from_uri(uri):
+            return Unreachable(), "runs/x"
+    monkeypatch.setattr(pyarrow.fs, "FileSystem", FileSystem)
+    assert "cannot be reached" in ray_dp.store_problem("s3://runs/x", "write")
+
+
 def test_workers_reach_the_store_the_driver_checked_but_get_no_credentials(monkeypatch):
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
     env_vars = ray_dp.fresh_runtime_env()["env_vars"]

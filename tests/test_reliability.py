@@ -76,8 +76,8 @@ def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_within_the_epoch
     result = train(tmp_path, "crash", "--max-failures", "1", "--checkpoint-every", "20")
     assert marker.exists()  # it did die
     # the restarted group resumed from the checkpoint after step 40 of epoch 3: steps 41 to 50 are trained twice
-    assert "resuming at epoch 3 of 3, step 41 (of 179 on the workers that saved it), with 2 workers, from the " \
-           "checkpoint of epoch 3 step 40" in capsys.readouterr().out
+    assert "resuming at epoch 3 of 3, step 41 of 179, with 2 workers, from the checkpoint at " \
+           "epoch 3, step 40" in capsys.readouterr().out
     assert result["started_at_epoch"] == 3 and result["recovery"]["steps_redone"] == 10
     assert [m["epoch"] for m in result["epochs"]] == [1, 2, 3] and result["epochs"][-1]["train_samples"] == 1432
     assert_bitwise_equal(final_weights(result), reference)
@@ -96,7 +96,7 @@ def test_sigterm_to_a_worker_saves_at_the_next_log_step_and_ray_restarts_from_th
     # signalled in step 34 of epoch 2: saved after step 40 (--log-every 10), where the restarted workers go on
     assert ("ray-dp: a worker got SIGTERM; saved epoch 2, step 40 of 179 and stopped during epoch 2; failure 1 "
             "(--max-failures: 1 allowed): restarting the workers from the last checkpoint") in out
-    assert "from the checkpoint of epoch 2 step 40" in out
+    assert "from the checkpoint at epoch 2, step 40" in out
     assert result["recovery"]["steps_redone"] == 0 and result["recovery"]["failures"] == 1
     assert_bitwise_equal(final_weights(result), reference)
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import ray_dp
-from helpers import assert_bitwise_equal, run_distributed
+from helpers import assert_bitwise_equal, run_distributed, save_run
 from test_trust import tiny_folder
 
 BASE = dict(dataset="synthetic", synthetic_size=60, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
@@ -44,7 +44,8 @@ class Saves:
 
 class killed_after:
     """Raise Killed at the micro-batch after `micro_batches` of them (counted over the whole run): resized() is what
-    train_epoch calls once per micro-batch, on either data path."""
+    train_step calls once per micro-batch, on either data path (and evaluate once per test batch: one an epoch
+    here)."""
 
     def __init__(self, micro_batches):
         self.left, self.resized = micro_batches, ray_dp.resized
@@ -115,7 +116,7 @@ ACCUM_KILLS = (1, 3, 8, 15, 19)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("spot")
-    cases = [("in-memory-accum-2", config(tmp, accum_steps=2), ACCUM_KILLS),
+    cases = [("in-memory-accum-2", config(tmp, accum_steps=2, log_every=2), ACCUM_KILLS),
              ("folder-augment-loader-process", config(tmp, dataset="folder", loader_workers=1, checkpoint_every="2"),
               (2, 5, 7)),
              ("dropout-adamw", config(tmp, model="mobilenet_v3_small", synthetic_size=24, optimizer="adamw",
@@ -157,7 +158,10 @@ def test_a_resumed_epoch_reports_every_sample_of_it_and_the_same_losses(runs):
     resumed = out["resumed"][15]["epochs"]  # killed in epoch 2, resumed at its step 3
     assert [m["epoch"] for m in resumed] == [2] and resumed[0]["train_samples"] == whole[1]["train_samples"] == 60
     assert resumed[0]["train_loss"] == pytest.approx(whole[1]["train_loss"], rel=1e-12)
-    assert [s for s, _ in resumed[0]["step_log"]] == [s for s, _ in whole[1]["step_log"]]
+    # TensorBoard's per-step curve (every 2 steps), the resume in between two of its points (after step 2... 3)
+    assert [s for s, _ in resumed[0]["step_log"]] == [s for s, _ in whole[1]["step_log"]] == [7, 9]
+    assert [loss for _, loss in resumed[0]["step_log"]] == pytest.approx([loss for _, loss in whole[1]["step_log"]],
+                                                                         rel=1e-12)
 
 
 def test_the_rest_of_an_epoch_on_another_number_of_workers_takes_every_remaining_sample_once():
@@ -242,15 +246,15 @@ def sigterm_at(cfg, micro_batches, torchrun):
             "handler": type(signal.getsignal(signal.SIGTERM)).__name__}
 
 
-@pytest.mark.parametrize("torchrun", [True, False])
-def test_sigterm_to_one_worker_saves_at_the_next_log_step_on_every_rank_and_the_resume_redoes_nothing(tmp_path,
-                                                                                                   torchrun):
-    cfg = config(tmp_path, checkpoint_every="0", log_every=2)
+@pytest.mark.parametrize("torchrun, max_failures", [(True, 0), (False, 0), (False, 1)])
+def test_sigterm_to_one_worker_saves_at_the_next_log_step_on_every_rank_and_the_resume_redoes_nothing(
+        tmp_path, torchrun, max_failures):
+    cfg = config(tmp_path, checkpoint_every="0", log_every=2, max_failures=max_failures)
     zero, one = run_distributed(sigterm_at, 2, cfg, 2, torchrun)  # in step 2 (of 5): saved after it, a log step
-    if torchrun:  # the processes end: torchrun's restart (or the same command) resumes
-        assert zero["stopped"] == one["stopped"] == {"epoch": 1, "step": 2, "steps": 5, "by": ["sigterm"]}
-    else:  # Ray's workers fail, all of them, after the checkpoint: Ray restarts them (--max-failures)
+    if max_failures:  # Ray's workers fail, all of them, after the checkpoint: Ray restarts them
         assert zero["stopped"] == one["stopped"] == "a worker got SIGTERM; saved epoch 1, step 2 of 5 and stopped"
+    else:  # the run ends, as the driver's stop ends it: the same command (or torchrun's restart) resumes
+        assert zero["stopped"] == one["stopped"] == {"epoch": 1, "step": 2, "steps": 5, "by": ["sigterm"]}
     assert zero["saved_at"] == (1, 2)
     assert_bitwise_equal(*zero["final"])
     assert zero["handler"] == "GracefulStop"
@@ -285,3 +289,52 @@ def test_an_epoch_shorter_than_log_every_still_stops_at_its_end_after_a_sigterm(
     assert zero["stopped"] == one["stopped"] == {"epoch": 2, "step": 0, "steps": None, "by": ["sigterm"]}
     assert zero["saved_at"] == (1, 0)  # the epoch's own checkpoint; the same command resumes at epoch 2
     assert_bitwise_equal(*zero["final"])
+
+
+def test_a_scratch_run_resumes_by_its_name_alone_with_the_lessons_epoch_end_checkpoints(tmp_path):
+    save_run(tmp_path / "runs" / "s", saved=(1,), mode="scratch", epochs=20, batch_size=32, lr=0.2,
+             lr_schedule="constant", momentum=0.0, checkpoint_every="0")
+    _, cfg, options = ray_dp.parse_command(["--storage-path", str(tmp_path / "runs"), "--name", "s"])
+    assert (cfg.mode, cfg.checkpoint_every, options["resume"].done) == ("scratch", "0", 1)
+
+
+def test_fresh_deletes_a_run_that_holds_only_checkpoints_within_an_epoch(tmp_path):
+    run = tmp_path / "runs" / "t"
+    (run / ray_dp.checkpoint_dir_name(1, 40)).mkdir(parents=True)
+    (run / ray_dp.checkpoint_dir_name(1, 40) / ray_dp.CHECKPOINT_FILE).write_bytes(b"x")
+    cfg = ray_dp.with_absolute_paths(ray_dp.Config(storage_path=str(tmp_path / "runs"), name="t", fresh=True))
+    assert ray_dp.check_run_dir(cfg)[1].done == 0  # checked and accepted: start_fresh deletes it
+
+
+def test_compares_scratch_rows_save_at_epochs_ends_and_its_ddp_rows_as_typed():
+    _, base, _ = ray_dp.parse_command(["compare", "--dataset", "digits", "--checkpoint-every", "5m"])
+    rows = {cfg.name: cfg.checkpoint_every for cfg in ray_dp.compare_configs(base, False)}
+    assert rows["ddp-2w"] == "5m" and {every for name, every in rows.items() if "scratch" in name} == {"0"}
+
+
+def test_checkpoint_every_zero_written_otherwise_is_still_zero_for_scratch():
+    ray_dp.validate(ray_dp.Config(mode="scratch", checkpoint_every="00", dataset="digits"))
+
+
+def handler_calls(before, training, on_ask=None):
+    """What a GracefulStop does with one SIGTERM: (asked, what the handler before it saw)."""
+    seen = []
+    if before == "callable":
+        before = lambda signum, frame: seen.append(signum)  # noqa: E731
+    stop = ray_dp.GracefulStop(before)
+    stop.training, stop.on_ask = training, on_ask
+    stop(signal.SIGTERM, None)
+    return stop.asked, seen
+
+
+def test_sigterm_while_training_asks_for_a_stop_and_otherwise_does_what_it_did_before():
+    assert handler_calls("callable", training=True) == (True, [])
+    assert handler_calls("callable", training=False) == (False, [signal.SIGTERM])  # Ray's handler: it exits
+    assert handler_calls(signal.SIG_IGN, training=False) == (False, [])  # ignored stays ignored
+    assert handler_calls(None, training=True, on_ask=lambda: False) == (False, [])  # nobody to tell: not swallowed
+    assert handler_calls("callable", training=True, on_ask=lambda: False) == (False, [signal.SIGTERM])
+    stop = ray_dp.GracefulStop(signal.SIG_IGN)
+    stop.on_ask = object()
+    with ray_dp.training(stop):
+        assert stop.training
+    assert not stop.training and stop.on_ask is None  # nothing of the run it served stays behind
