@@ -2457,7 +2457,8 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
     metrics = epoch_metrics((partial["loss_sum"] + totals[0]), samples,
                             optimizer.param_groups[0]["lr"], seconds, data_seconds, log,
                             trained=samples - partial["samples"], checkpoints_within=saves,
-                            checkpoint_seconds=save_seconds)
+                            checkpoint_seconds=save_seconds,
+                            **({"resumed_at_step": first} if first else {}))
     return ({**metrics, "stopped_at_step": stopped, "steps": steps, "stopped_by": stopped_by}
             if stopped else metrics)
 
@@ -2956,9 +2957,10 @@ def plural(count: int, noun: str) -> str:
 
 
 def format_epoch(m: dict, epochs: int) -> str:
+    resumed = f" (from step {m['resumed_at_step'] + 1})" if m.get("resumed_at_step") else ""
     return (f"epoch {m['epoch']}/{epochs}: train loss {m['train_loss']:.4f}, "
             f"test loss {m['test_loss']:.4f}, test acc {m['test_acc']:.4f}, "
-            f"{m['epoch_seconds']:.1f} s, {m['samples_per_second']:.0f} samples/s")
+            f"{m['epoch_seconds']:.1f} s{resumed}, {m['samples_per_second']:.0f} samples/s")
 
 
 def format_summary(summary: dict, launcher: str = "") -> str:
@@ -4427,8 +4429,9 @@ def summarize(cfg: Config, result: ray.train.Result, launched: dict, board=None)
     out = result.return_value
     history = out["history"]
     # Medians, leaving out epoch 1 (warm-up) when there are more:
-    # a shared machine's stalls skew means.
+    # a shared machine's stalls skew means. An epoch resumed part way took part of an epoch's time.
     timed = history[1:] or history
+    whole = [m for m in timed if not m.get("resumed_at_step")] or timed
     checkpoint = last_checkpoint(cfg, history[-1]["epoch"])
     recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
     if recovery and board is not None:  # the optimizer steps trained twice because of failures
@@ -4437,7 +4440,7 @@ def summarize(cfg: Config, result: ray.train.Result, launched: dict, board=None)
     startup = [e["seconds"] for e in recovery.get("events", []) if e["event"] == "startup"]
     summary = run_record(
         cfg, history[-1], out, checkpoint, epochs=history,
-        sec_per_epoch=statistics.median(m["epoch_seconds"] for m in timed),
+        sec_per_epoch=statistics.median(m["epoch_seconds"] for m in whole),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
         started_at_epoch=out["started_at_epoch"], node_ranks=out["node_ranks"],
         first_step_at=out["first_step_at"], recovery=recovery,

@@ -157,6 +157,8 @@ def test_a_resumed_epoch_reports_every_sample_of_it_and_the_same_losses(runs):
     whole = dict(out["whole"])[(2, 0)]["history"]
     resumed = out["resumed"][15]["epochs"]  # killed in epoch 2, resumed at its step 3
     assert [m["epoch"] for m in resumed] == [2] and resumed[0]["train_samples"] == whole[1]["train_samples"] == 60
+    assert resumed[0]["resumed_at_step"] == 2 and "resumed_at_step" not in whole[1]
+    assert " s (from step 3), " in ray_dp.format_epoch(resumed[0], 2)  # its seconds are those of 3 steps
     assert resumed[0]["train_loss"] == pytest.approx(whole[1]["train_loss"], rel=1e-12)
     # TensorBoard's per-step curve (every 2 steps), the resume in between two of its points (after step 2... 3)
     assert [s for s, _ in resumed[0]["step_log"]] == [s for s, _ in whole[1]["step_log"]] == [7, 9]
