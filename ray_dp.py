@@ -2263,8 +2263,10 @@ class GracefulStop:
         # the driver's on_ask: False when no worker trains now to hear it (waiting for workers)
         if self.training and not self.asked and (self.on_ask is None or self.on_ask()):
             self.asked = True
-            print("ray-dp: SIGTERM: saving a checkpoint at the next log step (--log-every) or "
-                  "the epoch's end, then stopping (a second SIGTERM stops at once)", flush=True)
+            # a write of its own, not print(): the signal may have come in the middle of one
+            os.write(sys.__stdout__.fileno(), b"ray-dp: SIGTERM: saving a checkpoint at the next "
+                     b"log step (--log-every) or the epoch's end, then stopping (a second SIGTERM "
+                     b"stops at once)\n")
             return
         if callable(self.before):
             self.before(signum, frame)
@@ -2304,10 +2306,14 @@ class SaveRules:
         self.last_save, self.since, self.answer = time.monotonic(), 0, None
         self.driver_asked = False
 
-    def votes(self) -> list:
-        """This rank's votes now (StepLog counts them at its log steps; a stop asked for stays
-        asked)."""
+    def votes(self, epoch_end: bool = False) -> list:
+        """This rank's votes now (StepLog counts them at its log steps, train_epoch once more at
+        the epoch's end; a stop asked for stays asked). At the epoch's end rank 0 asks the board
+        and waits for its answer: an epoch may have no log step to hear it at."""
         votes = [SIGTERM_VOTE] if self.stop is not None and self.stop.asked else []
+        if epoch_end and self.board is not None:
+            self.answer = self.board.stepped.remote(self.since)
+            ray.wait([self.answer], timeout=10)
         if self.answer is not None and ray.wait([self.answer], timeout=0)[0]:
             try:
                 self.driver_asked = self.driver_asked or ray.get(self.answer)
@@ -2448,7 +2454,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, device: torch.device, ep
     seconds = time.perf_counter() - start
     trained = ((stopped or steps) - first) * cfg.accum_steps * cfg.micro_batch
     # the epoch's totals, and the votes once more: an epoch shorter than --log-every has no log step
-    mine = rules.votes() if not stopped else []
+    mine = rules.votes(epoch_end=True) if not stopped else []
     totals = all_reduce_sum(torch.tensor([loss_sum.item(), trained, *[v in mine for v in VOTES]],
                                          dtype=torch.float64, device=device)).tolist()
     if not stopped and (asked := {v for v, n in zip(VOTES, totals[2:]) if n} & STOP_VOTES):
@@ -2863,7 +2869,7 @@ def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
              if stored[name] != getattr(cfg, name)}
     if stored["mode"] == "scratch":  # the lesson's defaults for what a rerun may change untyped
         adopt.update({name: value for name, value in LESSON_DEFAULTS.items()
-                      if name not in typed | RERUN_ADOPTS})
+                      if name not in typed | RERUN_ADOPTS and getattr(cfg, name) != value})
     shown = [as_flag(k, v) for k, v in adopt.items() if k in CLI_FIELDS]
     if shown:
         print(f"note: run '{cfg.name}' resumes with its own {', '.join(shown)}", flush=True)
@@ -3943,7 +3949,7 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
                 options.progress and worker.is_main, rules, partial),
             eval_fn=lambda: evaluate_as_saved(model, test_set, cfg, worker.device, len(classes)),
             state_fn=state_of, marks=marks, rules=rules)
-    if (out["stopped"] and SIGTERM_VOTE in out["stopped"]["by"] and not options.torchrun
+    if (out["stopped"] and out["stopped"]["by"] == [SIGTERM_VOTE] and not options.torchrun
             and cfg.max_failures):
         # a worker's node is going: Ray restarts the workers (--max-failures; without it, the run
         # ends as the driver's stop does) from the checkpoint just saved, on the nodes there are

@@ -340,3 +340,29 @@ def test_sigterm_while_training_asks_for_a_stop_and_otherwise_does_what_it_did_b
     with ray_dp.training(stop):
         assert stop.training
     assert not stop.training and stop.on_ask is None  # nothing of the run it served stays behind
+
+
+class FakeBoard:
+    """The driver's ProgressBoard as rank 0 sees it, without Ray: stepped.remote answers whether a stop was asked."""
+
+    def __init__(self):
+        self.stop, self.told = False, []
+        self.stepped = self
+
+    def remote(self, since):
+        self.told.append(since)
+        return self.stop
+
+
+def test_rank_0_hears_the_drivers_stop_at_a_log_step_and_at_an_epochs_end_without_one(monkeypatch):
+    monkeypatch.setattr(ray_dp.ray, "wait", lambda refs, timeout: (refs, []))
+    monkeypatch.setattr(ray_dp.ray, "get", lambda ref: ref)
+    board = FakeBoard()
+    rules = ray_dp.SaveRules(ray_dp.Config(checkpoint_every="0"), board=board)
+    for logged in (False, True, False):
+        rules.stepped(logged)
+    assert board.told == [2] and rules.votes() == []  # told at the log step only; nothing asked yet
+    board.stop = True
+    assert rules.votes() == []  # its last answer was given before the stop
+    assert rules.votes(epoch_end=True) == [ray_dp.DRIVER_VOTE]  # asked again at the epoch's end, and waited for
+    assert board.told == [2, 3] and rules.votes() == [ray_dp.DRIVER_VOTE]  # asked stays asked
