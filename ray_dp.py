@@ -27,7 +27,8 @@ Run it:
     tensorboard --logdir runs/tensorboard            # watch every run
     python ray_dp.py --help                          # every flag, with units and defaults
 
-Outputs go to <storage-path>/<name>/: one checkpoint_epoch_NNN/ per epoch and result.json.
+Outputs go to <storage-path>/<name>/: one checkpoint_epoch_NNN/ per epoch and result.json, and
+checkpoint_epoch_NNN_step_SSSSSS/ within an epoch (--checkpoint-every; SIGTERM saves one and stops).
 
 The file, top to bottom (each section opens with a banner of "=" lines):
     Ray internals        every use of Ray's non-public API, each guarded: a note, or a refusal
@@ -2365,8 +2366,9 @@ class StepLog:
         # [global step, train loss averaged over all workers' samples]; a resumed epoch's so far
         self.entries = list(entries or [])
         tqdm = ray_tqdm() if progress else None
-        self.bar = (tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{cfg.epochs}")
-                    if tqdm else None)
+        self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{cfg.epochs}") if tqdm else None
+        if self.bar and done:  # a resumed epoch's steps so far (Ray's tqdm takes no initial=)
+            self.bar.update(done)
         self.start, self.done = time.perf_counter(), done
         self.first_step_at = None  # wall clock: the start-up breakdown's last mark
 

@@ -366,3 +366,9 @@ def test_rank_0_hears_the_drivers_stop_at_a_log_step_and_at_an_epochs_end_withou
     assert rules.votes() == []  # its last answer was given before the stop
     assert rules.votes(epoch_end=True) == [ray_dp.DRIVER_VOTE]  # asked again at the epoch's end, and waited for
     assert board.told == [2, 3] and rules.votes() == [ray_dp.DRIVER_VOTE]  # asked stays asked
+
+
+def test_a_resumed_epochs_progress_bar_starts_at_its_steps_so_far_in_rays_own_tqdm(capsys):
+    log = ray_dp.StepLog(ray_dp.Config(), 0, 10, torch.device("cpu"), progress=True, done=4)  # Ray's tqdm: no initial=
+    assert type(log.bar).__module__ == "ray.experimental.tqdm_ray" and log.bar._x == 4
+    log.close()
