@@ -2075,11 +2075,10 @@ class ResumableSampler(DistributedSampler):
         super().set_epoch(epoch)
         self.start = start
 
-    def remaining(self) -> int:
-        return len(self.dataset) - self.start
-
     def __len__(self) -> int:
-        return self.remaining() // self.num_replicas if self.start else super().__len__()
+        if not self.start:
+            return super().__len__()
+        return (len(self.dataset) - self.start) // self.num_replicas
 
     def __iter__(self):
         if not self.start:
