@@ -25,20 +25,17 @@ def free_port() -> int:
 # S3-compatible store, through AWS_ENDPOINT_URL. Said here, before the shared Ray starts, so that its
 # processes reach it too; credentials of the server's own (it takes any), and no instance metadata
 # to ask for others: nothing goes to any other address. The server starts with the first test that
-# needs it (s3).
+# needs it (s3), one per pytest-xdist worker.
 S3_PORT = free_port()
 os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCESS_KEY_ID": "testing",
                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                    "AWS_EC2_METADATA_DISABLED": "true"})
 
 
-def launch_s3_server(port: int, **env) -> subprocess.Popen:
-    """moto's S3 server starting on 127.0.0.1:port (answers_at: once it answers)."""
-    return subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def answers_at(server: subprocess.Popen, port: int) -> subprocess.Popen:
+def start_s3_server(port: int, **env) -> subprocess.Popen:
+    """moto's S3 server on 127.0.0.1:port, once it answers."""
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while True:
         try:
@@ -53,11 +50,6 @@ def answers_at(server: subprocess.Popen, port: int) -> subprocess.Popen:
             time.sleep(0.1)
 
 
-def start_s3_server(port: int, **env) -> subprocess.Popen:
-    """moto's S3 server on 127.0.0.1:port, once it answers."""
-    return answers_at(launch_s3_server(port, **env), port)
-
-
 def stop(server: subprocess.Popen) -> None:
     server.terminate()  # by its own process ID
     try:
@@ -66,32 +58,39 @@ def stop(server: subprocess.Popen) -> None:
         server.kill()
 
 
-_s3_server = None  # the session's, launched once the tests are collected
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+        # one of 2 workers on 2 cores: a second thread of torch's would take the other worker's core (and spin
+        # waiting for it)
+        torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """What the selected tests need starts now, while the first tests run: the session's S3 server (seconds of
-    imports), and the forkserver of the gloo tests' processes (helpers.FORKSERVER: it imports torch and ray_dp)."""
-    global _s3_server
-    if any("s3" in item.fixturenames for item in items):
-        _s3_server = launch_s3_server(S3_PORT)
+    """pytest-xdist runs the tests on 2 processes (pytest.ini), and these groups each on one of them: every Ray test
+    on the same one (one Ray instance for the session), and the tests of a module that says ONE_WORKER (they share
+    a module-scoped fixture, computed once). The gloo tests' forkserver (helpers.FORKSERVER: it imports torch and
+    ray_dp) starts now, while collection ends."""
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif getattr(item.module, "ONE_WORKER", False):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if any(getattr(item.module, "run_distributed", None) or getattr(item.module, "Distributed", None)
            for item in items):
         import multiprocessing.forkserver
         multiprocessing.forkserver.ensure_running()
 
 
-def pytest_unconfigure(config):
-    if _s3_server is not None:
-        stop(_s3_server)
-
-
 @pytest.fixture(scope="session")
 def s3():
-    """The S3 server for the session, and a boto3 client of it (buckets are made with it)."""
+    """The S3 server for the session (of this pytest-xdist worker), and a boto3 client of it (buckets are made with
+    it)."""
     import boto3
-    answers_at(_s3_server, S3_PORT)
+    server = start_s3_server(S3_PORT)
     yield boto3.client("s3")
+    stop(server)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """What several test files share: the repository's path, small random data, a gloo process-group
 launcher for exact maths tests (no Ray), and a training run through ray_dp.main with its result."""
+import concurrent.futures
 import json
 import os
 import tempfile
@@ -22,6 +23,9 @@ def _entry(rank, world, fn, workdir):
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
+        # loader processes forked, as torchrun's and Ray's workers fork them (a forkserver's child would start a
+        # forkserver of its own, seconds of imports per rank)
+        mp.set_start_method("fork", force=True)
         args = torch.load(os.path.join(workdir, "args.pt"), weights_only=False)
         torch.save(fn(*args), os.path.join(workdir, f"rank{rank}.pt"))
     finally:
@@ -128,10 +132,12 @@ def error_of(argv, capsys):
 
 
 def upload(s3, folder, bucket, prefix):
-    """Every file under folder into s3://bucket/prefix/, at the same relative paths."""
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+    """Every file under folder into s3://bucket/prefix/, at the same relative paths (8 at a time: each is a request
+    that waits for the server)."""
+    def put(path):
+        s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(put, [path for path in sorted(folder.rglob("*")) if path.is_file()]))
 
 
 def new_bucket(s3, name):

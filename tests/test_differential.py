@@ -24,6 +24,7 @@ import ray_dp
 from helpers import Distributed, run_distributed
 from test_trust import tiny_folder
 
+ONE_WORKER = True  # its tests share a module-scoped fixture: under pytest-xdist, one worker computes it once
 BASE = dict(dataset="synthetic", synthetic_size=48, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
             name="differential")
 # Decoded in the training process (loader processes: one combination has them; each costs a second to start).
@@ -145,8 +146,6 @@ def train(cfg, world, rank, resume_from=None, stop_after=None):
 def on_process_group(configs, resumes):
     """Every combination whose run (or rerun) has this world size, on this rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    # loader processes forked, as torchrun's and Ray's workers fork them (not spawned: seconds each to import)
-    torch.multiprocessing.set_start_method("fork", force=True)
     out = {}
     for name, workers, cfg, rerun in configs:
         if workers == world:
@@ -181,7 +180,11 @@ def runs(tmp_path_factory):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:  # meanwhile, here: the 2 ranks wait for each other's all-reduces, and leave a core's time free
-            one = {name: train(reference(cfg), 1, 0) for name, _, cfg, _ in configs}
+            once = {}  # combinations whose one process is the same (they differ in workers) share its run
+            for _, _, cfg, _ in configs:
+                if repr(reference(cfg)) not in once:
+                    once[repr(reference(cfg))] = train(reference(cfg), 1, 0)
+            one = {name: once[repr(reference(cfg))] for name, _, cfg, _ in configs}
         finally:
             torch.set_num_threads(threads)
         on_two = two.join()[0]
@@ -196,7 +199,7 @@ def reference(cfg):
     """One process on the same global batch, in one pass (no accumulation): the sum the N workers' micro-batches
     must add up to. With BatchNorm the micro-batches are what its statistics are taken over (SyncBatchNorm: over
     the same samples on N workers as on one process), so those keep --accum-steps."""
-    return cfg if cfg.sync_bn else ray_dp.replace(cfg, accum_steps=1)
+    return ray_dp.replace(cfg, workers=1, accum_steps=cfg.accum_steps if cfg.sync_bn else 1)
 
 
 def bounds(cfg):

@@ -132,21 +132,27 @@ def test_bus_bandwidth_is_nccl_tests_busbw():
     assert [ray_dp.human_bytes(size) for size in ray_dp.PROBE_BYTES] == ["4 KiB", "256 KiB", "16 MiB", "64 MiB"]
 
 
-def rank_1_comes_late(hang_timeout):
-    """On every rank of a gloo group: rank 1 misses the first barrier by far."""
+def rank_1_does_not_come(hang_timeout, answered):
+    """On every rank of a gloo group: rank 1 does not come to the first barrier; it waits (to leave the group) until
+    rank 0 has answered."""
     import torch.distributed as dist
     if dist.get_rank() == 1:
-        time.sleep(hang_timeout + 3)
+        while not os.path.exists(answered):
+            time.sleep(0.05)
+        return "did not come"
     try:
         ray_dp.everyone_comes(None, hang_timeout, "the first collective")
     except RuntimeError as exc:
         return f"{type(exc).__name__}: {exc}"
+    finally:
+        if dist.get_rank() == 0:
+            open(answered, "w").close()
     return "came"
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_that_does_not_come_is_named_after_the_hang_timeout():
-    said = run_distributed(rank_1_comes_late, 3, 2)
+def test_a_rank_that_does_not_come_is_named_after_the_hang_timeout(tmp_path):
+    said = run_distributed(rank_1_does_not_come, 3, 2, str(tmp_path / "answered"))
     assert said[0] == "ProbeHang: rank 1 did not come to the first collective within 2 s (--hang-timeout)"
 
 

@@ -134,9 +134,12 @@ def test_the_header_states_every_switch_that_changes_the_maths_or_the_speed():
     assert "3 CPU workers," in folder and "2 loader processes per worker" in folder and "SyncBatchNorm" not in folder
 
 
-def test_help_names_compare_and_doctor():
-    out = subprocess.run([sys.executable, "ray_dp.py", "--help"], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, COLUMNS="80")).stdout  # argparse wraps at the terminal's width
+def test_help_names_compare_and_doctor(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps at the terminal's width
+    with pytest.raises(SystemExit) as done:
+        ray_dp.main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
     assert out.startswith("usage: ray_dp.py [compare | doctor] [flags]")
     assert "'ray_dp.py compare [flags]'" in out and "'ray_dp.py\ndoctor [flags]'" in out
 

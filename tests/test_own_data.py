@@ -9,6 +9,7 @@ import ray_dp
 from helpers import DIGIT_NAMES, digits_folder, random_images, run_distributed
 
 CPU = torch.device("cpu")
+ONE_WORKER = True  # its tests share a module-scoped fixture: under pytest-xdist, one worker computes it once
 
 
 @pytest.fixture(scope="module")

@@ -1,49 +1,48 @@
 """What makes a worker's step as fast as the plain loop's (#25), asserted as behaviour, not as time (the times are
 bench/bench.py's --step-only and --plain-only): the allocator keeps what a step frees, gives it back before a fork,
 and the channels_last layout computes the same gradients as the layout a model is built in."""
-import json
 import os
-import subprocess
-import sys
+import resource
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ray_dp
-from helpers import REPO
+from helpers import run_distributed
 
 pytestmark = pytest.mark.timeout(120)
 
-# In a fresh process: mallopt's settings cannot be undone, and page faults are counted per process.
-ALLOCATOR = """
-import json, os, resource, torch, ray_dp
-torch.set_num_threads(1)
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
+
 def step_faults(steps=8):
-    # a 64 MB block each step (one layer's activations), written, freed at the step's end
+    """Page faults of `steps` steps that each write a 64 MB block (one layer's activations) and free it."""
     before = faults()
     for _ in range(steps):
         torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
     return faults() - before
 
+
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-default = step_faults()
-ray_dp.keep_freed_memory()
-step_faults(10)  # the heap grows until the block fits wherever small allocations fell: a few steps
-kept = step_faults()
-before_fork = resident()
-child = os.fork()
-if child == 0:
-    os._exit(0)
-os.waitpid(child, 0)
-print(json.dumps({"default": default, "kept": kept, "given back": before_fork - resident()}))
-"""
+
+def allocator_counts():
+    """In a process of its own (mallopt's settings cannot be undone, and page faults are counted per process),
+    forked from the gloo tests' server, which never sets them: glibc's default, then ray_dp's."""
+    default = step_faults()
+    ray_dp.keep_freed_memory()
+    step_faults(10)  # the heap grows until the block fits wherever small allocations fell: a few steps
+    kept = step_faults()
+    before_fork = resident()
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    return {"default": default, "kept": kept, "given back": before_fork - resident()}
 
 
 def glibc():
@@ -55,9 +54,7 @@ def glibc():
 
 @pytest.mark.skipif(not glibc(), reason="mallopt is glibc's")
 def test_a_workers_allocator_keeps_freed_blocks_and_gives_them_back_before_a_fork():
-    out = subprocess.run([sys.executable, "-c", ALLOCATOR], cwd=REPO, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": REPO})
-    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    [counts] = run_distributed(allocator_counts, 1)
     pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
     # glibc's default: every step's block comes fresh from the kernel, each of its pages a fault
     assert counts["default"] >= 8 * pages * 0.9

@@ -17,6 +17,7 @@ import ray_dp
 from helpers import assert_bitwise_equal, run_distributed, save_run
 from test_trust import tiny_folder
 
+ONE_WORKER = True  # its tests share a module-scoped fixture: under pytest-xdist, one worker computes it once
 BASE = dict(dataset="synthetic", synthetic_size=60, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
             name="spot", checkpoint_every="1", log_every=1)
 
@@ -83,7 +84,6 @@ def config(tmp_dir, **overrides):
 def kills_and_resumes(cases):
     """On each rank: for each (name, cfg, kills): the uninterrupted run's final state, and for each kill point the
     final state after a kill there and a resume from the last checkpoint before it (and where that was)."""
-    torch.multiprocessing.set_start_method("fork", force=True)  # loader processes, as torchrun's and Ray's fork
     out = {}
     for name, cfg, kills in cases:
         whole = Saves()
@@ -220,7 +220,6 @@ def sigterm_at(cfg, micro_batches, torchrun):
     """On each rank: SIGTERM to rank 1 only, at its micro-batch `micro_batches`; the run saves at the next log step
     and stops (under Ray every rank raises then, for Ray to restart the workers). Then a resume from that
     checkpoint, to the end."""
-    torch.multiprocessing.set_start_method("fork", force=True)
     stopped, resumed_run = Saves(), None
     resized = ray_dp.resized
     count = [0]
