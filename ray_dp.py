@@ -1935,6 +1935,19 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def broadcast_from_rank_0(tensors: list) -> None:
+    """Rank 0's values of these tensors on every rank (in place; a collective): one broadcast per
+    dtype, as each broadcast is a round of messages (a ResNet-50 holds 161 buffers)."""
+    by_dtype: dict = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = torch.cat([tensor.reshape(-1) for tensor in same])
+        dist.broadcast(flat, src=0)
+        for tensor, values in zip(same, flat.split([tensor.numel() for tensor in same])):
+            tensor.copy_(values.view_as(tensor))
+
+
 def node_ranks(worker: Worker) -> list:
     """Every worker's node rank, in world-rank order (a collective: all ranks call it)."""
     ranks = torch.zeros(worker.world, dtype=torch.int64, device=worker.device)
@@ -2564,9 +2577,8 @@ def evaluate_as_saved(model: nn.Module, test_set, cfg: Config, device: torch.dev
     """Score the model that the checkpoint will hold. Without SyncBatchNorm each rank's BatchNorm
     running statistics drift apart (DDP broadcasts rank 0's only at the start of a forward); rank 0
     saves its own, so every rank evaluates with those."""
-    for buffer in unwrap(model).buffers():
-        if rank_and_world()[1] > 1:
-            dist.broadcast(buffer, src=0)
+    if rank_and_world()[1] > 1:
+        broadcast_from_rank_0(list(unwrap(model).buffers()))
     with inference(model) as net, autocast(cfg, device):
         return evaluate(net, test_set, device, eval_batch_size(test_set), num_classes=num_classes,
                         workers=loader_workers(cfg, test_set), image_size=cfg.image_size)

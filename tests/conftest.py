@@ -68,15 +68,15 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """pytest-xdist runs the tests on 2 processes (pytest.ini), and these groups each on one of them: every Ray test
-    on the same one (one Ray instance for the session), and the tests of a module that says ONE_WORKER (they share
-    a module-scoped fixture, computed once). The gloo tests' forkserver (helpers.FORKSERVER: it imports torch and
-    ray_dp) starts now, while collection ends."""
+    """pytest-xdist runs the tests on 2 processes (pytest.ini), and each of these groups on one of them: every Ray
+    test (one Ray instance for the session), and the other tests of a module that names its XDIST_GROUP (those that
+    share a module-scoped fixture). The gloo tests' forkserver (helpers.FORKSERVER: it imports torch and ray_dp)
+    starts now, while collection ends."""
     for item in items:
         if item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group("ray"))
-        elif getattr(item.module, "ONE_WORKER", False):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        elif hasattr(item.module, "XDIST_GROUP"):
+            item.add_marker(pytest.mark.xdist_group(item.module.XDIST_GROUP))
     if any(getattr(item.module, "run_distributed", None) or getattr(item.module, "Distributed", None)
            for item in items):
         import multiprocessing.forkserver

@@ -24,7 +24,10 @@ import ray_dp
 from helpers import Distributed, run_distributed
 from test_trust import tiny_folder
 
-ONE_WORKER = True  # its tests share a module-scoped fixture: under pytest-xdist, one worker computes it once
+# Its tests share a module-scoped fixture of many runs on 2 and 3 gloo processes: under pytest-xdist they run on one
+# worker (which computes it once), as do test_spot's, one module after the other: the ranks of either take both cores,
+# and two such fixtures at once slow each other's collectives.
+XDIST_GROUP = "many runs on gloo ranks"
 BASE = dict(dataset="synthetic", synthetic_size=48, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
             name="differential")
 # Decoded in the training process (loader processes: one combination has them; each costs a second to start).

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ray_dp
-from helpers import random_images, run_distributed
+from helpers import assert_bitwise_equal, random_images, run_distributed
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.timeout(240)
@@ -254,8 +254,13 @@ def bn_model_trained_then_evaluated(data, test):
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     ray_dp.train_epoch(model, optimizer, ray_dp.train_batches(data, cfg, rank, world, CPU), cfg, CPU, 0)
     drifted = ray_dp.unwrap(model).state_dict()["1.running_mean"].clone()
-    metrics = ray_dp.evaluate_as_saved(model, test, cfg, CPU)
-    return {"metrics": metrics, "drifted": drifted, "state": ray_dp.unwrap(model).state_dict()}
+    broadcast, dtypes = dist.broadcast, []
+    dist.broadcast = lambda tensor, src: dtypes.append(tensor.dtype) or broadcast(tensor, src)
+    try:
+        metrics = ray_dp.evaluate_as_saved(model, test, cfg, CPU)
+    finally:
+        dist.broadcast = broadcast
+    return {"metrics": metrics, "drifted": drifted, "state": ray_dp.unwrap(model).state_dict(), "dtypes": dtypes}
 
 
 @pytest.mark.timeout(300)
@@ -266,6 +271,9 @@ def test_reported_metrics_of_a_batchnorm_model_are_those_of_the_saved_checkpoint
     test = ray_dp.TensorDataset(torch.rand(20, 1, 8, 8, generator=gen), torch.randint(0, 10, (20,), generator=gen))
     ranks = run_distributed(bn_model_trained_then_evaluated, 2, data, test)
     assert not torch.equal(ranks[0]["drifted"], ranks[1]["drifted"])  # the ranks' statistics did drift apart
+    assert_bitwise_equal(ranks[1]["state"], ranks[0]["state"])  # then every rank took rank 0's
+    # in one broadcast per dtype (the statistics' floats, the batch counts), not one per buffer (60)
+    assert ranks[0]["dtypes"] == ranks[1]["dtypes"] == [torch.float32, torch.int64]
     saved = ray_dp.build_model("resnet18", (1, 8, 8))
     saved.load_state_dict(ranks[0]["state"])  # rank 0 writes the checkpoint: what --eval-only then scores
     expected = ray_dp.evaluate(saved.eval(), test, CPU)

@@ -13,7 +13,8 @@ import ray_dp
 from helpers import (DIGIT_NAMES, assert_bitwise_equal, digits_folder, error_of, final_weights, keys, new_bucket,
                      run_distributed, save_run, train, upload)
 
-ONE_WORKER = True  # its tests share a module-scoped fixture: under pytest-xdist, one worker computes it once
+# its tests share a module-scoped fixture: under pytest-xdist they run on one worker, which computes it once
+XDIST_GROUP = "test_object_storage"
 DIGITS = ["--dataset", "digits"]
 
 

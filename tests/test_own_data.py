@@ -9,7 +9,8 @@ import ray_dp
 from helpers import DIGIT_NAMES, digits_folder, random_images, run_distributed
 
 CPU = torch.device("cpu")
-ONE_WORKER = True  # its tests share a module-scoped fixture: under pytest-xdist, one worker computes it once
+# its tests share a module-scoped fixture: under pytest-xdist they run on one worker, which computes it once
+XDIST_GROUP = "test_own_data"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,9 @@ import ray_dp
 from helpers import assert_bitwise_equal, run_distributed, save_run
 from test_trust import tiny_folder
 
-ONE_WORKER = True  # its tests share a module-scoped fixture: under pytest-xdist, one worker computes it once
+# Its tests share a module-scoped fixture of many runs on 2 gloo processes: under pytest-xdist they run on one worker
+# (which computes it once), as do test_differential's (see there).
+XDIST_GROUP = "many runs on gloo ranks"
 BASE = dict(dataset="synthetic", synthetic_size=60, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
             name="spot", checkpoint_every="1", log_every=1)
 
