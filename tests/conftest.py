@@ -6,6 +6,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from importlib.metadata import version
 
 import pytest
 
@@ -24,30 +25,40 @@ def free_port() -> int:
 # Object storage: an S3-protocol server (moto's) on 127.0.0.1, reached as a user reaches any
 # S3-compatible store, through AWS_ENDPOINT_URL. Said here, before the shared Ray starts, so that its
 # processes reach it too; credentials of the server's own (it takes any), and no instance metadata
-# to ask for others: nothing goes to any other address. The server starts with the first test that
-# needs it (s3), one per pytest-xdist worker.
+# to ask for others: nothing goes to any other address. Each pytest-xdist worker starts one once its
+# tests are collected, if it collected a test that needs it (s3).
 S3_PORT = free_port()
 os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCESS_KEY_ID": "testing",
                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                    "AWS_EC2_METADATA_DISABLED": "true"})
 
 
-def start_s3_server(port: int, **env) -> subprocess.Popen:
-    """moto's S3 server on 127.0.0.1:port, once it answers."""
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def launch_s3_server(port: int, **env) -> subprocess.Popen:
+    """moto's S3 server starting on 127.0.0.1:port (answers_at: once it answers)."""
+    return subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def answers_at(server: subprocess.Popen, port: int) -> subprocess.Popen:
     deadline = time.time() + 60
     while True:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1).close()
-            return server
         except urllib.error.HTTPError:  # an answer (refusing, when it checks credentials)
-            return server
+            pass
         except OSError:
-            if server.poll() is not None or time.time() > deadline:
-                server.kill()
-                raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port}")
-            time.sleep(0.1)
+            if server.poll() is None and time.time() < deadline:
+                time.sleep(0.1)
+                continue
+        if server.poll() is not None or time.time() > deadline:  # not ours: it exited (the port was taken)
+            server.kill()
+            raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port}")
+        return server
+
+
+def start_s3_server(port: int, **env) -> subprocess.Popen:
+    """moto's S3 server on 127.0.0.1:port, once it answers."""
+    return answers_at(launch_s3_server(port, **env), port)
 
 
 def stop(server: subprocess.Popen) -> None:
@@ -58,39 +69,59 @@ def stop(server: subprocess.Popen) -> None:
         server.kill()
 
 
+_s3_server = None  # this worker's, launched once the tests are collected
+
+
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
         # one of 2 workers on 2 cores: a second thread of torch's would take the other worker's core (and spin
         # waiting for it)
         torch.set_num_threads(1)
+    elif config.getoption("numprocesses", 0) and config.getoption("dist", "no") == "loadgroup" and groups_nothing():
+        raise pytest.UsageError(f"pytest-xdist {version('pytest-xdist')} groups no test on pytest {pytest.__version__} "
+                                "(xdist #1386): Ray's tests would start a Ray instance on each worker; install "
+                                "requirements.txt (pytest 9.1), or run with -n 0")
+
+
+def groups_nothing() -> bool:
+    """pytest-xdist 3.8 marks a test's group in its node ID, which pytest 9.2 no longer reads."""
+    def major_minor(package):
+        return tuple(int(part) for part in version(package).split(".")[:2])
+    return major_minor("pytest") >= (9, 2) and major_minor("pytest-xdist") <= (3, 8)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """pytest-xdist runs the tests on 2 processes (pytest.ini), and each of these groups on one of them: every Ray
     test (one Ray instance for the session), and the other tests of a module that names its XDIST_GROUP (those that
-    share a module-scoped fixture). The gloo tests' forkserver (helpers.FORKSERVER: it imports torch and ray_dp)
-    starts now, while collection ends."""
+    share a module-scoped fixture). What the selected tests need starts now, while the first tests run: the S3
+    server (seconds of imports), and the gloo tests' forkserver (helpers.FORKSERVER: it imports torch and ray_dp)."""
+    global _s3_server
     for item in items:
         if item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif hasattr(item.module, "XDIST_GROUP"):
             item.add_marker(pytest.mark.xdist_group(item.module.XDIST_GROUP))
+    if any("s3" in item.fixturenames for item in items):
+        _s3_server = launch_s3_server(S3_PORT)
     if any(getattr(item.module, "run_distributed", None) or getattr(item.module, "Distributed", None)
            for item in items):
         import multiprocessing.forkserver
         multiprocessing.forkserver.ensure_running()
 
 
+def pytest_unconfigure(config):
+    if _s3_server is not None:
+        stop(_s3_server)
+
+
 @pytest.fixture(scope="session")
 def s3():
-    """The S3 server for the session (of this pytest-xdist worker), and a boto3 client of it (buckets are made with
-    it)."""
+    """This worker's S3 server for the session, and a boto3 client of it (buckets are made with it)."""
     import boto3
-    server = start_s3_server(S3_PORT)
+    answers_at(_s3_server, S3_PORT)
     yield boto3.client("s3")
-    stop(server)
 
 
 @pytest.fixture

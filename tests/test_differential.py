@@ -27,7 +27,7 @@ from test_trust import tiny_folder
 # Its tests share a module-scoped fixture of many runs on 2 and 3 gloo processes: under pytest-xdist they run on one
 # worker (which computes it once), as do test_spot's, one module after the other: the ranks of either take both cores,
 # and two such fixtures at once slow each other's collectives.
-XDIST_GROUP = "many runs on gloo ranks"
+XDIST_GROUP = "gloo-runs"
 BASE = dict(dataset="synthetic", synthetic_size=48, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
             name="differential")
 # Decoded in the training process (loader processes: one combination has them; each costs a second to start).

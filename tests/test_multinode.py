@@ -77,6 +77,8 @@ def stop_node(process):
 
 
 def node_ports(base):
+    # below the ephemeral ports (32768 on): another test's sockets, run meanwhile on the other pytest-xdist worker,
+    # cannot hold them; above Ray's default worker ports (10002-19999: the session's Ray instance)
     names = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"]
     return [arg for i, name in enumerate(names) for arg in (name, str(base + i))] + [
@@ -86,15 +88,15 @@ def node_ports(base):
 class TwoNodes:
     """A head on 127.0.0.3 and a worker node on 127.0.0.4, 1 CPU each: 2 workers land one per node."""
 
-    address = "127.0.0.3:46379"
+    address = "127.0.0.3:26379"
 
     def __init__(self, log):
         self.log, self.temp_dirs = log, []
-        self.head = start_node(["--head", "--node-ip-address", "127.0.0.3", "--port", "46379", "--num-cpus", "1",
-                                "--include-dashboard", "false", "--ray-client-server-port", "46380",
-                                *node_ports(41000)], log)
+        self.head = start_node(["--head", "--node-ip-address", "127.0.0.3", "--port", "26379", "--num-cpus", "1",
+                                "--include-dashboard", "false", "--ray-client-server-port", "26380",
+                                *node_ports(21000)], log)
         time.sleep(5)
-        self.workers = [self.add_worker_node(43000)]
+        self.workers = [self.add_worker_node(23000)]
 
     def add_worker_node(self, ports):
         # A temp dir of its own, as on a machine of its own: the head's log monitor reads only its session's
@@ -171,7 +173,7 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_exactly_with_one_line_per_e
                                                                                     single_node_result):
     def kill_and_replace(nodes):
         nodes.kill_worker_node()
-        nodes.workers.append(nodes.add_worker_node(44000))
+        nodes.workers.append(nodes.add_worker_node(24000))
 
     stdout, result = train_on(two_nodes, tmp_path, "two-nodes", "--max-failures", "3", during_epoch_2=kill_and_replace)
     events = [line for line in stdout.splitlines() if line.startswith("ray-dp: ") and "epoch 2 of" not in line]
@@ -325,9 +327,9 @@ def local_cluster_config(key):
 
     def adapt(commands, ip, extra=""):
         # `ray stop` would stop every Ray on this machine, the test session's own cluster included.
-        return [c.replace("6379", "46479") + f" --node-ip-address={ip} --num-cpus=1" + extra
+        return [c.replace("6379", "26479") + f" --node-ip-address={ip} --num-cpus=1" + extra
                 for c in commands if "ray stop" not in c]
-    head = adapt(shipped["head_start_ray_commands"], "127.0.0.3", " --ray-client-server-port=46480")
+    head = adapt(shipped["head_start_ray_commands"], "127.0.0.3", " --ray-client-server-port=26480")
     # Ray 2.60's local provider starts worker nodes only with the v1 autoscaler (RAY_NOTES.md).
     head = [c.replace("RAY_AUTH_MODE=token", "RAY_enable_autoscaler_v2=0 RAY_AUTH_MODE=token") for c in head]
     return {"cluster_name": "ray-dp-test",
@@ -399,7 +401,7 @@ def test_ray_up_with_the_shipped_config_trains_on_two_nodes(tmp_path, sshd, sing
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         # No --gpu / --cpu: ray_dp reads the node types from the head's bootstrap config (no GPU types here).
         job = (f"cd ~/ray-dp && RAY_AUTH_MODE=token {sys.executable} ray_dp.py {' '.join(RUN)} "
-               f"--address 127.0.0.3:46479 --storage-path {tmp_path}/runs --name via-ray-up --logdir {tmp_path}/tb")
+               f"--address 127.0.0.3:26479 --storage-path {tmp_path}/runs --name via-ray-up --logdir {tmp_path}/tb")
         deadline = time.time() + 120
         while True:  # the autoscaler on the head starts the worker node over SSH; it may still be joining
             run = subprocess.run([ray, "exec", str(config_path), job], cwd=REPO, capture_output=True, text=True,

@@ -23,14 +23,17 @@ def train(tmp_path, name, *flags):
     return helpers.train(tmp_path, name, *RUN, *flags)
 
 
-def crash_once(marker, at_epoch, at_step, sigterm=False):
+def crash_once(marker, at_epoch, at_step, sigterm=False, once_committed=None):
     """ray_dp's training function, except that rank 1 dies at this step of this epoch as a killed process
     would (os._exit: no exception, no cleanup), or gets SIGTERM there (as a reclaimed spot node's processes do),
-    once: the marker file, at an absolute path, lets the restarted group run through. The driver hands it to Ray
-    in place of ray_dp.train_loop_per_worker."""
+    once: the marker file, at an absolute path, lets the restarted group run through. once_committed: (run
+    directory, checkpoint directory name) that rank 1 waits there for Ray to have committed (at its controller's
+    next poll: a checkpoint a worker dies before is lost). The driver hands it to Ray in place of
+    ray_dp.train_loop_per_worker."""
     def train_loop_per_worker(config):
         import os
         import signal
+        import time
 
         import ray
 
@@ -38,9 +41,16 @@ def crash_once(marker, at_epoch, at_step, sigterm=False):
         if ray.train.get_context().get_world_rank() == 1 and not os.path.exists(marker):
             batches = ray_dp.InMemoryBatches.__iter__
 
+            def committed():
+                run_dir, name = once_committed
+                return f"/{name}/" in (ray_dp.latest_committed(run_dir) or "")
+
             def dying(self):
                 for step, batch in enumerate(batches(self)):
                     if (self.sampler.epoch, step) == (at_epoch, at_step):
+                        deadline = time.time() + 60
+                        while once_committed and not committed() and time.time() < deadline:
+                            time.sleep(0.05)
                         open(marker, "w").close()
                         if not sigterm:
                             os._exit(1)
@@ -72,7 +82,9 @@ def test_a_second_run_with_the_same_seed_ends_identical_even_through_dataloader_
 def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_within_the_epoch_and_ends_identical(
         tmp_path, monkeypatch, capsys, reference):
     marker = tmp_path / "crashed"
-    monkeypatch.setattr(ray_dp, "train_loop_per_worker", crash_once(str(marker), 2, 50))  # epoch 3, step 51
+    monkeypatch.setattr(ray_dp, "train_loop_per_worker",  # epoch 3, step 51, once Ray has committed step 40's
+                        crash_once(str(marker), 2, 50, once_committed=(str(tmp_path / "crash"),
+                                                                      "checkpoint_epoch_003_step_000040")))
     result = train(tmp_path, "crash", "--max-failures", "1", "--checkpoint-every", "20")
     assert marker.exists()  # it did die
     # the restarted group resumed from the checkpoint after step 40 of epoch 3: steps 41 to 50 are trained twice

@@ -19,7 +19,7 @@ from test_trust import tiny_folder
 
 # Its tests share a module-scoped fixture of many runs on 2 gloo processes: under pytest-xdist they run on one worker
 # (which computes it once), as do test_differential's (see there).
-XDIST_GROUP = "many runs on gloo ranks"
+XDIST_GROUP = "gloo-runs"
 BASE = dict(dataset="synthetic", synthetic_size=60, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
             name="spot", checkpoint_every="1", log_every=1)
 
