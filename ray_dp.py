@@ -1730,12 +1730,23 @@ def model_outline(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES
         return build_model(name, sample_shape, num_classes)
 
 
+@functools.lru_cache(maxsize=4)
+def outline_for_any_size(name: str, channels: int, num_classes: int) -> nn.Module:
+    """A torchvision model's outline in eval mode, asked about one image size after another (the
+    bisection below): its layers depend on the channels, not on the images' size, so it is built
+    once (half the time of each question for a DenseNet)."""
+    return model_outline(name, (channels,), num_classes).eval()
+
+
 @functools.lru_cache(maxsize=64)
 def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Optional[str]:
     """Why `name` cannot take images of sample_shape (C, H, W), in a line, or None: a forward pass
     of two images on the model's outline."""
     try:
-        net = model_outline(name, sample_shape, num_classes).eval()
+        if name in MODELS:  # ray_dp's own size their layers to the images
+            net = model_outline(name, sample_shape, num_classes).eval()
+        else:
+            net = outline_for_any_size(name, sample_shape[0], num_classes)
         device = next(net.parameters()).device
         with torch.no_grad():
             net(torch.zeros(2, *sample_shape, device=device))

@@ -96,7 +96,7 @@ def pytest_collection_modifyitems(config, items):
     """pytest-xdist runs the tests on 2 processes (pytest.ini), and each of these groups on one of them: every Ray
     test (one Ray instance for the session), and the other tests of a module that names its XDIST_GROUP (those that
     share a module-scoped fixture). What the selected tests need starts now, while the first tests run: the S3
-    server (seconds of imports), and the gloo tests' forkserver (helpers.FORKSERVER: it imports torch and ray_dp)."""
+    server (seconds of imports), and the gloo tests' forkserver (helpers.fork_server_from_here: forked from here)."""
     global _s3_server
     for item in items:
         if item.get_closest_marker("ray"):
@@ -107,8 +107,8 @@ def pytest_collection_modifyitems(config, items):
         _s3_server = launch_s3_server(S3_PORT)
     if any(getattr(item.module, "run_distributed", None) or getattr(item.module, "Distributed", None)
            for item in items):
-        import multiprocessing.forkserver
-        multiprocessing.forkserver.ensure_running()
+        import helpers
+        helpers.fork_server_from_here()
 
 
 def pytest_unconfigure(config):

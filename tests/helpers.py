@@ -32,13 +32,46 @@ def _entry(rank, world, fn, workdir):
         dist.destroy_process_group()
 
 
-# Each gloo test's processes are forked from one server process that imported torch, ray_dp and these helpers once
-# (multiprocessing's forkserver): a fresh process per rank, as mp.spawn gives, without its seconds of imports.
-# torch._dynamo too: torch.optim imports it with the first optimizer, 3 s of CPU in every process. The ranks take the
-# test's working directory and sys.path, but the environment the server started with (conftest starts it after
-# collection): a test that sets a variable for its ranks passes it to them as an argument.
+# Each gloo test's processes are forked from one server process that has imported torch, ray_dp and these helpers
+# (multiprocessing's forkserver): a fresh process per rank, as mp.spawn gives, without its seconds of imports. The ranks
+# take the test's working directory and sys.path, but the environment the server started with (conftest starts it
+# after collection): a test that sets a variable for its ranks passes it to them as an argument.
 FORKSERVER = mp.get_context("forkserver")
-FORKSERVER.set_forkserver_preload(["torch", "torch._dynamo", "ray_dp", "helpers", "pytest"])
+# What a forkserver started anew imports (without fork_server_from_here, or once its server has gone): torch._dynamo
+# too, which torch.optim imports with the first optimizer (3 s of CPU in every process), and torchvision, which every
+# rank on a folder or a torchvision model imports.
+FORKSERVER.set_forkserver_preload(["torch", "torch._dynamo", "torchvision", "ray_dp", "helpers", "pytest"])
+
+
+def fork_server_from_here():
+    """multiprocessing's forkserver, forked from this process once it has imported what the tests import (after their
+    collection) rather than started anew: under pytest-xdist each worker would otherwise import torch, torchvision and
+    ray_dp twice, 6 s of CPU of each worker's first 15 s. Call it while this process runs one thread of its own: the
+    server is forked from it, Ray is not started yet, and the server never returns into pytest."""
+    import multiprocessing.connection
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+    import socket
+
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None:
+        return
+    multiprocessing.resource_tracker.ensure_running()  # the ranks inherit its descriptor through the server
+    address = multiprocessing.connection.arbitrary_address("AF_UNIX")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server stops when every process that holds alive_w has ended
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(alive_w)
+                multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
 class Distributed:
