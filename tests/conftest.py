@@ -1,4 +1,5 @@
 """Shared fixtures: one local Ray cluster for the whole session, and a gloo process-group launcher."""
+import gc
 import os
 import socket
 import subprocess
@@ -96,7 +97,8 @@ def pytest_collection_modifyitems(config, items):
     """pytest-xdist runs the tests on 2 processes (pytest.ini), and each of these groups on one of them: every Ray
     test (one Ray instance for the session), and the other tests of a module that names its XDIST_GROUP (those that
     share a module-scoped fixture). What the selected tests need starts now, while the first tests run: the S3
-    server (seconds of imports), and the gloo tests' forkserver (helpers.fork_server_from_here: forked from here)."""
+    server (seconds of imports), and the gloo tests' forkserver (helpers.fork_server_from_here: forked from here).
+    Then this process is set up as a training process (keep_freed_memory) and its objects so far frozen."""
     global _s3_server
     for item in items:
         if item.get_closest_marker("ray"):
@@ -109,6 +111,11 @@ def pytest_collection_modifyitems(config, items):
            for item in items):
         import helpers
         helpers.fork_server_from_here()
+    import ray_dp
+    ray_dp.keep_freed_memory()  # this process trains in tests as a training process does (its server forked first)
+    # What collection made (torch's, torchvision's, Ray's and the tests' objects) stays out of every later garbage
+    # collection, the one at exit too (a second of CPU per process).
+    gc.freeze()
 
 
 def pytest_unconfigure(config):

@@ -1,6 +1,8 @@
 """What several test files share: the repository's path, small random data, a gloo process-group
 launcher for exact maths tests (no Ray), and a training run through ray_dp.main with its result."""
 import concurrent.futures
+import gc
+import importlib
 import json
 import os
 import tempfile
@@ -19,10 +21,12 @@ def random_images(n, seed=1):
     return ray_dp.TensorDataset(torch.rand(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen))
 
 
-def _entry(rank, world, fn, workdir):
+def _entry(rank, world, fn, workdir, keep_freed):
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
+        if keep_freed:  # as worker_setup does in every training process
+            ray_dp.keep_freed_memory()
         # loader processes forked, as torchrun's and Ray's workers fork them (a forkserver's child would start a
         # forkserver of its own, seconds of imports per rank)
         mp.set_start_method("fork", force=True)
@@ -40,14 +44,16 @@ FORKSERVER = mp.get_context("forkserver")
 # What a forkserver started anew imports (without fork_server_from_here, or once its server has gone): torch._dynamo
 # too, which torch.optim imports with the first optimizer (3 s of CPU in every process), and torchvision, which every
 # rank on a folder or a torchvision model imports.
-FORKSERVER.set_forkserver_preload(["torch", "torch._dynamo", "torchvision", "ray_dp", "helpers", "pytest"])
+PRELOAD = ["torch", "torch._dynamo", "torchvision", "ray_dp", "helpers", "pytest"]
+FORKSERVER.set_forkserver_preload(PRELOAD)
 
 
 def fork_server_from_here():
     """multiprocessing's forkserver, forked from this process once it has imported what the tests import (after their
     collection) rather than started anew: under pytest-xdist each worker would otherwise import torch, torchvision and
     ray_dp twice, 6 s of CPU of each worker's first 15 s. Call it while this process runs one thread of its own: the
-    server is forked from it, Ray is not started yet, and the server never returns into pytest."""
+    server is forked from it, Ray is not started yet, and the server never returns into pytest. The server freezes
+    what it holds (gc.freeze): the ranks' garbage collections leave its objects out, and their pages shared."""
     import multiprocessing.connection
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
@@ -56,6 +62,8 @@ def fork_server_from_here():
     server = multiprocessing.forkserver._forkserver
     if server._forkserver_pid is not None:
         return
+    for module in PRELOAD:  # what the collected tests have not imported yet (a rank's DDP imports torch._dynamo)
+        importlib.import_module(module)
     multiprocessing.resource_tracker.ensure_running()  # the ranks inherit its descriptor through the server
     address = multiprocessing.connection.arbitrary_address("AF_UNIX")
     with socket.socket(socket.AF_UNIX) as listener:
@@ -67,6 +75,7 @@ def fork_server_from_here():
         if pid == 0:
             try:
                 os.close(alive_w)
+                gc.freeze()
                 multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
             finally:
                 os._exit(0)
@@ -77,14 +86,15 @@ def fork_server_from_here():
 class Distributed:
     """fn(*args) started on `world` local processes joined in a gloo process group; join() waits for them and
     returns their return values, in rank order. This process is free meanwhile; leaving a `with Distributed(...)`
-    block before join() (an error) stops them."""
+    block before join() (an error) stops them. Each keeps freed memory as a training process does (keep_freed=False:
+    glibc's default)."""
 
-    def __init__(self, fn, world, *args):
+    def __init__(self, fn, world, *args, keep_freed=True):
         self.world, self.workdir = world, tempfile.TemporaryDirectory()
         # through a file: the forkserver sends a process at most 252 file descriptors, one per tensor shared
         torch.save(args, os.path.join(self.workdir.name, "args.pt"))
-        self.processes = mp.start_processes(_entry, args=(world, fn, self.workdir.name), nprocs=world, join=False,
-                                            start_method="forkserver")
+        self.processes = mp.start_processes(_entry, args=(world, fn, self.workdir.name, keep_freed), nprocs=world,
+                                            join=False, start_method="forkserver")
 
     def __enter__(self):
         return self
@@ -103,9 +113,9 @@ class Distributed:
             return [torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False) for r in range(self.world)]
 
 
-def run_distributed(fn, world, *args):
+def run_distributed(fn, world, *args, keep_freed=True):
     """fn(*args) on `world` local processes joined in a gloo process group; their return values, in rank order."""
-    with Distributed(fn, world, *args) as ranks:  # stopped if this process is interrupted (a test's timeout)
+    with Distributed(fn, world, *args, keep_freed=keep_freed) as ranks:  # stopped if this process is interrupted
         return ranks.join()
 
 

@@ -1,5 +1,4 @@
 """Bad input: one clear sentence, exit status 2, no traceback, and no Ray cluster started."""
-import os
 import subprocess
 import sys
 

@@ -223,7 +223,7 @@ def test_another_torch_on_a_node_storage_it_cannot_write_and_a_hang_each_fail_wi
     assert checks["versions"][0] == "FAILED" and re.match(
         rf"node [\d.]+ \(.*\) has torch 0.0.0 \(the driver {re.escape(torch.__version__)}\): install "
         rf"requirements.txt into the same Python on every node", checks["versions"][1])
-    assert checks["storage"][0] == "FAILED" and checks["storage"][1].startswith(f"node ")
+    assert checks["storage"][0] == "FAILED" and checks["storage"][1].startswith("node ")
     assert f"cannot write under {blocked}: " in checks["storage"][1]
     assert checks["workers"] == ("FAILED", "rank 1 did not come to the first collective within 3 s (--hang-timeout); "
                                            "a rank that never answers is most often bound to a network interface "

@@ -1,11 +1,9 @@
 """Run directories, resume and the device choice, checked before any cluster starts: no path leaves its
 root, --fresh deletes only its own run, a rerun trains what it trained before, GPU when a cluster can add GPUs."""
-import copy
 import json
 import os
 import time
 from pathlib import Path
-from datetime import timedelta
 
 import pytest
 import torch
