@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 
 import pytest
 import torch
@@ -213,6 +214,11 @@ def test_an_unreadable_image_is_named_by_a_workers_loader_and_by_evaluation(tmp_
         list(loader)  # in a loader process: torch re-raises its error here, with the process's traceback
     # What the driver prints of a worker's failure: the last line, the file named
     assert ray_dp.first_line(raised.value).startswith(f"DataError: {bad} is not a readable image (")
+    # The loader (its process persistent) stops its process now, the traceback's frames let go of it: freed by a
+    # later garbage collection, its iterator would wait 5 s for the process (its queues closed first), in whichever
+    # test that collection falls.
+    traceback.clear_frames(raised.tb)
+    del loader
     with pytest.raises(ray_dp.DataError, match=f"{bad} is not a readable image"):
         ray_dp.evaluate(ray_dp.build_model("lenet", (3, 28, 28), 2).eval(), train, torch.device("cpu"), 4)
 
