@@ -60,6 +60,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import gc
 import importlib
 import io
 import itertools
@@ -78,14 +79,6 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import Optional, Union
-
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
 
 import ray
 
@@ -112,7 +105,18 @@ if (_problem := ray_version_problem(ray.__version__)):
         sys.exit(2)
     raise ImportError(_problem)
 
-import ray.train  # noqa: E402 (after the version check: older Rays fail right here)
+# After the version check: a Ray that ray_dp does not run with is one line in a fraction of a
+# second, not after torch's seconds of imports (Ray's own worker processes import Ray first too).
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import (  # noqa: E402
+    BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset)
+
+import ray.train  # noqa: E402 (older Rays fail right here)
 import ray.train.torch  # noqa: E402
 from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
@@ -5596,4 +5600,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # What the imports made (torch's and Ray's objects, over a million) stays out of every garbage
+    # collection of this command, the one at its exit too: most of a second of a one-line error.
+    gc.freeze()
     sys.exit(main())
