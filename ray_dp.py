@@ -5600,7 +5600,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # What the imports made (torch's and Ray's objects, over a million) stays out of every garbage
+    # What the imports made (torch's and Ray's objects, about 300,000) stays out of every garbage
     # collection of this command, the one at its exit too: most of a second of a one-line error.
     gc.freeze()
     sys.exit(main())

@@ -74,7 +74,7 @@ _s3_server = None  # this worker's, launched once the tests are collected
 
 
 def pytest_configure(config):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(config, "workerinput"):  # an xdist worker (the variable PYTEST_XDIST_WORKER its subprocesses inherit)
         import torch
         # one of 2 workers on 2 cores: a second thread of torch's would take the other worker's core (and spin
         # waiting for it)
@@ -111,8 +111,8 @@ def pytest_collection_modifyitems(config, items):
            for item in items):
         import helpers
         helpers.fork_server_from_here()
-    import ray_dp
-    ray_dp.keep_freed_memory()  # this process trains in tests as a training process does (its server forked first)
+    if "ray_dp" in sys.modules:  # (one that cannot be imported is the collection's error, named with its file)
+        sys.modules["ray_dp"].keep_freed_memory()  # this process trains as a training process does (server forked)
     # What collection made (torch's, torchvision's, Ray's and the tests' objects) stays out of every later garbage
     # collection, the one at exit too (a second of CPU per process).
     gc.freeze()
@@ -122,7 +122,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_unconfigure(config):
     if _s3_server is not None:
         stop(_s3_server)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(config, "workerinput"):  # an xdist worker (the variable PYTEST_XDIST_WORKER its subprocesses inherit)
         # A worker has sent its results: it leaves without Python's finalization, which frees every object of
         # torch's, Ray's and the tests' one by one (seconds, at the end of the run).
         sys.stdout.flush()
