@@ -74,7 +74,7 @@ _s3_server = None  # this worker's, launched once the tests are collected
 
 
 def pytest_configure(config):
-    if hasattr(config, "workerinput"):  # an xdist worker (the variable PYTEST_XDIST_WORKER its subprocesses inherit)
+    if hasattr(config, "workerinput"):  # an xdist worker (not its subprocesses, which inherit PYTEST_XDIST_WORKER)
         import torch
         # one of 2 workers on 2 cores: a second thread of torch's would take the other worker's core (and spin
         # waiting for it)
@@ -122,7 +122,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_unconfigure(config):
     if _s3_server is not None:
         stop(_s3_server)
-    if hasattr(config, "workerinput"):  # an xdist worker (the variable PYTEST_XDIST_WORKER its subprocesses inherit)
+    if hasattr(config, "workerinput"):  # an xdist worker (not its subprocesses, which inherit PYTEST_XDIST_WORKER)
         # A worker has sent its results: it leaves without Python's finalization, which frees every object of
         # torch's, Ray's and the tests' one by one (seconds, at the end of the run).
         sys.stdout.flush()
