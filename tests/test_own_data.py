@@ -40,7 +40,7 @@ def test_a_folder_reads_its_classes_and_images_like_torchvision(folder):
 def broken(folder, tmp_path, kind):
     import shutil
     root = tmp_path / kind
-    # hard links: the files are only removed or renamed here, never written (a copy of the 1797 files costs a second)
+    # hard links: the tests remove, rename and add files, never write into one (a copy costs 0.1-1 s of CPU)
     shutil.copytree(folder, root, copy_function=os.link)
     if kind == "no-val":
         shutil.rmtree(root / "val")
