@@ -137,7 +137,8 @@ COMMAND_AT: Optional[float] = None
 # class names of its states and errors, its environment knobs (RAY_TRAIN_KNOBS), its progress bar,
 # the printer of forwarded output, loggers by name (RAY_LOGGERS), the recorded node groups, the
 # bootstrap address, the CPU count, the setup hook's variable, the placement-group cleaner's
-# defaults, the auth mode. (RAY_DEDUP_LOGS and RAY_COLOR_PREFIX, set in start_ray, are public.)
+# defaults, the auth mode, its memory monitor's wording, its checkpoint snapshot's file.
+# (RAY_DEDUP_LOGS and RAY_COLOR_PREFIX, set in start_ray, are public.)
 # ==================================================================================================
 
 RAY_CHECKED = "2.60.0"
@@ -200,6 +201,10 @@ HOOKS_LOST = ("no recovery lines, recovery.json or start-up breakdown, and Ray T
 ERRORED_STATE, SCHEDULING_STATE = "ErroredState", "SchedulingState"
 START_TIMEOUT_ERROR, WORKER_GROUP_ERROR = "WorkerGroupStartupTimeoutError", "WorkerGroupError"
 HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"  # a rank's process or node died
+# How Ray's memory monitor words the workers it killed. Not the word "memory": the error of any
+# process that exits unexpectedly lists "the OOM killer due to high memory usage" among causes.
+# A Ray that rewords it makes an out-of-memory kill read "its process or node died".
+RAY_OOM_KILLED = re.compile(r"low on memory|memory pressure|OUT_OF_MEMORY")
 
 
 def state_facts(state) -> tuple:
@@ -448,6 +453,48 @@ def ray_auth_mode() -> str:
         return str(name_of(mode()))
     except (TypeError, ValueError, AttributeError):  # a None, or other shapes
         return "unknown"
+
+
+
+# Ray Train's list of a run's committed checkpoints, in order: its checkpoint manager's snapshot,
+# a file whose name and keys are Ray's own. A rerun resumes from what it lists, as Ray does.
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+SNAPSHOT_REREAD_S = 1.0
+
+
+def ray_snapshot(run_dir: str) -> Optional[dict]:
+    """The run's snapshot as Ray wrote it (checkpoint_results, latest_checkpoint_result), or None
+    if it has none. Ray rewrites the file in place (truncated, then written), so a reader while the
+    run goes on (--eval-only of it, Ctrl-C) can find it empty or cut short: read again for up to
+    SNAPSHOT_REREAD_S before calling it broken."""
+    from pyarrow import fs
+    storage, path = files_at(run_dir)
+    snapshot = f"{path}/{RAY_SNAPSHOT}"
+    deadline = time.monotonic() + SNAPSHOT_REREAD_S
+    while storage.get_file_info(snapshot).type != fs.FileType.NotFound:
+        with storage.open_input_stream(snapshot) as f:
+            text = f.read()
+        with contextlib.suppress(ValueError):
+            state = json.loads(text)
+            if snapshot_shape(state):
+                return state
+        if time.monotonic() > deadline:
+            raise ConfigError(f"{run_dir}/{RAY_SNAPSHOT} is not Ray's list of checkpoints; rerun "
+                              f"with --fresh to start over")
+        time.sleep(0.05)
+    return None
+
+
+def snapshot_shape(state) -> bool:
+    """Whether a snapshot has what ray_dp reads (Ray's _CheckpointManagerState): the committed
+    checkpoints, each with its directory name, and the latest reported, if any, with its own."""
+    if not isinstance(state, dict) or not isinstance(state.get("checkpoint_results"), list):
+        return False
+    latest = state.get("latest_checkpoint_result")
+    named = state["checkpoint_results"] + ([latest] if latest is not None else [])
+    return all(isinstance(entry, dict) and isinstance(entry.get("checkpoint_dir_name"), str)
+               for entry in named)
+
 
 # ==================================================================================================
 # Config: every field is a command-line flag (--field-name),
@@ -2767,23 +2814,15 @@ def latest_committed(run_dir: str) -> Optional[str]:
     """The checkpoint file a rerun resumes from: the last one Ray committed (its snapshot lists
     them, in order), or under torchrun, which keeps no snapshot, the highest epoch written
     (atomically)."""
-    from pyarrow import fs
-    storage, path = files_at(run_dir)
-    snapshot = f"{path}/checkpoint_manager_snapshot.json"
-    if storage.get_file_info(snapshot).type != fs.FileType.NotFound:
-        try:
-            with storage.open_input_stream(snapshot) as f:
-                state = json.loads(f.read())
-            committed = state["checkpoint_results"]
-            # the last one reported, as Ray resumes from it (its list is in keep_score's order)
-            latest = committed and (state.get("latest_checkpoint_result")
-                                    or committed[-1])["checkpoint_dir_name"]
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{run_dir}/checkpoint_manager_snapshot.json is not Ray's list of "
-                              f"checkpoints; rerun with --fresh to start over") from None
-        return f"{run_dir}/{latest}/{CHECKPOINT_FILE}" if latest else None
-    files = epoch_checkpoints(run_dir)
-    return files[-1] if files else None
+    state = ray_snapshot(run_dir)
+    if state is None:
+        files = epoch_checkpoints(run_dir)
+        return files[-1] if files else None
+    committed = state["checkpoint_results"]
+    # the last one reported, as Ray resumes from it (its list is in keep_score's order)
+    latest = committed and (state.get("latest_checkpoint_result")
+                            or committed[-1])["checkpoint_dir_name"]
+    return f"{run_dir}/{latest}/{CHECKPOINT_FILE}" if latest else None
 
 
 def write_json(path: str, data: dict) -> None:
@@ -2820,7 +2859,7 @@ def write_atomically(path: str, data: Union[str, bytes]) -> None:
         raise
 
 
-RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json")
+RUN_MARKERS = (RAY_SNAPSHOT, "result.json", "recovery.json")
 
 
 @dataclass(frozen=True)
@@ -3285,7 +3324,7 @@ def describe_worker_failures(failures: dict, node_ips: dict) -> str:
     if lost:
         where = ", ".join(f"rank {rank}{on_node(rank, node_ips, failures.get(rank, ''))}"
                           for rank in sorted(lost))
-        memory = any("memory" in str(failures.get(rank, "")).lower() for rank in lost)
+        memory = any(RAY_OOM_KILLED.search(str(failures.get(rank, ""))) for rank in lost)
         return (f"lost worker {where} "
                 f"({'killed: out of memory' if memory else 'its process or node died'})")
     if failures:
@@ -4344,13 +4383,7 @@ def checkpoint_config(cfg: Config) -> CheckpointConfig:
 
 def reports_keep_score(run_dir: str) -> bool:
     """Whether every checkpoint Ray lists for the run carries keep_score (none listed: yes)."""
-    from pyarrow import fs
-    storage, path = files_at(run_dir)
-    snapshot = f"{path}/checkpoint_manager_snapshot.json"
-    if storage.get_file_info(snapshot).type == fs.FileType.NotFound:
-        return True
-    with storage.open_input_stream(snapshot) as f:
-        committed = json.loads(f.read()).get("checkpoint_results", [])
+    committed = (ray_snapshot(run_dir) or {}).get("checkpoint_results", [])
     return all("keep" in (entry.get("metrics") or {}) for entry in committed)
 
 

@@ -2,15 +2,17 @@
 make it: the nicety it serves turns off with one note and the run goes on, or, under torchrun, a one-line refusal."""
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import sys
+import threading
 
 import pytest
 import ray
 
 import ray_dp
-from helpers import error_of, run_distributed, train
+from helpers import error_of, run_distributed, save_run, train
 
 TORCHRUN_ENV = {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -229,6 +231,54 @@ def test_the_doctor_reports_an_auth_mode_it_cannot_read_as_unknown(monkeypatch):
     missing(monkeypatch, "ray._private.authentication.authentication_utils")
     assert ray_dp.ray_auth_mode() == "unknown"
     assert ray_dp.node_software()["auth"] == "unknown"
+
+
+# The Ray 2.60 raylet's words (strings in its binary) for a worker process that exited unexpectedly, whatever the
+# cause, and for one its memory monitor killed.
+EXITED = ("Worker exits unexpectedly. Worker exits with an exit code 1. Some common causes include: (1) the process "
+          "was killed by the OOM killer due to high memory usage, (2) ray stop --force was called, or (3) the worker "
+          "crashed unexpectedly due to SIGSEGV or another unexpected error.")
+MONITOR_KILLED = ("1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 10.0.0.2) "
+                  "was 23.1GB / 24.0GB (0.96), which exceeds the memory usage threshold of 0.95.")
+
+
+@pytest.mark.parametrize("death, said", [(EXITED, "its process or node died"),
+                                         (MONITOR_KILLED, "killed: out of memory")])
+def test_only_rays_memory_monitor_says_out_of_memory_not_the_causes_ray_lists_for_every_exit(death, said):
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+    failures = {0: RuntimeError("Connection reset by peer"),
+                1: WorkerHealthCheckFailedError("A worker health check failed.", RuntimeError(death))}
+    assert ray_dp.describe_worker_failures(failures, {0: "10.0.0.1", 1: "10.0.0.2"}) == \
+        f"lost worker rank 1 on 10.0.0.2 ({said})"
+
+
+def committed_epoch_1():
+    return json.dumps({"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_001", "metrics": {}}],
+                       "latest_checkpoint_result": None})
+
+
+def test_a_snapshot_ray_is_rewriting_is_read_again_not_called_broken(tmp_path):
+    run = save_run(tmp_path / "run", saved=[1, 2])
+    snapshot = run / ray_dp.RAY_SNAPSHOT
+    snapshot.write_text("")  # as Ray's rewrite leaves it between truncating and writing
+    writer = threading.Timer(0.3, snapshot.write_text, [committed_epoch_1()])
+    writer.start()
+    try:
+        assert ray_dp.latest_committed(str(run)) == f"{run}/checkpoint_epoch_001/{ray_dp.CHECKPOINT_FILE}"
+    finally:
+        writer.join()
+
+
+@pytest.mark.parametrize("text", ["{", '{"checkpoints": []}', '{"checkpoint_results": [{"path": "x"}]}',
+                                  '{"checkpoint_results": [], "latest_checkpoint_result": 3}'])
+def test_a_snapshot_that_stays_unreadable_or_of_another_shape_is_one_line_before_any_cluster(
+        text, tmp_path, monkeypatch, no_cluster, capsys):
+    monkeypatch.setattr(ray_dp, "SNAPSHOT_REREAD_S", 0.1)
+    run = save_run(tmp_path / "run", saved=[1])
+    (run / ray_dp.RAY_SNAPSHOT).write_text(text)
+    said = f"{run}/{ray_dp.RAY_SNAPSHOT} is not Ray's list of checkpoints; rerun with --fresh to start over"
+    assert said in error_of(["--storage-path", str(tmp_path), "--name", "run", "--dataset", "digits"], capsys)
+    assert said in error_of(["--eval-only", str(run)], capsys)
 
 
 def without_any_ray_internal(cfg):
