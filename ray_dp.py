@@ -455,17 +455,19 @@ def ray_auth_mode() -> str:
         return "unknown"
 
 
-
 # Ray Train's list of a run's committed checkpoints, in order: its checkpoint manager's snapshot,
-# a file whose name and keys are Ray's own. A rerun resumes from what it lists, as Ray does.
+# a file whose name and keys are Ray's own. A rerun resumes from the latest it lists, as Ray does.
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 SNAPSHOT_REREAD_S = 1.0
+SNAPSHOT_WAYS_ON = ("--eval-only one of its checkpoint_epoch_* directories, or rerun with --fresh "
+                    "to start over")
 
 
 def ray_snapshot(run_dir: str) -> Optional[dict]:
-    """The run's snapshot as Ray wrote it (checkpoint_results, latest_checkpoint_result), or None
-    if it has none. Ray rewrites the file in place (truncated, then written), so a reader while the
-    run goes on (--eval-only of it, Ctrl-C) can find it empty or cut short: read again for up to
+    """The run's snapshot as Ray wrote it, or None if it has none. On a disk (not in a bucket,
+    whose objects change whole) Ray rewrites the file in place: it opens it, which empties it, then
+    writes the JSON it made beforehand. So a reader while the run goes on (--eval-only of it,
+    Ctrl-C) can find it empty or cut short for an instant: read again for up to
     SNAPSHOT_REREAD_S before calling it broken."""
     from pyarrow import fs
     storage, path = files_at(run_dir)
@@ -479,21 +481,23 @@ def ray_snapshot(run_dir: str) -> Optional[dict]:
             if snapshot_shape(state):
                 return state
         if time.monotonic() > deadline:
-            raise ConfigError(f"{run_dir}/{RAY_SNAPSHOT} is not Ray's list of checkpoints; rerun "
-                              f"with --fresh to start over")
+            raise BrokenSnapshot(f"{run_dir}/{RAY_SNAPSHOT} is not Ray's list of checkpoints")
         time.sleep(0.05)
     return None
 
 
 def snapshot_shape(state) -> bool:
-    """Whether a snapshot has what ray_dp reads (Ray's _CheckpointManagerState): the committed
-    checkpoints, each with its directory name, and the latest reported, if any, with its own."""
+    """Whether a snapshot has what ray_dp reads as Ray's _CheckpointManagerState has it: the
+    committed checkpoints, each with its directory name and metrics, and the latest reported (None,
+    or one of them: Ray cannot load one that is not)."""
     if not isinstance(state, dict) or not isinstance(state.get("checkpoint_results"), list):
         return False
-    latest = state.get("latest_checkpoint_result")
-    named = state["checkpoint_results"] + ([latest] if latest is not None else [])
-    return all(isinstance(entry, dict) and isinstance(entry.get("checkpoint_dir_name"), str)
-               for entry in named)
+    committed, latest = state["checkpoint_results"], state.get("latest_checkpoint_result")
+    if not all(isinstance(entry, dict) and isinstance(entry.get("checkpoint_dir_name"), str)
+               and isinstance(entry.get("metrics"), dict) for entry in committed):
+        return False
+    names = {entry["checkpoint_dir_name"] for entry in committed}
+    return latest is None or isinstance(latest, dict) and latest.get("checkpoint_dir_name") in names
 
 
 # ==================================================================================================
@@ -711,6 +715,11 @@ class Config:
 
 class ConfigError(ValueError):
     """Bad input: reported as one line, before any cluster starts."""
+
+
+class BrokenSnapshot(ConfigError):
+    """A run's snapshot (ray_snapshot) that does not read as Ray writes it; each reader says the
+    ways on."""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -2786,7 +2795,11 @@ def checkpoint_file(path: str) -> str:
         return full
     if stored_type(f"{full}/{CHECKPOINT_FILE}") == "file":
         return f"{full}/{CHECKPOINT_FILE}"
-    latest = latest_committed(full)  # the last one whole: not one cut short
+    try:
+        latest = latest_committed(full)  # the last one whole: not one cut short
+    except BrokenSnapshot as exc:
+        raise ConfigError(f"--eval-only {path}: {exc}; if its run is still training, try again, "
+                          f"or --eval-only one of its checkpoint_epoch_* directories") from None
     if latest is None:
         raise ConfigError(f"--eval-only {path} holds no checkpoint ({CHECKPOINT_FILE} or "
                           f"checkpoint_epoch_*/{CHECKPOINT_FILE})")
@@ -2818,11 +2831,9 @@ def latest_committed(run_dir: str) -> Optional[str]:
     if state is None:
         files = epoch_checkpoints(run_dir)
         return files[-1] if files else None
-    committed = state["checkpoint_results"]
     # the last one reported, as Ray resumes from it (its list is in keep_score's order)
-    latest = committed and (state.get("latest_checkpoint_result")
-                            or committed[-1])["checkpoint_dir_name"]
-    return f"{run_dir}/{latest}/{CHECKPOINT_FILE}" if latest else None
+    latest = state.get("latest_checkpoint_result")
+    return f"{run_dir}/{latest['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if latest else None
 
 
 def write_json(path: str, data: dict) -> None:
@@ -2893,7 +2904,10 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
     if cfg.fresh:
         check_deletable(cfg, storage, run_dir)
         return cfg, Resume()
-    latest = latest_committed(cfg.run_dir)
+    try:
+        latest = latest_committed(cfg.run_dir)
+    except BrokenSnapshot as exc:
+        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; {SNAPSHOT_WAYS_ON}") from None
     if latest is None:
         return cfg, Resume()
     try:
@@ -4384,7 +4398,7 @@ def checkpoint_config(cfg: Config) -> CheckpointConfig:
 def reports_keep_score(run_dir: str) -> bool:
     """Whether every checkpoint Ray lists for the run carries keep_score (none listed: yes)."""
     committed = (ray_snapshot(run_dir) or {}).get("checkpoint_results", [])
-    return all("keep" in (entry.get("metrics") or {}) for entry in committed)
+    return all("keep" in entry["metrics"] for entry in committed)
 
 
 def controller_callbacks(cfg: Config, logs: Optional[str], done: int = 0,
@@ -4613,6 +4627,8 @@ def storage_full(cfg: Config, error: Optional[BaseException] = None) -> str:
     try:
         latest = latest_committed(cfg.run_dir)
         state = load_checkpoint(latest) if latest else None
+    except BrokenSnapshot as exc:  # cut short by the full disk as Ray rewrote it
+        return f"{full_device(cfg, error)}; {exc}: once there is space, {SNAPSHOT_WAYS_ON}"
     except (ConfigError, OSError):  # what storage still answers decides what may be called safe
         latest = None
     if latest is None:
@@ -5547,7 +5563,10 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
     if command == "compare" and cfg:
         return (f"interrupted; the same command with --name {cfg.name} resumes the rows "
                 f"(finished ones are kept)")
-    latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
+    try:
+        latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
+    except BrokenSnapshot as exc:  # cut short as Ray stopped
+        return f"interrupted; {exc}: {SNAPSHOT_WAYS_ON}"
     if latest is None:
         return "interrupted; nothing was saved"
     try:

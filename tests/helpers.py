@@ -153,6 +153,18 @@ def digits_folder(root, sizes=(None, None)):
     return root
 
 
+def ray_snapshot_json(*names):
+    """Ray's snapshot of a run whose checkpoints are these directories, as Ray writes it: each with its metrics, the
+    latest reported last (what Ray resumes from), and the keys ray_dp does not read."""
+    committed = [{"checkpoint_dir_name": name, "metrics": {"epoch": i + 1}} for i, name in enumerate(names)]
+    return json.dumps({"ray_version": "2.60.0", "checkpoint_results": committed,
+                       "checkpoint_report_indices": list(range(len(names))),
+                       "latest_checkpoint_result": committed[-1] if committed else None,
+                       "pending_training_results": [], "pending_validation_specs": [],
+                       "current_report_index": len(names), "validated_checkpoint_dir_names": [],
+                       "timed_out_validation_checkpoint_dir_names": [], "failed_validation_checkpoint_dir_names": []})
+
+
 def save_run(run_dir, saved=(1,), **config):
     """A run directory as torchrun leaves it (checkpoint_epoch_NNN/checkpoint.pt, no Ray snapshot): the checkpoints
     after each of the epochs `saved` (numbered from 1)."""

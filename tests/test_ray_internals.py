@@ -6,13 +6,12 @@ import json
 import logging
 import os
 import sys
-import threading
 
 import pytest
 import ray
 
 import ray_dp
-from helpers import error_of, run_distributed, save_run, train
+from helpers import error_of, ray_snapshot_json, run_distributed, save_run, train
 
 TORCHRUN_ENV = {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -233,17 +232,21 @@ def test_the_doctor_reports_an_auth_mode_it_cannot_read_as_unknown(monkeypatch):
     assert ray_dp.node_software()["auth"] == "unknown"
 
 
-# The Ray 2.60 raylet's words (strings in its binary) for a worker process that exited unexpectedly, whatever the
-# cause, and for one its memory monitor killed.
-EXITED = ("Worker exits unexpectedly. Worker exits with an exit code 1. Some common causes include: (1) the process "
-          "was killed by the OOM killer due to high memory usage, (2) ray stop --force was called, or (3) the worker "
-          "crashed unexpectedly due to SIGSEGV or another unexpected error.")
-MONITOR_KILLED = ("1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 10.0.0.2) "
-                  "was 23.1GB / 24.0GB (0.96), which exceeds the memory usage threshold of 0.95.")
+# Ray 2.60's words (strings in its GCS server and raylet binaries) for a worker process that exited unexpectedly,
+# whatever the cause, and for one its memory monitor killed.
+EXITED = ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+          "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the "
+          "process was killed by the OOM killer due to high memory usage, (2) ray stop --force was called, or (3) the "
+          "worker crashed unexpectedly due to SIGSEGV or another unexpected error. If the process was killed by the "
+          "kernel OOM killer (verifiable by checking for OOM in dmesg of the OOMing node), consider enabling "
+          "resource isolation.")
+MONITOR_KILLED = ("The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY Worker "
+                  "exit detail: 1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: "
+                  "10.0.0.2, ID: 3a4b) was 23.10GB used / 24.00GB limit (0.962500)")
 
 
 @pytest.mark.parametrize("death, said", [(EXITED, "its process or node died"),
-                                         (MONITOR_KILLED, "killed: out of memory")])
+                                         (MONITOR_KILLED, "killed: out of memory")], ids=["exited", "oom-killed"])
 def test_only_rays_memory_monitor_says_out_of_memory_not_the_causes_ray_lists_for_every_exit(death, said):
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
     failures = {0: RuntimeError("Connection reset by peer"),
@@ -252,33 +255,84 @@ def test_only_rays_memory_monitor_says_out_of_memory_not_the_causes_ray_lists_fo
         f"lost worker rank 1 on 10.0.0.2 ({said})"
 
 
-def committed_epoch_1():
-    return json.dumps({"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_001", "metrics": {}}],
-                       "latest_checkpoint_result": None})
+def test_the_snapshots_the_tests_write_are_ones_ray_loads():
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
+    for names in [(), ("checkpoint_epoch_001", "checkpoint_epoch_002")]:
+        state = json.loads(ray_snapshot_json(*names))
+        _CheckpointManagerState.model_validate(state)  # raises where Ray would not load it
+        assert ray_dp.snapshot_shape(state)
 
 
-def test_a_snapshot_ray_is_rewriting_is_read_again_not_called_broken(tmp_path):
+def test_a_snapshot_ray_is_rewriting_is_read_again_not_called_broken(tmp_path, monkeypatch):
     run = save_run(tmp_path / "run", saved=[1, 2])
     snapshot = run / ray_dp.RAY_SNAPSHOT
-    snapshot.write_text("")  # as Ray's rewrite leaves it between truncating and writing
-    writer = threading.Timer(0.3, snapshot.write_text, [committed_epoch_1()])
-    writer.start()
-    try:
-        assert ray_dp.latest_committed(str(run)) == f"{run}/checkpoint_epoch_001/{ray_dp.CHECKPOINT_FILE}"
-    finally:
-        writer.join()
+    snapshot.write_text("")  # as Ray's rewrite leaves it between opening the file and writing it
+    waits = []
+
+    def ray_writes_it_meanwhile(seconds):
+        waits.append(seconds)
+        snapshot.write_text(ray_snapshot_json("checkpoint_epoch_001"))
+    monkeypatch.setattr(ray_dp, "SNAPSHOT_REREAD_S", 60)
+    monkeypatch.setattr(ray_dp.time, "sleep", ray_writes_it_meanwhile)
+    assert ray_dp.latest_committed(str(run)) == f"{run}/checkpoint_epoch_001/{ray_dp.CHECKPOINT_FILE}"
+    assert len(waits) == 1  # it read again, once
 
 
-@pytest.mark.parametrize("text", ["{", '{"checkpoints": []}', '{"checkpoint_results": [{"path": "x"}]}',
-                                  '{"checkpoint_results": [], "latest_checkpoint_result": 3}'])
+def test_a_snapshot_resumes_from_the_latest_checkpoint_ray_reported_as_ray_does(tmp_path):
+    run = save_run(tmp_path / "run", saved=[1, 2])
+    state = json.loads(ray_snapshot_json("checkpoint_epoch_001", "checkpoint_epoch_002"))
+    state["checkpoint_results"].reverse()  # in keep_score's order, the latest need not be last
+    (run / ray_dp.RAY_SNAPSHOT).write_text(json.dumps(state))
+    assert ray_dp.latest_committed(str(run)).endswith(f"/checkpoint_epoch_002/{ray_dp.CHECKPOINT_FILE}")
+    state["latest_checkpoint_result"] = None  # Ray gives its workers no checkpoint: the run starts over
+    (run / ray_dp.RAY_SNAPSHOT).write_text(json.dumps(state))
+    assert ray_dp.latest_committed(str(run)) is None
+
+
+def other_shapes():
+    """Snapshots Ray does not load: unreadable, or what ray_dp reads is missing or of another type (its model of the
+    file rejects them), or (the last) a latest checkpoint it does not list (its _load_state's KeyError)."""
+    whole = json.loads(ray_snapshot_json("checkpoint_epoch_001"))
+    entry = whole["checkpoint_results"][0]
+    return ["", "{", "[]", json.dumps({"checkpoints": []}),
+            json.dumps({**whole, "checkpoint_results": [{"path": "x", "metrics": {}}]}),
+            json.dumps({**whole, "checkpoint_results": [{**entry, "metrics": 3}]}),
+            json.dumps({**whole, "checkpoint_results": [{**entry, "metrics": None}]}),
+            json.dumps({**whole, "latest_checkpoint_result": 3}),
+            json.dumps({**whole, "latest_checkpoint_result": {**entry, "checkpoint_dir_name": "elsewhere"}})]
+
+
+@pytest.mark.parametrize("text", other_shapes(), ids=range(len(other_shapes())))
 def test_a_snapshot_that_stays_unreadable_or_of_another_shape_is_one_line_before_any_cluster(
         text, tmp_path, monkeypatch, no_cluster, capsys):
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
+    if "elsewhere" not in text:
+        with pytest.raises(ValueError):  # pydantic's validation errors are ValueErrors
+            _CheckpointManagerState.model_validate_json(text)
     monkeypatch.setattr(ray_dp, "SNAPSHOT_REREAD_S", 0.1)
     run = save_run(tmp_path / "run", saved=[1])
     (run / ray_dp.RAY_SNAPSHOT).write_text(text)
-    said = f"{run}/{ray_dp.RAY_SNAPSHOT} is not Ray's list of checkpoints; rerun with --fresh to start over"
-    assert said in error_of(["--storage-path", str(tmp_path), "--name", "run", "--dataset", "digits"], capsys)
-    assert said in error_of(["--eval-only", str(run)], capsys)
+    broken = f"{run}/{ray_dp.RAY_SNAPSHOT} is not Ray's list of checkpoints"
+    assert error_of(["--storage-path", str(tmp_path), "--name", "run", "--dataset", "digits"], capsys) == (
+        f"ray_dp.py: error: run 'run' cannot resume: {broken}; --eval-only one of its checkpoint_epoch_* "
+        f"directories, or rerun with --fresh to start over\n")
+    assert error_of(["--eval-only", str(run)], capsys) == (
+        f"ray_dp.py: error: --eval-only {run}: {broken}; if its run is still training, try again, or --eval-only "
+        f"one of its checkpoint_epoch_* directories\n")
+    epoch_1 = run / "checkpoint_epoch_001"  # that way on is open
+    assert ray_dp.checkpoint_file(str(epoch_1)) == str(epoch_1 / ray_dp.CHECKPOINT_FILE)
+
+
+def test_ctrl_c_and_a_full_disk_say_the_snapshot_is_cut_short_not_that_nothing_was_saved(tmp_path, monkeypatch):
+    monkeypatch.setattr(ray_dp, "SNAPSHOT_REREAD_S", 0.1)
+    run = save_run(tmp_path / "run", saved=[1])
+    (run / ray_dp.RAY_SNAPSHOT).write_text("")  # Ray stopped, or the disk filled, as it rewrote it
+    cfg = ray_dp.Config(storage_path=str(tmp_path), name="run", epochs=3)
+    broken = (f"{run}/{ray_dp.RAY_SNAPSHOT} is not Ray's list of checkpoints: --eval-only one of its "
+              f"checkpoint_epoch_* directories, or rerun with --fresh to start over")
+    assert ray_dp.interrupted("train", cfg) == f"interrupted; {broken}"
+    assert ray_dp.storage_full(cfg, OSError(28, "No space left on device", str(run / "x"))) == (
+        f"no space left on the device of {run / 'x'}; {broken.replace(': ', ': once there is space, ', 1)}")
 
 
 def without_any_ray_internal(cfg):

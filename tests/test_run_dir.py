@@ -11,7 +11,7 @@ import torch.distributed as dist
 import yaml
 
 import ray_dp
-from helpers import REPO, error_of, run_distributed, save_run
+from helpers import REPO, error_of, ray_snapshot_json, run_distributed, save_run
 
 DIGITS = ["--dataset", "digits"]
 
@@ -69,8 +69,7 @@ def test_fresh_refuses_what_is_not_this_run_and_deletes_only_after_every_check(n
 
 def test_a_run_in_uri_storage_is_checked_on_resume_like_a_local_one(tmp_path, no_cluster, capsys):
     run = save_run(tmp_path / "bucket" / "exp")
-    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(  # as Ray writes it
-        {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_001"}]}))
+    (run / "checkpoint_manager_snapshot.json").write_text(ray_snapshot_json("checkpoint_epoch_001"))
     uri = f"file://{tmp_path}/bucket"  # pyarrow's URI storage, as s3:// is
     _, cfg, _ = ray_dp.parse_command(["--storage-path", uri, "--name", "exp", *DIGITS])
     ray_dp.check_run_dir(cfg)  # the same config: it resumes
@@ -132,8 +131,7 @@ def test_checkpoints_are_ordered_by_epoch_number_not_as_text(tmp_path):
 
 def test_latest_committed_follows_rays_snapshot_over_orphan_directories(tmp_path):
     run = save_run(tmp_path / "run", saved=[1, 2])  # epoch 2 written but never committed
-    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(
-        {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_epoch_001"}]}))
+    (run / "checkpoint_manager_snapshot.json").write_text(ray_snapshot_json("checkpoint_epoch_001"))
     assert ray_dp.latest_committed(str(run)).endswith("checkpoint_epoch_001/checkpoint.pt")
     assert ray_dp.checkpoint_file(str(run)).endswith("checkpoint_epoch_001/checkpoint.pt")  # --eval-only too
     cfg = ray_dp.Config(storage_path=str(tmp_path), name="run", epochs=5)
