@@ -455,12 +455,13 @@ def ray_auth_mode() -> str:
         return "unknown"
 
 
-# Ray Train's list of a run's committed checkpoints, in order: its checkpoint manager's snapshot,
-# a file whose name and keys are Ray's own. A rerun resumes from the latest it lists, as Ray does.
+# Ray Train's list of a run's committed checkpoints (in keep_score's order) and the latest it
+# reported: its checkpoint manager's snapshot, a file whose name and keys are Ray's own. A rerun
+# resumes from that latest one, as Ray does.
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 SNAPSHOT_REREAD_S = 1.0
-SNAPSHOT_WAYS_ON = ("--eval-only one of its checkpoint_epoch_* directories, or rerun with --fresh "
-                    "to start over")
+SNAPSHOT_WAYS_ON = ("--eval-only one of the run's checkpoint_epoch_* directories, or rerun with "
+                    "--fresh to start over")
 
 
 def ray_snapshot(run_dir: str) -> Optional[dict]:
@@ -481,7 +482,7 @@ def ray_snapshot(run_dir: str) -> Optional[dict]:
             if snapshot_shape(state):
                 return state
         if time.monotonic() > deadline:
-            raise BrokenSnapshot(f"{run_dir}/{RAY_SNAPSHOT} is not Ray's list of checkpoints")
+            raise BrokenSnapshot(f"{run_dir}/{RAY_SNAPSHOT}")
         time.sleep(0.05)
     return None
 
@@ -497,7 +498,9 @@ def snapshot_shape(state) -> bool:
                and isinstance(entry.get("metrics"), dict) for entry in committed):
         return False
     names = {entry["checkpoint_dir_name"] for entry in committed}
-    return latest is None or isinstance(latest, dict) and latest.get("checkpoint_dir_name") in names
+    return latest is None or (isinstance(latest, dict)
+                              and isinstance(latest.get("checkpoint_dir_name"), str)
+                              and latest["checkpoint_dir_name"] in names)
 
 
 # ==================================================================================================
@@ -718,8 +721,12 @@ class ConfigError(ValueError):
 
 
 class BrokenSnapshot(ConfigError):
-    """A run's snapshot (ray_snapshot) that does not read as Ray writes it; each reader says the
-    ways on."""
+    """A run's snapshot (ray_snapshot) that does not read as Ray writes it: the fact, and the ways
+    on that a reader with better ones (--eval-only's) replaces."""
+
+    def __init__(self, path: str):
+        self.fact = f"{path} is not Ray's list of checkpoints"
+        super().__init__(f"{self.fact}: {SNAPSHOT_WAYS_ON}")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -2798,8 +2805,9 @@ def checkpoint_file(path: str) -> str:
     try:
         latest = latest_committed(full)  # the last one whole: not one cut short
     except BrokenSnapshot as exc:
-        raise ConfigError(f"--eval-only {path}: {exc}; if its run is still training, try again, "
-                          f"or --eval-only one of its checkpoint_epoch_* directories") from None
+        raise ConfigError(f"--eval-only {path}: {exc.fact}; if its run is still training, try "
+                          f"again, or --eval-only one of its checkpoint_epoch_* directories"
+                          ) from None
     if latest is None:
         raise ConfigError(f"--eval-only {path} holds no checkpoint ({CHECKPOINT_FILE} or "
                           f"checkpoint_epoch_*/{CHECKPOINT_FILE})")
@@ -2824,14 +2832,15 @@ def epoch_checkpoints(run_dir: str) -> list[str]:
 
 
 def latest_committed(run_dir: str) -> Optional[str]:
-    """The checkpoint file a rerun resumes from: the last one Ray committed (its snapshot lists
-    them, in order), or under torchrun, which keeps no snapshot, the highest epoch written
+    """The checkpoint file a rerun resumes from: the latest one Ray reported (its snapshot names
+    it), or where Ray lists none (torchrun keeps no snapshot), the highest epoch written
     (atomically)."""
     state = ray_snapshot(run_dir)
     if state is None:
         files = epoch_checkpoints(run_dir)
         return files[-1] if files else None
-    # the last one reported, as Ray resumes from it (its list is in keep_score's order)
+    # as Ray resumes: from the latest reported, not the last listed (the list is in keep_score's
+    # order), and from none if it names none
     latest = state.get("latest_checkpoint_result")
     return f"{run_dir}/{latest['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if latest else None
 
@@ -2881,6 +2890,9 @@ class Resume:
     done: int = 0
     classes: Optional[list] = None
     step: int = 0  # a mid-epoch checkpoint: the steps of epoch done + 1 it has done
+    # the checkpoint's file where Ray lists none of the run's (torchrun wrote them, or Ray stopped
+    # before it listed its first): Ray's workers would start over, so they are handed this one
+    unlisted: Optional[str] = None
 
     @property
     def resumes(self) -> bool:
@@ -2907,7 +2919,7 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
     try:
         latest = latest_committed(cfg.run_dir)
     except BrokenSnapshot as exc:
-        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; {SNAPSHOT_WAYS_ON}") from None
+        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}") from None
     if latest is None:
         return cfg, Resume()
     try:
@@ -2924,7 +2936,8 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
               f"{stored['epochs']}): epoch {done + 1} trains at lr "
               f"{learning_rate(cfg, done):.4g}", flush=True)
-    return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0))
+    return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0),
+                       None if ray_snapshot(cfg.run_dir) else latest)
 
 
 def stored_config(state: dict) -> dict:
@@ -3751,6 +3764,8 @@ class LoopOptions:
     data: Optional[object] = None  # (train, test) held in memory, in Ray's object store
     launched: dict = field(default_factory=dict)  # the driver's clocks: the start-up breakdown
     board: Optional[object] = None  # Ray: the driver's ProgressBoard (steps since a checkpoint)
+    # Ray: Resume.unlisted's state, in Ray's object store, for when Ray has no checkpoint to give
+    resume_from: Optional[object] = None
 
 
 class RayLauncher:
@@ -3758,13 +3773,15 @@ class RayLauncher:
     controller collects every report, commits rank 0's checkpoint and writes the TensorBoard events
     (TensorBoardLogger)."""
 
-    def __init__(self, cfg: Config, worker: Worker):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, worker: Worker, resume_from: Optional[object] = None):
+        self.cfg, self.resume_from = cfg, resume_from
 
     def latest_checkpoint(self) -> Optional[dict]:
+        """Ray's latest checkpoint of the run; where Ray has none, the one the driver chose for
+        every rank (a run directory Ray never listed), else None."""
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
-            return None
+            return ray.get(self.resume_from) if self.resume_from is not None else None
         with checkpoint.as_directory() as directory:
             return load_checkpoint(os.path.join(directory, CHECKPOINT_FILE))
 
@@ -3843,7 +3860,7 @@ def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOpt
         # is the run's. (Ray's workers all get the driver's.)
         cfg = from_rank_0(cfg, worker.device)
     launcher = (TorchrunLauncher(cfg, worker, options.launched) if options.torchrun
-                else RayLauncher(cfg, worker))
+                else RayLauncher(cfg, worker, options.resume_from))
     return cfg, worker, launcher, options
 
 
@@ -4628,7 +4645,7 @@ def storage_full(cfg: Config, error: Optional[BaseException] = None) -> str:
         latest = latest_committed(cfg.run_dir)
         state = load_checkpoint(latest) if latest else None
     except BrokenSnapshot as exc:  # cut short by the full disk as Ray rewrote it
-        return f"{full_device(cfg, error)}; {exc}: once there is space, {SNAPSHOT_WAYS_ON}"
+        return f"{full_device(cfg, error)}; {exc.fact}: once there is space, {SNAPSHOT_WAYS_ON}"
     except (ConfigError, OSError):  # what storage still answers decides what may be called safe
         latest = None
     if latest is None:
@@ -4699,7 +4716,9 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
                           data=ray.put(data.datasets) if shared and sent(cfg, data) else None,
                           launched=launched,
                           board=(progress_board() if shared and cfg.mode != "scratch"
-                                 and ray.is_initialized() else None))
+                                 and ray.is_initialized() else None),
+                          resume_from=(ray.put(load_checkpoint(resume.unlisted))
+                                       if shared and resume.unlisted else None))
     if torchrun:
         # local mode logs every report at INFO
         logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -5566,7 +5585,7 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
     try:
         latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
     except BrokenSnapshot as exc:  # cut short as Ray stopped
-        return f"interrupted; {exc}: {SNAPSHOT_WAYS_ON}"
+        return f"interrupted; {exc}"
     if latest is None:
         return "interrupted; nothing was saved"
     try:

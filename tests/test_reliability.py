@@ -100,6 +100,21 @@ def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_within_the_epoch
         "checkpoint_epoch_001", "checkpoint_epoch_002", "checkpoint_epoch_003", "checkpoint_epoch_003_step_000160"]
 
 
+def test_a_run_directory_ray_never_listed_resumes_on_ray_from_its_latest_epoch_identically(tmp_path, reference_run,
+                                                                                          reference, capsys):
+    run = tmp_path / "unlisted"  # as torchrun leaves a run, or Ray one it stopped before it listed a checkpoint
+    for epoch in (1, 2):
+        name = ray_dp.checkpoint_dir_name(epoch)
+        shutil.copytree(reference_run / name, run / name)
+    result = train(tmp_path, "unlisted")
+    assert "resuming at epoch 3 of 3" in capsys.readouterr().out
+    # Ray had no checkpoint to give the workers: they took the driver's, and trained epoch 3 only
+    assert result["started_at_epoch"] == 3 and [m["epoch"] for m in result["epochs"]] == [1, 2, 3]
+    listed = json.loads((run / ray_dp.RAY_SNAPSHOT).read_text())["checkpoint_results"]
+    assert [entry["checkpoint_dir_name"] for entry in listed] == ["checkpoint_epoch_003"]
+    assert_bitwise_equal(final_weights(result), reference)
+
+
 def test_sigterm_to_a_worker_saves_at_the_next_log_step_and_ray_restarts_from_there(tmp_path, monkeypatch, capsys,
                                                                                    reference):
     monkeypatch.setattr(ray_dp, "train_loop_per_worker", crash_once(str(tmp_path / "signalled"), 1, 33, sigterm=True))

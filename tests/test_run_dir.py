@@ -121,6 +121,16 @@ def test_a_rerun_takes_what_it_does_not_type_from_the_run_it_resumes(tmp_path, c
     assert typed_cfg.epochs == 8
 
 
+def test_a_rerun_of_checkpoints_ray_never_listed_hands_the_workers_the_drivers_pick(tmp_path, no_cluster):
+    run = save_run(tmp_path / "run", saved=[1, 2])  # as torchrun leaves it: Ray would give its workers nothing
+    cfg = ray_dp.Config(dataset="digits", storage_path=str(tmp_path), name="run", epochs=3)
+    _, resume = ray_dp.check_run_dir(cfg)
+    assert (resume.done, resume.unlisted) == (2, f"{run}/checkpoint_epoch_002/{ray_dp.CHECKPOINT_FILE}")
+    (run / ray_dp.RAY_SNAPSHOT).write_text(ray_snapshot_json("checkpoint_epoch_001"))  # Ray's own pick
+    _, resume = ray_dp.check_run_dir(cfg)
+    assert (resume.done, resume.unlisted) == (1, None)
+
+
 def test_checkpoints_are_ordered_by_epoch_number_not_as_text(tmp_path):
     run = save_run(tmp_path / "run", saved=[2, 999, 1000])
     assert [Path(p).parent.name for p in ray_dp.epoch_checkpoints(run)] == [
