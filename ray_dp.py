@@ -2832,10 +2832,11 @@ def epoch_checkpoints(run_dir: str) -> list[str]:
 
 
 def latest_committed(run_dir: str) -> Optional[str]:
-    """The checkpoint file a rerun resumes from: the latest one Ray reported (its snapshot names
-    it), or where Ray lists none (torchrun keeps no snapshot), the highest epoch written
-    (atomically)."""
-    state = ray_snapshot(run_dir)
+    """The checkpoint file a rerun resumes from, as its launcher will: under torchrun, which lists
+    none (a Ray snapshot there is an earlier Ray run's, stale once torchrun trained on), the highest
+    epoch written (atomically); under Ray, the latest one Ray reported (its snapshot names it), or
+    where Ray lists none, the highest epoch written, which the driver hands Ray's workers."""
+    state = None if under_torchrun() else ray_snapshot(run_dir)
     if state is None:
         files = epoch_checkpoints(run_dir)
         return files[-1] if files else None
@@ -3811,8 +3812,8 @@ class TorchrunLauncher:
         contents: the ranks resume from one checkpoint at one epoch, shared file system or not."""
         state = None
         if self.worker.is_main:
-            files = epoch_checkpoints(self.cfg.run_dir)
-            state = load_checkpoint(str(files[-1])) if files else None
+            latest = latest_committed(self.cfg.run_dir)
+            state = load_checkpoint(latest) if latest else None
         return from_rank_0(state, self.worker.device)
 
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:

@@ -155,6 +155,17 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "LOCAL_RANK": "0", "MAST
             "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "1"}
 
 
+def test_under_torchrun_a_rerun_resumes_from_its_highest_epoch_not_an_earlier_ray_runs_list(tmp_path, monkeypatch):
+    run = save_run(tmp_path / "run", saved=[1, 2])  # Ray trained epoch 1, then torchrun epoch 2
+    (run / ray_dp.RAY_SNAPSHOT).write_text(ray_snapshot_json("checkpoint_epoch_001"))
+    assert ray_dp.latest_committed(str(run)).endswith(f"/checkpoint_epoch_001/{ray_dp.CHECKPOINT_FILE}")  # Ray's
+    for key, value in {**TORCHRUN, "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert ray_dp.latest_committed(str(run)).endswith(f"/checkpoint_epoch_002/{ray_dp.CHECKPOINT_FILE}")
+    cfg = ray_dp.Config(dataset="digits", storage_path=str(tmp_path), name="run", epochs=3)
+    assert ray_dp.check_run_dir(cfg)[1].done == 2  # what the driver says is what TorchrunLauncher loads
+
+
 @pytest.mark.parametrize("world, flags, message", [
     (3, [], "--batch-size 64 must divide by workers x accum-steps = 3"),
     (128, [], "--batch-size 64 must divide by workers x accum-steps = 128"),
