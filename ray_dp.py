@@ -2832,18 +2832,25 @@ def epoch_checkpoints(run_dir: str) -> list[str]:
 
 
 def latest_committed(run_dir: str) -> Optional[str]:
-    """The checkpoint file a rerun resumes from, as its launcher will: under torchrun, which lists
-    none (a Ray snapshot there is an earlier Ray run's, stale once torchrun trained on), the highest
-    epoch written (atomically); under Ray, the latest one Ray reported (its snapshot names it), or
-    where Ray lists none, the highest epoch written, which the driver hands Ray's workers."""
+    """The checkpoint file a rerun resumes from, as its launcher will (resume_point)."""
+    return resume_point(run_dir)[0]
+
+
+def resume_point(run_dir: str) -> tuple[Optional[str], bool]:
+    """The checkpoint file a rerun resumes from, as its launcher will, and whether Ray listed it.
+    Under torchrun, which lists none (a Ray snapshot there is an earlier Ray run's, stale once
+    torchrun trained on), the highest epoch written (atomically). Under Ray, the latest one Ray
+    reported (its snapshot names it), or where Ray lists none, the highest epoch written, which
+    the driver hands Ray's workers (Resume.unlisted)."""
     state = None if under_torchrun() else ray_snapshot(run_dir)
     if state is None:
         files = epoch_checkpoints(run_dir)
-        return files[-1] if files else None
+        return (files[-1] if files else None), False
     # as Ray resumes: from the latest reported, not the last listed (the list is in keep_score's
     # order), and from none if it names none
     latest = state.get("latest_checkpoint_result")
-    return f"{run_dir}/{latest['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if latest else None
+    return (f"{run_dir}/{latest['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if latest else None,
+            True)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -2918,9 +2925,11 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
         check_deletable(cfg, storage, run_dir)
         return cfg, Resume()
     try:
-        latest = latest_committed(cfg.run_dir)
+        latest, listed = resume_point(cfg.run_dir)
     except BrokenSnapshot as exc:
         raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}") from None
+    if listed:
+        note_epochs_beyond_rays(cfg, latest)
     if latest is None:
         return cfg, Resume()
     try:
@@ -2938,7 +2947,20 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
               f"{stored['epochs']}): epoch {done + 1} trains at lr "
               f"{learning_rate(cfg, done):.4g}", flush=True)
     return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0),
-                       None if ray_snapshot(cfg.run_dir) else latest)
+                       None if listed else latest)
+
+
+def note_epochs_beyond_rays(cfg: Config, latest: Optional[str]) -> None:
+    """Ray resumes from its own list. A checkpoint beyond its latest was written outside it (by
+    torchrun, after this run's Ray ones) or cut short as Ray stopped (it copies checkpoints into
+    place, not atomically): which one it is cannot be told, so say what happens to it."""
+    files = epoch_checkpoints(cfg.run_dir)
+    order = (lambda path: checkpoint_order(Path(path).parent.name))
+    if files and (latest is None or order(files[-1]) > order(latest)):
+        from_ = f"from {Path(latest).parent.name}" if latest else "from the start"
+        print(f"note: run '{cfg.name}' has {Path(files[-1]).parent.name}, beyond the latest "
+              f"checkpoint Ray lists: Ray resumes {from_} and trains those epochs again (under "
+              f"torchrun the run resumes from the highest epoch)", flush=True)
 
 
 def stored_config(state: dict) -> dict:
@@ -4389,7 +4411,9 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
         train_loop_config={"config": cfg, "options": options},
         scaling_config=scaling_config(cfg, workers),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage_path,
-                             checkpoint_config=checkpoint_config(cfg),
+                             # torchrun: ray_dp keeps the checkpoints, Ray's list is not read
+                             checkpoint_config=(CheckpointConfig() if options.torchrun
+                                                else checkpoint_config(cfg)),
                              # no INFO per report
                              logging_config=ray.train.LoggingConfig(log_level="WARNING"),
                              callbacks=callbacks + ([TensorBoardLogger(cfg)] if training else []),

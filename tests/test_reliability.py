@@ -100,14 +100,18 @@ def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_within_the_epoch
         "checkpoint_epoch_001", "checkpoint_epoch_002", "checkpoint_epoch_003", "checkpoint_epoch_003_step_000160"]
 
 
-def test_a_run_directory_ray_never_listed_resumes_on_ray_from_its_latest_epoch_identically(tmp_path, reference_run,
-                                                                                          reference, capsys):
+def test_a_run_directory_ray_never_listed_resumes_on_ray_from_its_latest_epoch_identically(
+        tmp_path, reference_run, reference, monkeypatch, capsys):
     run = tmp_path / "unlisted"  # as torchrun leaves a run, or Ray one it stopped before it listed a checkpoint
     for epoch in (1, 2):
         name = ray_dp.checkpoint_dir_name(epoch)
         shutil.copytree(reference_run / name, run / name)
-    result = train(tmp_path, "unlisted")
-    assert "resuming at epoch 3 of 3" in capsys.readouterr().out
+    marker = tmp_path / "crashed"  # and a worker dies before Ray has a checkpoint of its own to restart from
+    monkeypatch.setattr(ray_dp, "train_loop_per_worker", crash_once(str(marker), 2, 5))
+    result = train(tmp_path, "unlisted", "--max-failures", "1")
+    out = capsys.readouterr().out
+    assert marker.exists() and "during epoch 3; failure 1 (--max-failures: 1 allowed)" in out
+    assert out.count("resuming at epoch 3 of 3") == 2  # both worker groups
     # Ray had no checkpoint to give the workers: they took the driver's, and trained epoch 3 only
     assert result["started_at_epoch"] == 3 and [m["epoch"] for m in result["epochs"]] == [1, 2, 3]
     listed = json.loads((run / ray_dp.RAY_SNAPSHOT).read_text())["checkpoint_results"]

@@ -164,6 +164,22 @@ def test_under_torchrun_a_rerun_resumes_from_its_highest_epoch_not_an_earlier_ra
     assert ray_dp.latest_committed(str(run)).endswith(f"/checkpoint_epoch_002/{ray_dp.CHECKPOINT_FILE}")
     cfg = ray_dp.Config(dataset="digits", storage_path=str(tmp_path), name="run", epochs=3)
     assert ray_dp.check_run_dir(cfg)[1].done == 2  # what the driver says is what TorchrunLauncher loads
+    (run / ray_dp.RAY_SNAPSHOT).write_text("")  # even a broken one is not read
+    assert ray_dp.check_run_dir(cfg)[1].done == 2
+
+
+def test_a_ray_rerun_says_it_trains_again_the_epochs_beyond_rays_list(tmp_path, capsys):
+    run = save_run(tmp_path / "run", saved=[1, 2, 3])  # Ray trained epoch 1, then torchrun epochs 2 and 3
+    (run / ray_dp.RAY_SNAPSHOT).write_text(ray_snapshot_json("checkpoint_epoch_001"))
+    cfg = ray_dp.Config(dataset="digits", storage_path=str(tmp_path), name="run")
+    assert ray_dp.check_run_dir(cfg)[1].done == 1  # as Ray resumes
+    assert capsys.readouterr().out == (
+        "note: run 'run' has checkpoint_epoch_003, beyond the latest checkpoint Ray lists: Ray resumes from "
+        "checkpoint_epoch_001 and trains those epochs again (under torchrun the run resumes from the highest "
+        "epoch)\n")
+    (run / ray_dp.RAY_SNAPSHOT).write_text(ray_snapshot_json("checkpoint_epoch_001", "checkpoint_epoch_003"))
+    ray_dp.check_run_dir(cfg)
+    assert capsys.readouterr().out == ""  # nothing beyond it
 
 
 @pytest.mark.parametrize("world, flags, message", [
