@@ -2955,10 +2955,12 @@ def note_epochs_beyond_rays(cfg: Config, latest: Optional[str]) -> None:
     torchrun, after this run's Ray ones) or cut short as Ray stopped (it copies checkpoints into
     place, not atomically): which one it is cannot be told, so say what happens to it."""
     files = epoch_checkpoints(cfg.run_dir)
-    order = (lambda path: checkpoint_order(Path(path).parent.name))
-    if files and (latest is None or order(files[-1]) > order(latest)):
-        from_ = f"from {Path(latest).parent.name}" if latest else "from the start"
-        print(f"note: run '{cfg.name}' has {Path(files[-1]).parent.name}, beyond the latest "
+    highest = Path(files[-1]).parent.name if files else None
+    listed = Path(latest).parent.name if latest else None
+    listed_order = checkpoint_order(listed) if listed else (-1, 0)  # None: a name not ray_dp's
+    if highest and listed_order and checkpoint_order(highest) > listed_order:
+        from_ = f"from {listed}" if listed else "from the start"
+        print(f"note: run '{cfg.name}' has {highest}, beyond the latest "
               f"checkpoint Ray lists: Ray resumes {from_} and trains those epochs again (under "
               f"torchrun the run resumes from the highest epoch)", flush=True)
 
