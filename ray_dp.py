@@ -2280,7 +2280,13 @@ def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device
     # asynchronous.
     return DataLoader(data, batch_size=cfg.micro_batch, sampler=sampler, drop_last=True,
                       num_workers=workers, pin_memory=device.type == "cuda",
-                      persistent_workers=workers > 0)
+                      persistent_workers=workers > 0, worker_init_fn=leave_sigterm_to_the_rank)
+
+
+def leave_sigterm_to_the_rank(loader_id: int) -> None:
+    """A loader process ignores SIGTERM: a shutdown signals every process, and a loader that died
+    of it would fail its rank before the rank saved. The rank's stop ends its loaders."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def loader_workers(cfg: Config, data) -> int:
@@ -2645,7 +2651,8 @@ def eval_batches(data, indices: torch.Tensor, batch_size: int, workers: int):
         for index in indices.split(batch_size):
             yield index, images[index], labels[index]
         return
-    loader = DataLoader(Subset(data, indices.tolist()), batch_size=batch_size, num_workers=workers)
+    loader = DataLoader(Subset(data, indices.tolist()), batch_size=batch_size, num_workers=workers,
+                        worker_init_fn=leave_sigterm_to_the_rank)
     for index, (images, labels) in zip(indices.split(batch_size), loader):
         yield index, images, labels
 
@@ -2873,18 +2880,34 @@ def write_stored(path: str, data: bytes) -> None:
 
 
 def write_atomically(path: str, data: Union[str, bytes]) -> None:
-    """Never a half-written file: write beside it, then rename over it; a write that fails (a full
-    disk) leaves the file as it was and nothing beside it."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """Never a half-written file: write beside it, flush it to the disk, rename it over the file,
+    flush the directory; a write that fails (a full disk) leaves the file as it was and nothing
+    beside it. Why fsync: after a power loss a renamed file that was never flushed can be empty."""
+    folder = os.path.dirname(os.path.abspath(path))
+    made = [part for part in [folder, *Path(folder).parents] if not os.path.isdir(part)]
+    os.makedirs(folder, exist_ok=True)
     try:
         with open(path + ".tmp", "wb" if isinstance(data, bytes) else "w",
                   **({} if isinstance(data, bytes) else {"newline": ""})) as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
+        for part in [folder, *(os.path.dirname(str(new)) for new in made)]:
+            sync_directory(part)  # the file's entry, and those of the directories made for it
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path + ".tmp")
         raise
+
+
+def sync_directory(folder: str) -> None:
+    """A rename in `folder` made durable (the directory's entry flushed to the disk)."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 RUN_MARKERS = (RAY_SNAPSHOT, "result.json", "recovery.json")
@@ -3856,8 +3879,8 @@ class TorchrunLauncher:
 def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0) -> None:
     """Rank 0's checkpoint of an epoch (or of `step` steps of it), where Ray would have committed
     it, whole or not at all (a crash or a full disk mid-write leaves no half one): renamed into
-    place on a disk, one object in a bucket. Then the mid-epoch checkpoints before it go: a run
-    keeps its epochs' and its last."""
+    place on a disk, one object in a bucket. Then, once it is durable (write_stored), the
+    mid-epoch checkpoints before it go: a run keeps its epochs' and its last."""
     saved = io.BytesIO()
     torch.save(state, saved)
     name = checkpoint_dir_name(epoch, step)

@@ -187,6 +187,36 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_nothing_beside_it(tm
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["result.json"]
 
 
+def test_a_checkpoint_is_on_the_disk_before_its_rename_and_an_older_one_goes_only_after(tmp_path, monkeypatch):
+    run, events = tmp_path / "runs" / "r", []
+    state = {"model": {"w": torch.zeros(2)}, "epoch": 0}
+    ray_dp.save_checkpoint(str(run), state, 1, 40)
+    real_fsync, real_replace, real_files_at = os.fsync, os.replace, ray_dp.files_at
+
+    def fsync(descriptor):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
+        real_fsync(descriptor)
+
+    class Deleting:  # the run directory's file system, its deletions recorded
+        def __init__(self, storage):
+            self.storage = storage
+
+        def delete_dir(self, path):
+            events.append(("delete", path))
+            self.storage.delete_dir(path)
+
+        def __getattr__(self, name):
+            return getattr(self.storage, name)
+    monkeypatch.setattr(ray_dp.os, "fsync", fsync)
+    monkeypatch.setattr(ray_dp.os, "replace", lambda *paths: (events.append(("rename", paths[1])), real_replace(*paths)))
+    monkeypatch.setattr(ray_dp, "files_at", lambda path: (Deleting(real_files_at(path)[0]), real_files_at(path)[1]))
+    ray_dp.save_checkpoint(str(run), state, 1, 80)
+    new = run / "checkpoint_epoch_001_step_000080"
+    assert events == [("fsync", f"{new}/checkpoint.pt.tmp"), ("rename", f"{new}/checkpoint.pt"),
+                      ("fsync", str(new)), ("fsync", str(run)),  # the file's entry, then the new directory's
+                      ("delete", str(run / "checkpoint_epoch_001_step_000040"))]
+
+
 # 13. An unreadable image is named, with its folder, wherever it is decoded; the doctor finds them all.
 
 def broken_folder(tmp_path):

@@ -8,7 +8,9 @@ those of the uninterrupted run."""
 import copy
 import os
 import signal
+import subprocess
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -218,10 +220,10 @@ def test_scratch_mode_saves_at_epochs_ends_only(capsys):
     assert "--checkpoint-every needs --mode ddp" in capsys.readouterr().err
 
 
-def sigterm_at(cfg, micro_batches, torchrun):
-    """On each rank: SIGTERM to rank 1 only, at its micro-batch `micro_batches`; the run saves at the next log step
-    and stops (under Ray every rank raises then, for Ray to restart the workers). Then a resume from that
-    checkpoint, to the end."""
+def sigterm_at(cfg, micro_batches, torchrun, loaders_too=False):
+    """On each rank: SIGTERM to rank 1 only (loaders_too: and to its loader processes, at once, as a shutdown signals
+    every process), at its micro-batch `micro_batches`; the run saves at the next log step and stops (under Ray every
+    rank raises then, for Ray to restart the workers). Then a resume from that checkpoint, to the end."""
     stopped, resumed_run = Saves(), None
     resized = ray_dp.resized
     count = [0]
@@ -229,7 +231,10 @@ def sigterm_at(cfg, micro_batches, torchrun):
     def signalling(x, size):
         count[0] += 1
         if dist.get_rank() == 1 and count[0] == micro_batches:
-            os.kill(os.getpid(), signal.SIGTERM)
+            me = psutil.Process()
+            # from another process, as a shutdown's (torch's loader processes exit quietly on their parent's)
+            subprocess.run(["kill", "-TERM", *(str(process.pid) for process in
+                                               [me, *(me.children(recursive=True) if loaders_too else [])])])
         return resized(x, size)
     ray_dp.resized = signalling
     try:
@@ -261,6 +266,14 @@ def test_sigterm_to_one_worker_saves_at_the_next_log_step_on_every_rank_and_the_
     assert zero["saved_at"] == (1, 2)
     assert_bitwise_equal(*zero["final"])
     assert zero["handler"] == "GracefulStop"
+
+
+def test_sigterm_to_a_rank_and_its_loader_processes_at_once_saves_on_every_rank_and_resumes_bitwise(tmp_path):
+    cfg = config(tmp_path, dataset="folder", loader_workers=2, checkpoint_every="0", log_every=2)
+    zero, one = run_distributed(sigterm_at, 2, cfg, 2, True, True)  # in step 2 (of 5): saved after it, a log step
+    assert zero["stopped"] == one["stopped"] == {"epoch": 1, "step": 2, "steps": 5, "by": ["sigterm"]}
+    assert zero["saved_at"] == (1, 2)
+    assert_bitwise_equal(*zero["final"])
 
 
 def saved_at(cfg, epoch_step):
