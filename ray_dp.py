@@ -2392,32 +2392,25 @@ class SaveRules:
     those steps (the same on every rank, no vote needed); Nm: when rank 0's clock says so; a stop:
     when any rank got SIGTERM or the driver asked. Those two are votes that StepLog adds up, so
     that every rank saves and stops at the same step. Rank 0 also keeps the driver's board
-    (ProgressBoard, under Ray) told how many steps it trained since the last checkpoint: what a
-    failure now would lose."""
+    (ProgressBoard, under Ray) told how many steps it trained since the last checkpoint, and hears
+    the driver's stop through its heartbeat (DriverLink)."""
 
-    def __init__(self, cfg: Config, save=None, board=None, stop: Optional[GracefulStop] = None):
+    def __init__(self, cfg: Config, save=None, link: Optional["DriverLink"] = None,
+                 stop: Optional[GracefulStop] = None):
         self.every_steps, self.every_seconds = checkpoint_interval(cfg.checkpoint_every)
         self.save_fn, self.stop = save, stop
         self.main = rank_and_world()[0] == 0
-        self.board = board if self.main else None
-        self.last_save, self.since, self.answer = time.monotonic(), 0, None
-        self.driver_asked = False
+        self.link = link if self.main else None
+        self.last_save, self.since = time.monotonic(), 0
 
     def votes(self, epoch_end: bool = False) -> list:
         """This rank's votes now (StepLog counts them at its log steps, train_epoch once more at
-        the epoch's end; a stop asked for stays asked). At the epoch's end rank 0 asks the board
-        and waits for its answer: an epoch may have no log step to hear it at."""
+        the epoch's end; a stop asked for stays asked). At the epoch's end rank 0 asks the driver
+        once more and waits for its answer: the heartbeat's last may be seconds old."""
         votes = [SIGTERM_VOTE] if self.stop is not None and self.stop.asked else []
-        if epoch_end and self.board is not None:
-            self.answer = self.board.stepped.remote(self.since)
-            ray.wait([self.answer], timeout=10)
-        if self.answer is not None and ray.wait([self.answer], timeout=0)[0]:
-            try:
-                self.driver_asked = self.driver_asked or ray.get(self.answer)
-            except ray.exceptions.RayError:  # the board is gone: no more news from the driver
-                self.board = None
-            self.answer = None
-        if self.driver_asked:
+        if epoch_end and self.link is not None:
+            self.link.beat(timeout=10)
+        if self.link is not None and self.link.asked:
             votes.append(DRIVER_VOTE)
         if (self.main and self.every_seconds
                 and time.monotonic() - self.last_save >= self.every_seconds):
@@ -2429,10 +2422,10 @@ class SaveRules:
 
     def stepped(self, logged: bool) -> None:
         """A step trained. At log steps rank 0 tells the board, without waiting (a message costs
-        about 0.5 ms here: not every step); its answer (a stop asked for?) is read at the next."""
+        about 0.5 ms here: not every step)."""
         self.since += 1
-        if self.board is not None and logged:
-            self.answer = self.board.stepped.remote(self.since)
+        if self.link is not None and logged:
+            self.link.board.stepped.remote(self.since)
 
     def save(self, partial: dict) -> None:
         if self.save_fn:
@@ -2441,8 +2434,40 @@ class SaveRules:
 
     def saved(self) -> None:
         self.last_save, self.since = time.monotonic(), 0
-        if self.board is not None:
-            self.board.stepped.remote(0)
+        if self.link is not None:
+            self.link.board.stepped.remote(0)
+
+
+class DriverLink:
+    """Rank 0's line to the driver's ProgressBoard: a beat every BEAT_S from a thread of its own,
+    so that the driver knows a worker trains however long a step takes, and whose answer says
+    whether the driver asked for a stop (SIGTERM to the driver)."""
+
+    BEAT_S = 2.0
+
+    def __init__(self, board):
+        self.board, self.asked, self.done = board, False, threading.Event()
+        self.thread = threading.Thread(target=self.beating, daemon=True, name="ray-dp heartbeat")
+
+    def __enter__(self) -> "DriverLink":
+        self.beat(timeout=30)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *error) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def beating(self) -> None:
+        while not self.done.wait(self.BEAT_S):
+            self.beat(timeout=self.BEAT_S)
+
+    def beat(self, timeout: float) -> None:
+        """One beat; its answer (a stop asked?) kept. A board that is gone or slow: no answer."""
+        try:
+            self.asked = ray.get(self.board.beat.remote(), timeout=timeout) or self.asked
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
 
 
 class StepLog:
@@ -3203,26 +3228,31 @@ class TensorBoardLogger(ray.train.UserCallback):
 
 
 class ProgressBoard:
-    """A Ray actor on the driver's side of a run: rank 0 tells it, each step and without waiting,
-    how many steps it trained since the last checkpoint (what a failure then loses: the steps the
-    restarted workers redo), and reads from it whether the driver asked for a stop (SIGTERM to the
-    driver). It outlives the worker groups of a run, so it can count across their restarts."""
+    """A Ray actor on the driver's side of a run: rank 0 tells it, at log steps and without
+    waiting, how many steps it trained since the last checkpoint (what a failure then loses: the
+    steps the restarted workers redo), and beats (DriverLink) to read whether the driver asked for
+    a stop (SIGTERM to the driver). It outlives the worker groups of a run, so it can count across
+    their restarts."""
 
-    HEARD_WITHIN = 60.0  # seconds: rank 0 trains, and will hear of a stop
+    # seconds without a beat after which no worker trains (DriverLink.BEAT_S, several times over)
+    HEARD_WITHIN = 10.0
 
     def __init__(self):
         self.since, self.redone, self.stop, self.heard_at = 0, 0, False, 0.0
 
-    def stepped(self, since: int) -> bool:
-        self.since, self.heard_at = since, time.time()
+    def stepped(self, since: int) -> None:
+        self.since = since
+
+    def beat(self) -> bool:
+        self.heard_at = time.time()
         return self.stop
 
     def restarted(self) -> None:
         """A worker group starts: what the last one trained since its last checkpoint is redone."""
-        self.redone, self.since, self.heard_at = self.redone + self.since, 0, time.time()
+        self.redone, self.since = self.redone + self.since, 0
 
     def ask_stop(self) -> bool:
-        """Whether rank 0 will hear of it: it told the board something in the last minute."""
+        """Whether rank 0 will hear of it: it beat within HEARD_WITHIN seconds."""
         self.stop = True
         return time.time() - self.heard_at < self.HEARD_WITHIN
 
@@ -4086,8 +4116,9 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
 
     board = options.board if worker.is_main and told(options.board, "restarted") else None
     stop = graceful_stop()
-    rules = SaveRules(cfg, save_within_epoch, board, stop)
-    with training(stop):
+    link = DriverLink(board) if board is not None else None
+    rules = SaveRules(cfg, save_within_epoch, link, stop)
+    with training(stop), link or contextlib.nullcontext():
         out = run_epochs(
             cfg, worker, launcher, start,
             train_fn=lambda epoch, partial: train_epoch(

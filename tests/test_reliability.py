@@ -134,11 +134,39 @@ def test_sigterm_to_a_worker_saves_at_the_next_log_step_and_ray_restarts_from_th
     assert_bitwise_equal(final_weights(result), reference)
 
 
-def driver_past_epoch_1(tmp_path, name, stdout):
+# The driver, with its workers' steps of epoch 2 slowed to 0.6 s each until the file `fast` exists: `python ray_dp.py` as
+# imported (so Ray ships ray_dp to its workers), its training function a wrapper that travels by value.
+SLOWED_DRIVER = """
+import sys
+import ray_dp
+
+def train_loop_per_worker(config, fast=sys.argv[1]):
+    import os
+    import time
+    import ray_dp
+    batches = ray_dp.InMemoryBatches.__iter__
+
+    def slowed(self):
+        for batch in batches(self):
+            if self.sampler.epoch == 1 and not os.path.exists(fast):
+                time.sleep(0.6)
+            yield batch
+    ray_dp.InMemoryBatches.__iter__ = slowed
+    return ray_dp.train_loop_per_worker(config)
+
+ray_dp.train_loop_per_worker = train_loop_per_worker
+sys.exit(ray_dp.main(sys.argv[2:]))
+"""
+
+
+def driver_past_epoch_1(tmp_path, name, stdout, *flags, slow=False):
     """`python ray_dp.py` on the shared cluster, in a session of its own (Ctrl-C in a terminal signals the whole
-    foreground process group), once Ray has committed its epoch 1; and the path of Ray's snapshot of the run."""
-    command = [sys.executable, "ray_dp.py", *RUN, "--cpu", "--storage-path", str(tmp_path), "--name", name,
-               "--logdir", str(tmp_path / "tb"), "--address", ray.get_runtime_context().gcs_address]
+    foreground process group), once Ray has committed its epoch 1; and the path of Ray's snapshot of the run.
+    slow: its epoch 2 slowed (SLOWED_DRIVER) until the file tmp_path / "fast" exists."""
+    command = [*RUN, "--cpu", "--storage-path", str(tmp_path), "--name", name, "--logdir", str(tmp_path / "tb"),
+               "--address", ray.get_runtime_context().gcs_address, *flags]
+    command = ([sys.executable, "-c", SLOWED_DRIVER, str(tmp_path / "fast"), *command] if slow
+               else [sys.executable, "ray_dp.py", *command])
     driver = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, RAY_AUTH_MODE="token"),
                               stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True)
     snapshot = tmp_path / name / "checkpoint_manager_snapshot.json"
@@ -149,19 +177,22 @@ def driver_past_epoch_1(tmp_path, name, stdout):
     return driver, snapshot
 
 
-def test_sigterm_to_the_driver_stops_at_the_next_log_step_and_the_same_command_resumes_identically(tmp_path,
-                                                                                                  reference):
-    driver, _ = driver_past_epoch_1(tmp_path, "drained", stdout=subprocess.PIPE)
+def test_sigterm_to_the_driver_saves_within_the_epoch_however_long_the_steps_and_the_same_command_resumes_identically(
+        tmp_path, reference):
+    # no log step in an epoch (179 steps), and 65 s into epoch 2 before the signal: rank 0 said nothing of its steps
+    # for longer than the minute after which the driver once took it for not training, and let the signal kill it
+    driver, _ = driver_past_epoch_1(tmp_path, "drained", subprocess.PIPE, "--log-every", "1000", slow=True)
+    time.sleep(65)
     driver.send_signal(signal.SIGTERM)
+    (tmp_path / "fast").touch()
     stdout, stderr = driver.communicate(timeout=120)
-    assert driver.returncode == 143 and "Traceback" not in stderr, stderr
-    last = stderr.splitlines()[-1]
-    assert last.startswith("ray_dp.py: stopped at epoch ") and last.endswith(
-        " (SIGTERM), its checkpoint saved: the same command resumes from there"), last
+    assert driver.returncode == 143 and "Traceback" not in stderr, stdout + stderr
+    assert stderr.splitlines()[-1] == ("ray_dp.py: stopped at the end of epoch 2 (SIGTERM), its checkpoint saved: "
+                                       "the same command resumes from there")
     assert "ray-dp: SIGTERM: saving a checkpoint at the next log step" in stdout
 
     result = train(tmp_path, "drained")  # the same command, in this process
-    assert result["recovery"]["steps_redone"] == 0
+    assert result["started_at_epoch"] == 3 and result["recovery"]["steps_redone"] == 0
     assert_bitwise_equal(final_weights(result), reference)
 
 
@@ -172,7 +203,7 @@ def test_a_worker_death_without_max_failures_fails_with_a_message(tmp_path, monk
 
 
 def test_ctrl_c_says_where_it_stopped_and_the_same_command_resumes_identically(tmp_path, reference):
-    driver, snapshot = driver_past_epoch_1(tmp_path, "killed", stdout=subprocess.DEVNULL)
+    driver, snapshot = driver_past_epoch_1(tmp_path, "killed", subprocess.DEVNULL)
     os.killpg(driver.pid, signal.SIGINT)
     stderr = driver.communicate(timeout=120)[1]
     committed = json.loads(snapshot.read_text())["checkpoint_results"]

@@ -9,6 +9,7 @@ import copy
 import os
 import signal
 import subprocess
+import time
 
 import psutil
 import pytest
@@ -357,29 +358,42 @@ def test_sigterm_while_training_asks_for_a_stop_and_otherwise_does_what_it_did_b
 
 
 class FakeBoard:
-    """The driver's ProgressBoard as rank 0 sees it, without Ray: stepped.remote answers whether a stop was asked."""
+    """The driver's ProgressBoard as rank 0 sees it, without Ray: stepped.remote records, beat.remote answers whether
+    a stop was asked."""
+
+    class Method:
+        def __init__(self, answer):
+            self.answer, self.calls = answer, []
+
+        def remote(self, *args):
+            self.calls.append(args)
+            return self.answer(*args)
 
     def __init__(self):
-        self.stop, self.told = False, []
-        self.stepped = self
-
-    def remote(self, since):
-        self.told.append(since)
-        return self.stop
+        self.stop = False
+        self.stepped = self.Method(lambda since: None)
+        self.beat = self.Method(lambda: self.stop)
 
 
-def test_rank_0_hears_the_drivers_stop_at_a_log_step_and_at_an_epochs_end_without_one(monkeypatch):
-    monkeypatch.setattr(ray_dp.ray, "wait", lambda refs, timeout: (refs, []))
-    monkeypatch.setattr(ray_dp.ray, "get", lambda ref: ref)
+def test_rank_0_tells_the_board_at_log_steps_and_hears_the_drivers_stop_from_its_heartbeat(monkeypatch):
+    monkeypatch.setattr(ray_dp.ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(ray_dp.DriverLink, "BEAT_S", 0.01)
     board = FakeBoard()
-    rules = ray_dp.SaveRules(ray_dp.Config(checkpoint_every="0"), board=board)
+    link = ray_dp.DriverLink(board)
+    rules = ray_dp.SaveRules(ray_dp.Config(checkpoint_every="0"), link=link)
     for logged in (False, True, False):
         rules.stepped(logged)
-    assert board.told == [2] and rules.votes() == []  # told at the log step only; nothing asked yet
-    board.stop = True
-    assert rules.votes() == []  # its last answer was given before the stop
-    assert rules.votes(epoch_end=True) == [ray_dp.DRIVER_VOTE]  # asked again at the epoch's end, and waited for
-    assert board.told == [2, 3] and rules.votes() == [ray_dp.DRIVER_VOTE]  # asked stays asked
+    assert board.stepped.calls == [(2,)] and rules.votes() == []  # told at the log step only; nothing asked yet
+    with link:  # beats from a thread of its own: no step needs to come for the driver to know rank 0 trains
+        deadline = time.time() + 10
+        while len(board.beat.calls) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        board.stop = True
+        while not link.asked and time.time() < deadline:
+            time.sleep(0.01)
+    assert len(board.beat.calls) >= 3 and rules.votes() == [ray_dp.DRIVER_VOTE]  # heard between two steps
+    board.stop = False
+    assert rules.votes(epoch_end=True) == [ray_dp.DRIVER_VOTE]  # asked stays asked
 
 
 def test_a_resumed_epochs_progress_bar_starts_at_its_steps_so_far_in_rays_own_tqdm(capsys):
