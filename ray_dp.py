@@ -1622,6 +1622,7 @@ class DataInfo:
     classes: list  # their names
     per_sample: bool  # read (decoded) per sample, not held in memory
     datasets: tuple = field(default=(), repr=False, compare=False)  # (train, test) as loaded
+    fingerprint: Optional[str] = None  # the training set's list of samples (samples_fingerprint)
 
 
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
@@ -1638,7 +1639,7 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
         train_set, test_set = load_dataset(cfg)
     info = DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set),
                     class_names(train_set), not isinstance(train_set, TensorDataset),
-                    (train_set, test_set))
+                    (train_set, test_set), samples_fingerprint(train_set))
     return cfg, info
 
 
@@ -2770,17 +2771,20 @@ def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
 
 
 def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config,
-                     history: list, classes: list, partial: Optional[dict] = None) -> dict:
+                     history: list, classes: list, partial: Optional[dict] = None,
+                     samples: Optional[str] = None) -> dict:
     """What a checkpoint holds after `epoch` epochs (and, mid-epoch, `partial`: the steps of the
     next one done, the samples they consumed and what their losses added up to); `classes`, the
     names of the model's outputs in order, is what an evaluation scores against (not what the test
-    set's labels happen to reach)."""
+    set's labels happen to reach); `samples`, the training list's fingerprint, what a resume
+    must find again."""
     # contiguous, whatever layout trained it (on_device): what users' code and tools expect of a
     # state_dict (.view, .numpy(), safetensors)
     return {"model": {key: value.contiguous() for key, value in model_state.items()},
             "optimizer": optimizer_state, "epoch": epoch,
             "config": asdict(cfg), "history": list(history), "classes": list(classes),
-            "format": CHECKPOINT_FORMAT, **({"partial": partial} if partial else {})}
+            "format": CHECKPOINT_FORMAT, **({"partial": partial} if partial else {}),
+            **({"samples": samples} if samples else {})}
 
 
 def renumbered(record: dict) -> dict:
@@ -2949,6 +2953,7 @@ class Resume:
     # the checkpoint's file where Ray lists none of the run's (torchrun wrote them, or Ray stopped
     # before it listed its first): Ray's workers would start over, so they are handed this one
     unlisted: Optional[str] = None
+    samples: Optional[str] = None  # the fingerprint of the list of samples it trained on
 
     @property
     def resumes(self) -> bool:
@@ -2995,7 +3000,7 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
               f"{stored['epochs']}): epoch {done + 1} trains at lr "
               f"{learning_rate(cfg, done):.4g}", flush=True)
     return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0),
-                       None if listed else latest)
+                       None if listed else latest, state.get("samples"))
 
 
 def note_epochs_beyond_rays(cfg: Config, latest: Optional[str]) -> None:
@@ -3943,15 +3948,68 @@ def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOpt
 
 
 def worker_data(cfg: Config, options: LoopOptions, worker: Worker) -> tuple:
-    """(train, test): the driver's copy from Ray's object store when it sent one (data held in
-    memory: loaded once, no files needed on the workers' nodes; a bucket's list of images), under
-    torchrun rank 0's list of a bucket's images (every rank the same samples), else this worker
-    loads them."""
+    """(train, test) as the run decided them: the driver's copy from Ray's object store (data held
+    in memory: loaded once, no files needed on the workers' nodes; the list of a folder's images,
+    made once), under torchrun rank 0's list of a folder's images, else this worker loads them.
+    Each rank then checks that its node holds every file of the list (check_node_holds)."""
     if options.data is not None:
-        return ray.get(options.data)
-    if options.torchrun and is_uri(cfg.data_dir):
-        return from_rank_0(load_dataset(cfg) if worker.is_main else None, worker.device)
-    return load_dataset(cfg)
+        data = ray.get(options.data)
+    elif options.torchrun and cfg.dataset == "folder":
+        data = from_rank_0(load_dataset(cfg) if worker.is_main else None, worker.device)
+    else:
+        return load_dataset(cfg)
+    check_node_holds(data, cfg, worker)
+    return data
+
+
+def check_node_holds(data: tuple, cfg: Config, worker: Worker) -> None:
+    """A folder on each node's own disk: every rank's node holds each image of the run's list, else
+    every rank stops with one line naming a node, a file and --data-dir; images that the list lacks
+    are not trained (rank 0 says so, once). A bucket is the same for every node."""
+    if cfg.dataset != "folder" or is_uri(cfg.data_dir):
+        return
+    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+    mine = []
+    for split, listed in zip(("train", "val"), data):
+        root = os.path.join(cfg.data_dir, split)
+        here = {os.path.relpath(path, root) for path, _ in make_dataset(
+            root, listed.class_to_idx, IMG_EXTENSIONS, allow_empty=True)}
+        wanted = [os.path.relpath(path, listed.root) for path, _ in listed.samples]
+        lacks = [f"{split}/{name}" for name in wanted if name not in here]
+        mine.append((lacks[:1], len(lacks), len(here - set(wanted))))
+    found = [(node_name(), mine)] * worker.world
+    if worker.world > 1:
+        dist.all_gather_object(found, (node_name(), mine))
+    for rank, (node, splits) in enumerate(found):
+        for first, lacks, _ in splits:
+            if lacks:
+                raise DataError(f"node {node} (rank {rank}) lacks {plural(lacks, 'image')} of the "
+                                f"run's list in --data-dir {cfg.data_dir}, e.g. {first[0]}: copy "
+                                f"the same folder to every node (cluster.yaml's file_mounts), or "
+                                f"keep it in object storage (s3://...)")
+    extra = {node: sum(more for *_, more in splits) for node, splits in found}
+    if worker.is_main and any(extra.values()):
+        node, more = max(extra.items(), key=lambda item: item[1])
+        print(f"ray-dp: note: node {node} holds {plural(more, 'image')} in --data-dir "
+              f"{cfg.data_dir} that the run's list does not: they are not trained", flush=True)
+
+
+def node_name() -> str:
+    """This node as Ray names it (its address), or its host name outside Ray."""
+    import socket
+    return ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostname()
+
+
+def samples_fingerprint(data) -> Optional[str]:
+    """A per-sample data set's list of samples (classes, and each file, relative to its folder,
+    with its label) in 16 hex digits; None for data without such a list."""
+    if not hasattr(data, "samples"):
+        return None
+    import hashlib
+    root = data.root.rstrip("/")
+    lines = [",".join(data.classes)] + [f"{path[len(root) + 1:]}\t{label}"
+                                         for path, label in data.samples]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 def starting_weights(cfg: Config, options: LoopOptions) -> dict:
@@ -4103,9 +4161,11 @@ def train_worker(cfg: Config, worker: Worker, launcher: "Launcher", options: Loo
     batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
     marks["model"] = time.time()
 
+    samples = samples_fingerprint(train_set)
+
     def state_of(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
         return checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(), epoch, cfg,
-                                history, classes, partial)
+                                history, classes, partial, samples)
 
     def save_within_epoch(partial: dict) -> None:
         epoch, step = partial["epoch"], partial["step"]
@@ -4775,6 +4835,7 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
         check_model_fits(cfg, data)
         if resume.classes:
             check_same_classes(cfg, resume.classes, data.classes, "resume it on")
+        check_same_samples(cfg, resume, data)
         weights_note = None if resumes else check_weights(cfg, data)
         if launched:  # this run pays for the checks and for starting Ray
             launched["checked"] = time.time()
@@ -4841,10 +4902,19 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
     return summary
 
 
+def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> None:
+    """A resume takes up the list of samples its checkpoint trained on (its saved place in an epoch
+    is a place in that list)."""
+    if resume.samples and data.fingerprint and resume.samples != data.fingerprint:
+        raise ConfigError(f"run '{cfg.name}' trained on another list of images than --data-dir "
+                          f"{cfg.data_dir} holds now ({data.sizes[0]} train images): restore the "
+                          f"folder as it was, or start over with --fresh or a new --name")
+
+
 def sent(cfg: Config, data: DataInfo) -> bool:
-    """The driver sends the workers their data (not only its place): data held in memory, and the
-    list of a bucket's images (listed once, not once per worker)."""
-    return not data.per_sample or is_uri(cfg.data_dir)
+    """The driver sends the workers their data (not only its place): data held in memory, and a
+    folder's list of images (listed once: the run's one list, whatever each node holds)."""
+    return not data.per_sample or cfg.dataset == "folder"
 
 
 def run_eval(cfg: Config, checkpoint: dict) -> dict:

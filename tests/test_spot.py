@@ -5,9 +5,13 @@ A kill here is an exception on every rank at the same micro-batch (before its fo
 so that one process group serves every scenario; a resume is a new run of ray_dp's worker loop (train_worker) from
 the last checkpoint the killed one saved. Same world size, same arithmetic: the final parameters must be bitwise
 those of the uninterrupted run."""
+import contextlib
 import copy
+import io
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import time
 
@@ -275,6 +279,52 @@ def test_sigterm_to_a_rank_and_its_loader_processes_at_once_saves_on_every_rank_
     assert zero["stopped"] == one["stopped"] == {"epoch": 1, "step": 2, "steps": 5, "by": ["sigterm"]}
     assert zero["saved_at"] == (1, 2)
     assert_bitwise_equal(*zero["final"])
+
+
+def on_own_folders(configs):
+    """On each rank: a torchrun run whose --data-dir is its own (as each node reads its own disk); what it trained, or
+    the error it stopped with, and what it printed."""
+    ray_dp.bound_collectives(60)  # on code that trains each rank's own list, a rank's extra step would wait forever
+    saves = Saves()
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            run(configs[dist.get_rank()], saves, dist.get_world_size(), torchrun=True)
+    except ray_dp.DataError as exc:
+        return {"error": str(exc)}
+    return {"samples": [m["train_samples"] for m in saves.epochs], "printed": printed.getvalue(),
+            "losses": [m["train_loss"] for m in saves.epochs],
+            "fingerprint": saves.checkpoints and saves.checkpoints[-1][1]["samples"]}  # rank 0 saves
+
+
+def folders_that_differ(tmp_path, change):
+    cfg = config(tmp_path, dataset="folder", loader_workers=0, checkpoint_every="0")
+    other = tmp_path / "node1"
+    shutil.copytree(cfg.data_dir, other)
+    change(other)
+    return [cfg, ray_dp.replace(cfg, data_dir=str(other))]
+
+
+def test_a_node_with_images_the_list_lacks_trains_rank_0s_list_and_says_so_once(tmp_path):
+    def twelve_more(folder):  # on rank 1's own list: a sixth step, that rank 0 never takes
+        for i in range(12):
+            shutil.copy(folder / "train" / "a" / "0.png", folder / "train" / "a" / f"extra{i}.png")
+    configs = folders_that_differ(tmp_path, twelve_more)
+    zero, one = run_distributed(on_own_folders, 2, configs)
+    assert zero["samples"] == one["samples"] == [60, 60]  # rank 0's 60 images, each once, in whole global batches
+    assert zero["losses"] == one["losses"]  # all-reduced over the same steps
+    assert zero["fingerprint"] == ray_dp.samples_fingerprint(ray_dp.load_dataset(configs[0])[0])
+    assert zero["printed"].count("note: node ") == 1 and "holds 12 images in --data-dir" in zero["printed"]
+    assert "note:" not in one["printed"]
+
+
+def test_a_node_that_lacks_an_image_of_the_list_stops_every_rank_with_one_line_naming_it(tmp_path):
+    configs = folders_that_differ(tmp_path, lambda folder: (folder / "train" / "b" / "3.png").unlink())
+    errors = [out["error"] for out in run_distributed(on_own_folders, 2, configs)]
+    assert errors[0] == errors[1].replace(configs[1].data_dir, configs[0].data_dir)
+    assert errors[1] == (f"node {socket.gethostname()} (rank 1) lacks 1 image of the run's list in --data-dir "
+                         f"{configs[1].data_dir}, e.g. train/b/3.png: copy the same folder to every node (cluster.yaml's "
+                         f"file_mounts), or keep it in object storage (s3://...)")
 
 
 def saved_at(cfg, epoch_step):

@@ -458,3 +458,24 @@ def test_weights_by_a_link_is_the_same_file_on_a_rerun(tmp_path, no_cluster):
 def test_eval_only_takes_loader_workers(tmp_path, no_cluster):
     run = save_run(tmp_path / "runs" / "r")
     assert ray_dp.parse_command([*runs(tmp_path), "--eval-only", str(run), "--loader-workers", "3"])[1].loader_workers == 3
+
+
+# Round 4. A folder's list of images is the run's: a resume finds the list its checkpoint trained on, or refuses.
+
+def test_a_folder_run_whose_images_changed_refuses_to_resume_in_one_line(tmp_path, no_cluster, capsys):
+    folder = tiny_folder(tmp_path / "images")
+    flags = [*runs(tmp_path), "--name", "f", "--dataset", "folder", "--data-dir", str(folder), "--model", "mlp",
+             "--batch-size", "4", "--epochs", "3"]
+    cfg, info = ray_dp.check_data(ray_dp.parse_command(flags)[1])
+    model = ray_dp.build_model("mlp", info.sample_shape, len(info.classes))
+    path = tmp_path / "runs" / "f" / ray_dp.checkpoint_dir_name(1) / ray_dp.CHECKPOINT_FILE
+    path.parent.mkdir(parents=True)
+    torch.save(ray_dp.checkpoint_state(model.state_dict(), {}, 1, cfg, [], info.classes, samples=info.fingerprint),
+               path)
+    _, cfg, options = ray_dp.parse_command(flags)
+    assert options["resume"].samples == info.fingerprint
+    ray_dp.check_same_samples(cfg, options["resume"], ray_dp.check_data(cfg)[1])  # the same images: it resumes
+    (folder / "train" / "dog" / "3.png").unlink()
+    assert error_of(flags, capsys) == (
+        f"ray_dp.py: error: run 'f' trained on another list of images than --data-dir {folder} holds now (11 train "
+        f"images): restore the folder as it was, or start over with --fresh or a new --name\n")
