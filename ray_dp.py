@@ -679,6 +679,11 @@ class Config:
                                   "start, and after a failure or resize) before Ray tries again "
                                   "with what fits", metavar="SECONDS", rerun="free",
                                   evaluation="free", doctor=True)
+    keep_freed_memory: bool = option(
+        True, "training processes keep the memory a step frees for the next step (glibc's malloc): "
+              "fewer page faults and faster steps, at a higher peak of resident memory "
+              "(bench/memory.md); --no-keep-freed-memory leaves glibc's defaults",
+        rerun="free", evaluation="free")
     fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of "
                          "resuming it", rerun="free")
     address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a "
@@ -1974,6 +1979,16 @@ KEPT_FREED_BYTES = 1 << 30
 MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                    "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")
 memory_kept = False
+
+
+def one_arena(cfg: Config) -> dict:
+    """The runtime environment of Ray's training workers: with --keep-freed-memory, glibc's one
+    arena for every thread. Ray trains in a thread, and a thread's own arena serves each block over
+    64 MiB from mmap whatever the thresholds say; the main arena keeps them (bench/memory.md)."""
+    if not cfg.keep_freed_memory or any(name in os.environ
+                                        for name in (*MALLOC_SETTINGS, "MALLOC_ARENA_MAX")):
+        return {}
+    return {"env_vars": {"MALLOC_ARENA_MAX": "1"}}
 
 
 def keep_freed_memory() -> None:
@@ -3935,7 +3950,8 @@ def worker_setup(loop_config: dict) -> tuple[Config, Worker, "Launcher", LoopOpt
     and the launcher that knows where its checkpoints are and where reports go."""
     cfg, options = loop_config["config"], loop_config["options"]
     worker = Worker.from_ray(cfg)
-    keep_freed_memory()
+    if cfg.keep_freed_memory:
+        keep_freed_memory()
     bound_collectives(cfg.timeout)
     if options.torchrun:
         # Each torchrun process resolved its own config, from what it saw of the run directory
@@ -4533,7 +4549,8 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
                              # no INFO per report
                              logging_config=ray.train.LoggingConfig(log_level="WARNING"),
                              callbacks=callbacks + ([TensorBoardLogger(cfg)] if training else []),
-                             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
+                             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+                             worker_runtime_env=one_arena(cfg)),
         torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)),
     )
     try:

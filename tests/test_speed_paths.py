@@ -3,6 +3,8 @@ bench/bench.py's --step-only and --plain-only): the allocator keeps what a step 
 and the channels_last layout computes the same gradients as the layout a model is built in."""
 import os
 import resource
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -64,6 +66,38 @@ def test_a_workers_allocator_keeps_freed_blocks_and_gives_them_back_before_a_for
     assert counts["given back"] >= (64 << 20) * 0.9
 
 
+IN_A_THREAD = """
+import resource, threading, torch, ray_dp
+def steps(out):  # as Ray trains: in a thread of the worker process
+    ray_dp.keep_freed_memory()
+    for _ in range(10):  # the heap grows until the block fits
+        torch.empty(128 << 20, dtype=torch.uint8).fill_(1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(8):
+        torch.empty(128 << 20, dtype=torch.uint8).fill_(1)
+    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+out = []
+thread = threading.Thread(target=steps, args=(out,))
+thread.start(), thread.join()
+print(out[0])
+"""
+
+
+@pytest.mark.skipif(not glibc(), reason="mallopt is glibc's")
+def test_a_thread_keeps_its_freed_128_mb_blocks_in_the_one_arena_rays_workers_get():
+    pages = (128 << 20) // os.sysconf("SC_PAGE_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in ray_dp.MALLOC_SETTINGS}
+
+    def faults_in_a_thread(extra):
+        done = subprocess.run([sys.executable, "-c", IN_A_THREAD], env={**env, **extra}, capture_output=True,
+                              text=True, check=True)
+        return int(done.stdout.split()[-1])
+    # a thread's own arena: each block over 64 MiB comes fresh from the kernel, thresholds or not
+    assert faults_in_a_thread({}) >= 8 * pages * 0.9
+    # the runtime environment of Ray's training workers: one arena, whose thresholds keep the block
+    assert faults_in_a_thread(ray_dp.one_arena(ray_dp.Config())["env_vars"]) < pages / 10
+
+
 @pytest.mark.parametrize("name,shape", [("lenet", (1, 28, 28)), ("resnet18", (1, 12, 12)),
                                         ("mobilenet_v3_small", (3, 32, 32))])
 def test_channels_last_computes_the_gradients_of_the_layout_the_model_is_built_in(name, shape):
@@ -102,6 +136,15 @@ def test_every_worker_loop_keeps_freed_memory(monkeypatch):
     monkeypatch.setattr(ray_dp.Worker, "from_ray", classmethod(lambda cls, cfg: ray_dp.Worker(0, 1, CPU)))
     cfg, *_ = ray_dp.worker_setup({"config": ray_dp.Config(dataset="synthetic"), "options": ray_dp.LoopOptions()})
     assert kept == [True] and cfg.dataset == "synthetic"
+    ray_dp.worker_setup({"config": ray_dp.Config(keep_freed_memory=False), "options": ray_dp.LoopOptions()})
+    assert kept == [True]  # --no-keep-freed-memory: glibc's defaults
+
+
+def test_rays_training_workers_share_one_arena_unless_told_otherwise(monkeypatch):
+    assert ray_dp.one_arena(ray_dp.Config()) == {"env_vars": {"MALLOC_ARENA_MAX": "1"}}
+    assert ray_dp.one_arena(ray_dp.Config(keep_freed_memory=False)) == {}
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # the user's own
+    assert ray_dp.one_arena(ray_dp.Config()) == {}
 
 
 CPU = torch.device("cpu")
