@@ -2912,13 +2912,11 @@ def write_json(path: str, data: dict) -> None:
 def write_stored(path: str, data: bytes) -> None:
     """A whole file, local (write_atomically) or in object storage, which writes the whole object
     or nothing."""
-    if not is_uri(path):
-        write_atomically(path, data)
-        return
     from pyarrow import fs
     storage, key = files_at(path)
-    if isinstance(storage, fs.LocalFileSystem):  # file://; a bucket has no directories to make
-        storage.create_dir(os.path.dirname(key), recursive=True)
+    if isinstance(storage, fs.LocalFileSystem):  # a disk, file:// too
+        write_atomically(key, data)
+        return
     with storage.open_output_stream(key) as f:
         f.write(data)
 
@@ -2946,10 +2944,16 @@ def write_atomically(path: str, data: Union[str, bytes]) -> None:
 
 
 def sync_directory(folder: str) -> None:
-    """A rename in `folder` made durable (the directory's entry flushed to the disk)."""
-    descriptor = os.open(folder, os.O_RDONLY)
+    """A rename in `folder` made durable where the system lets this process flush a directory (a
+    directory it may not read, a file system that flushes none: the write itself is done)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(descriptor)
+    except OSError:
+        pass
     finally:
         os.close(descriptor)
 
@@ -4019,12 +4023,13 @@ def node_name() -> str:
 def samples_fingerprint(data) -> Optional[str]:
     """A per-sample data set's list of samples (classes, and each file, relative to its folder,
     with its label) in 16 hex digits; None for data without such a list."""
-    if not hasattr(data, "samples"):
-        return None
     import hashlib
-    root = data.root.rstrip("/")
-    lines = [",".join(data.classes)] + [f"{path[len(root) + 1:]}\t{label}"
-                                         for path, label in data.samples]
+    try:
+        root = os.fspath(data.root).rstrip("/")
+        lines = [",".join(map(str, data.classes))] + [
+            f"{os.fspath(path)[len(root) + 1:]}\t{label}" for path, label in data.samples]
+    except (AttributeError, TypeError, ValueError):  # no such list, or one of another shape
+        return None
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
@@ -4922,6 +4927,9 @@ def run(cfg: Config, resume: Resume = Resume(), data: Optional[DataInfo] = None)
 def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> None:
     """A resume takes up the list of samples its checkpoint trained on (its saved place in an epoch
     is a place in that list)."""
+    if resume.resumes and data.fingerprint and not resume.samples:
+        print(f"note: run '{cfg.name}' was saved before ray_dp kept its list of images: it "
+              f"resumes on --data-dir {cfg.data_dir} as it is now", flush=True)
     if resume.samples and data.fingerprint and resume.samples != data.fingerprint:
         raise ConfigError(f"run '{cfg.name}' trained on another list of images than --data-dir "
                           f"{cfg.data_dir} holds now ({data.sizes[0]} train images): restore the "

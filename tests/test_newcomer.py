@@ -209,12 +209,31 @@ def test_a_checkpoint_is_on_the_disk_before_its_rename_and_an_older_one_goes_onl
             return getattr(self.storage, name)
     monkeypatch.setattr(ray_dp.os, "fsync", fsync)
     monkeypatch.setattr(ray_dp.os, "replace", lambda *paths: (events.append(("rename", paths[1])), real_replace(*paths)))
-    monkeypatch.setattr(ray_dp, "files_at", lambda path: (Deleting(real_files_at(path)[0]), real_files_at(path)[1]))
+    monkeypatch.setattr(ray_dp, "files_at", lambda path: (  # the run directory's, where save_checkpoint deletes
+        Deleting(real_files_at(path)[0]) if path == str(run) else real_files_at(path)[0], real_files_at(path)[1]))
     ray_dp.save_checkpoint(str(run), state, 1, 80)
     new = run / "checkpoint_epoch_001_step_000080"
     assert events == [("fsync", f"{new}/checkpoint.pt.tmp"), ("rename", f"{new}/checkpoint.pt"),
                       ("fsync", str(new)), ("fsync", str(run)),  # the file's entry, then the new directory's
                       ("delete", str(run / "checkpoint_epoch_001_step_000040"))]
+
+
+def test_a_write_is_done_where_its_directory_cannot_be_flushed_and_file_uris_write_atomically(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def refusing(path, flags, *args):  # a directory this process may write but not read (mode 0733)
+        if os.path.isdir(path):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args)
+    monkeypatch.setattr(ray_dp.os, "open", refusing)
+    ray_dp.write_atomically(str(tmp_path / "result.json"), "{}")
+    assert (tmp_path / "result.json").read_text() == "{}"
+    monkeypatch.undo()
+    renamed = []
+    real_replace = os.replace
+    monkeypatch.setattr(ray_dp.os, "replace", lambda *paths: (renamed.append(paths[1]), real_replace(*paths)))
+    ray_dp.write_stored(f"file://{tmp_path}/runs/r/result.json", b"{}")
+    assert renamed == [f"{tmp_path}/runs/r/result.json"] and not list((tmp_path / "runs" / "r").glob("*.tmp"))
 
 
 # 13. An unreadable image is named, with its folder, wherever it is decoded; the doctor finds them all.

@@ -479,3 +479,15 @@ def test_a_folder_run_whose_images_changed_refuses_to_resume_in_one_line(tmp_pat
     assert error_of(flags, capsys) == (
         f"ray_dp.py: error: run 'f' trained on another list of images than --data-dir {folder} holds now (11 train "
         f"images): restore the folder as it was, or start over with --fresh or a new --name\n")
+
+
+def test_a_users_own_data_set_with_samples_of_another_shape_or_a_path_root_is_fingerprinted_or_left_alone(tmp_path):
+    from torchvision.datasets import ImageFolder
+    folder = tiny_folder(tmp_path / "images")
+    by_path = ImageFolder(folder / "train")  # torchvision keeps a Path root as it is
+    by_text = ImageFolder(str(folder / "train"))
+    assert ray_dp.samples_fingerprint(by_path) == ray_dp.samples_fingerprint(by_text) is not None
+
+    class Odd(torch.utils.data.Dataset):
+        root, classes, samples = None, ["a"], [1, 2, 3]
+    assert ray_dp.samples_fingerprint(Odd()) is None
