@@ -1501,7 +1501,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
                 guard: Optional["EpochGuard"] = None) -> dict:
     """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint); its
     metrics, the train loss averaged over every worker's samples."""
-    guard = guard or EpochGuard(cfg, worker)
+    guard = guard or EpochGuard(cfg, worker, saves_within=False)
     model.train()
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(cfg, epoch)
@@ -2365,10 +2365,24 @@ def load_checkpoint(path: str) -> dict:
             and isinstance(config.get("dataset"), str)):
         raise ConfigError(f"{path} is not a ray-dp checkpoint (its config names no model and "
                           f"data set)")
-    if state.get("format", 1) < CHECKPOINT_FORMAT:
-        raise ConfigError(f"{path} is a checkpoint of an older ray-dp (epochs counted from 0): "
-                          f"evaluate it with that version, or train anew")
-    return state
+    return renumbered(state)
+
+
+def renumbered(record: dict) -> dict:
+    """A checkpoint or result.json from before format 2 (epochs counted from 0), as today's."""
+    if record.get("format", 1) >= 2:
+        return record
+
+    def later(metrics):
+        return ({**metrics, "epoch": metrics["epoch"] + 1}
+                if isinstance(metrics, dict) and isinstance(metrics.get("epoch"), int) else metrics)
+    renamed = {key: [later(m) for m in record[key]] for key in ("history", "epochs")
+               if isinstance(record.get(key), list)}
+    if isinstance(record.get("epoch"), int):
+        renamed["epoch"] = record["epoch"] + 1
+    if isinstance(record.get("final"), dict):
+        renamed["final"] = later(record["final"])
+    return {**record, **renamed, "format": CHECKPOINT_FORMAT}
 
 
 def epoch_checkpoints(run_dir: str) -> list[str]:
@@ -2685,7 +2699,7 @@ def finished_result(cfg: Config, resume: Resume) -> Optional[dict]:
     if resume.done < cfg.epochs:
         return None
     try:
-        summary = json.loads(read_stored(os.path.join(cfg.run_dir, "result.json")))
+        summary = renumbered(json.loads(read_stored(os.path.join(cfg.run_dir, "result.json"))))
         return summary if summary["epochs"][-1]["epoch"] == resume.done else None
     except (OSError, ValueError, AttributeError, KeyError, IndexError, TypeError):
         return None
@@ -2837,8 +2851,9 @@ class EpochGuard:
     the driver's, what rank 0 tells the user. A save or a stop is voted on in an all-reduce of its
     own at log steps, so that every rank saves and stops at the same step."""
 
-    def __init__(self, cfg: Config, worker: Worker, launcher, options: LoopOptions,
-                 state: Optional[dict], saved=None, saves_within: bool = True):
+    def __init__(self, cfg: Config, worker: Worker, launcher=None, options: LoopOptions = None,
+                 state: Optional[dict] = None, saved=None, saves_within: bool = True):
+        options = options or LoopOptions()
         self.cfg, self.worker, self.launcher, self.saved = cfg, worker, launcher, saved
         self.torchrun, self.console = options.torchrun, Console.of(options, worker)
         self.first_epoch = state["epoch"] if state else 0
@@ -4256,7 +4271,7 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
 #   2. its controller hooks (RecoveryLog)         7. set_sigterm_handler (a worker's SIGTERM)
 #   3. its controller's state and error classes   8. canonicalize_bootstrap_address (auto)
 #   4. its worker group's accessors               9. its environment knobs (set_ray_train_knobs)
-#   5. its memory monitor's wording
+#   5. its memory monitor's wording              10. its placement-group cleaner's waits
 # ==================================================================================================
 
 RAY_CHECKED = "2.60.0"
@@ -4431,8 +4446,23 @@ def set_ray_train_knobs(cfg: Config) -> None:
     report (and commits its checkpoint) once a poll, 2 s by default; --start-timeout."""
     if ray_internal(*SIGTERM_SETTER) is None:
         internal_note(".".join(SIGTERM_SETTER), SIGTERM_LOST)
+    shorten_placement_group_cleaner_waits()
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)
+
+
+def shorten_placement_group_cleaner_waits() -> None:
+    """Ray Train's placement-group cleaner asks the State API (Ray's dashboard, not installed)
+    whether the controller lives, 10 s a question, and every fit waits for it to stop: 12 s more
+    a run (bench/startup.md). One second a question keeps its job."""
+    import inspect
+    cleaner = ray_internal("ray.train.v2._internal.callbacks.placement_group_callback",
+                           "PlacementGroupCleanerCallback")
+    parameters = list(inspect.signature(cleaner.__init__).parameters) if cleaner else []
+    if parameters != ["self", "check_interval_s", "get_actor_timeout_s", "stop_timeout"]:
+        return internal_note("PlacementGroupCleanerCallback(check_interval_s, get_actor_timeout_s, "
+                             "stop_timeout)", "each run may take seconds longer to end")
+    cleaner.__init__.__defaults__ = (1.0, 1.0, 0.1)
 
 
 RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_ray_worker}
@@ -4518,21 +4548,22 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
                  errors={rank: first_line(e) for rank, e in worker_failures.items()})
 
     def add(self, message: Optional[str], **event) -> None:
-        if message and self.board is not None:
-            self.board.say.remote(f"ray-dp: {message}")
-        elif message:
-            print(f"ray-dp: {message}", flush=True)
+        if message:
+            self.say(f"ray-dp: {message}")
         self.events.append({"at": time.time(), **event})
         self.save()
+
+    def say(self, line: str) -> None:
+        self.board.say.remote(line) if self.board is not None else print(line, flush=True)
 
     def save(self) -> None:
         """A disk that refuses the record must not stop the training it records."""
         try:
             write_json(os.path.join(self.logs, "recovery.json"), {"events": self.events})
         except OSError as exc:
-            if not self.save_failed and self.board is not None:
-                self.board.say.remote(f"ray-dp: cannot write {self.logs}/recovery.json ({exc}); "
-                                      f"training goes on without it")
+            if not self.save_failed:
+                self.say(f"ray-dp: cannot write {self.logs}/recovery.json ({exc}); training goes "
+                         f"on without it")
             self.save_failed = True
 
 

@@ -204,3 +204,15 @@ def keys(s3, bucket, prefix=""):
     """Every object's key in the bucket (under prefix), sorted."""
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
+
+def train_worker(cfg, worker, launcher, options, *_):
+    """ray_dp's worker loop (what Ray's and torchrun's workers run) in this process group, with this test's worker
+    and launcher."""
+    loop = ray_dp.scratch_loop_per_worker if cfg.mode == "scratch" else ray_dp.train_loop_per_worker
+    return loop({"config": cfg, "options": options, "worker": worker, "launcher": launcher})
+
+
+def here(device=torch.device("cpu")):
+    """This process as a ray_dp worker of its process group (rank 0 of 1 without one)."""
+    return ray_dp.Worker(*ray_dp.rank_and_world(), device)

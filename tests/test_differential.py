@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ray_dp
-from helpers import Distributed, run_distributed
+from helpers import train_worker, Distributed, run_distributed
 from test_trust import tiny_folder
 
 # Its tests share a module-scoped fixture of many runs on 2 and 3 gloo processes: under pytest-xdist they run on one
@@ -141,7 +141,7 @@ def train(cfg, world, rank, resume_from=None, stop_after=None):
     reports."""
     recorder = Recorder(resume_from, stop_after)
     with default_dtype(torch.float32 if cfg.amp else torch.float64), contextlib.suppress(Stop):
-        ray_dp.train_worker(ray_dp.replace(cfg, workers=world), ray_dp.Worker(rank, world, torch.device("cpu")),
+        train_worker(ray_dp.replace(cfg, workers=world), ray_dp.Worker(rank, world, torch.device("cpu")),
                             recorder, ray_dp.LoopOptions(), {})
     return {"state": recorder.saved, "reports": recorder.reports}
 

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ray_dp
-from helpers import assert_bitwise_equal, random_images, run_distributed
+from helpers import here, assert_bitwise_equal, random_images, run_distributed
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.timeout(240)
@@ -27,7 +27,7 @@ def ddp_epochs(cfg_fields, data, epochs=1):
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     batches = ray_dp.train_batches(data, cfg, rank, world, CPU)
     for epoch in range(epochs):
-        stats = ray_dp.train_epoch(model, optimizer, batches, cfg, CPU, epoch)
+        stats = ray_dp.train_epoch(model, optimizer, batches, cfg, here(), epoch)
     return {"params": [p.detach().clone() for p in ray_dp.unwrap(model).parameters()], "stats": stats}
 
 
@@ -252,7 +252,7 @@ def bn_model_trained_then_evaluated(data, test):
     torch.manual_seed(0)
     model = ray_dp.wrap_model(ray_dp.build_model("resnet18", (1, 8, 8)), CPU)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    ray_dp.train_epoch(model, optimizer, ray_dp.train_batches(data, cfg, rank, world, CPU), cfg, CPU, 0)
+    ray_dp.train_epoch(model, optimizer, ray_dp.train_batches(data, cfg, rank, world, CPU), cfg, here(), 0)
     drifted = ray_dp.unwrap(model).state_dict()["1.running_mean"].clone()
     broadcast, dtypes = dist.broadcast, []
     dist.broadcast = lambda tensor, src: dtypes.append(tensor.dtype) or broadcast(tensor, src)
@@ -297,7 +297,7 @@ def all_reduces_per_epoch(compiled):
     ddp.register_comm_hook(None, counting_allreduce)
     wrapped = torch.compile(ddp, backend="eager") if compiled else ddp  # eager: the wrapper without inductor
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr)
-    ray_dp.train_epoch(wrapped, optimizer, ray_dp.train_batches(random_images(32), cfg, rank, world, CPU), cfg, CPU, 0)
+    ray_dp.train_epoch(wrapped, optimizer, ray_dp.train_batches(random_images(32), cfg, rank, world, CPU), cfg, here(), 0)
     return len(calls)
 
 

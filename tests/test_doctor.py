@@ -35,7 +35,7 @@ def test_an_unreachable_address_fails_the_first_check_and_skips_the_rest(no_clus
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--hang-timeout", "0"], "--hang-timeout must be 1 to 604800 seconds, got 0.0"),
+    (["--hang-timeout", "0"], "--hang-timeout must be a number of seconds, at least 1, got 0.0"),
     (["--workers", "0"], "--workers must be at least 1"),
     (["--storage-path", "foo://bar"], None),  # tried on every node, not refused here
 ])
@@ -83,31 +83,6 @@ def test_nodes_are_named_by_address_and_by_id_where_two_share_one():
              {"NodeManagerAddress": "10.0.0.2", "NodeID": "c" * 56}]
     assert ray_dp.node_names(nodes) == {"10.0.0.1 (aaaaaaaa)": "a" * 56, "10.0.0.1 (bbbbbbbb)": "b" * 56,
                                         "10.0.0.2": "c" * 56}
-
-
-def test_a_rank_on_loopback_is_unreachable_only_when_the_nodes_are_other_machines():
-    def rank(number, node, address):
-        return {"rank": number, "node": node, "address": address}
-    assert ray_dp.unreachable_rank([rank(0, "10.0.0.1", "10.0.0.1"), rank(1, "10.0.0.2", "127.0.1.1")])["rank"] == 1
-    assert ray_dp.unreachable_rank([rank(0, "10.0.0.1", "10.0.0.1"), rank(1, "10.0.0.2", "10.0.0.2")]) is None
-    # one machine, or the tests' loopback nodes: loopback reaches every rank
-    assert ray_dp.unreachable_rank([rank(0, "10.0.0.1", "127.0.0.1"), rank(1, "10.0.0.1", "127.0.0.1")]) is None
-    assert ray_dp.unreachable_rank([rank(0, "127.0.0.3", "127.0.0.1"), rank(1, "127.0.0.4", "127.0.0.1")]) is None
-
-
-def test_gloo_binds_the_interface_gloo_socket_ifname_names(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    assert ray_dp.collective_address("gloo") == {"interface": "lo, GLOO_SOCKET_IFNAME=lo", "address": "127.0.0.1"}
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    found = ray_dp.collective_address("gloo")
-    assert found["address"] == ray_dp.first_bindable(__import__("socket").gethostname())
-
-
-def test_socket_ifname_is_read_as_nccl_reads_it():
-    assert ray_dp.named_interface("eth0", "eth")  # a prefix
-    assert not ray_dp.named_interface("eth0", "=eth")  # '=': exact names
-    assert ray_dp.named_interface("ens5", "^docker,lo") and not ray_dp.named_interface("lo", "^docker,lo")
-    assert ray_dp.named_interface("ib0", "eth,ib")
 
 
 def test_the_doctor_checks_the_most_workers_and_leaves_logs_and_batches_alone(no_cluster, tmp_path, monkeypatch):
@@ -183,7 +158,7 @@ def test_the_doctor_passes_on_the_local_cluster_and_leaves_nothing_behind(tmp_pa
     import torch
     assert f"ray {ray.__version__}, torch {torch.__version__}" in checks["versions"][1]
     assert "--workers 2: CPU workers (gloo), 1 CPU each" in checks["resources"][1]
-    assert re.match(r"2 workers up in [\d.]+ s .*rank 0 on .* via .*, rank 1 on ", checks["workers"][1])
+    assert re.match(r"2 workers up in [\d.]+ s .*; rank 0 on .*, rank 1 on ", checks["workers"][1])
     assert re.findall(r"(\d+ [KM]iB) [\d.]+ ms [\d.]+ [MG]B/s", checks["all-reduce"][1]) == [
         "4 KiB", "256 KiB", "16 MiB", "64 MiB"]
     assert checks["data"][1].startswith("digits: 1437 train / 360 test samples on the driver")
@@ -237,15 +212,3 @@ def test_another_torch_on_a_node_storage_it_cannot_write_and_a_hang_each_fail_wi
     assert "ProbeHang" in open(log).read()  # the workers' tracebacks: in the log, not on the console
     shutil.rmtree(os.path.dirname(log))
     assert time.time() - begun < 120  # the sleeping rank was not waited for
-
-
-def test_interface_addresses_name_each_interface_with_its_ipv4_address():
-    """psutil's list, as the doctor reads it: loopback's address, and each one an IPv4 address this host holds."""
-    import ipaddress
-    import socket
-    interfaces = ray_dp.interface_addresses()
-    assert interfaces.get("lo") == "127.0.0.1"
-    for name, address in interfaces.items():
-        assert ipaddress.ip_address(address).version == 4
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.bind((address, 0))  # an address of this host: it binds

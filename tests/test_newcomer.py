@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ray_dp
-from helpers import REPO, error_of, save_run
+from helpers import train_worker, REPO, error_of, save_run
 from test_multinode import node_ports, stop_node
 from test_trust import tiny_folder
 
@@ -40,7 +40,7 @@ class Recorder:
 
 
 def train_here(cfg, launcher):
-    return ray_dp.train_worker(cfg, ray_dp.Worker(0, 1, torch.device("cpu")), launcher, ray_dp.LoopOptions(),
+    return train_worker(cfg, ray_dp.Worker(0, 1, torch.device("cpu")), launcher, ray_dp.LoopOptions(),
                                {"loop": time.time()})
 
 

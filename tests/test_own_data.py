@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ray_dp
-from helpers import DIGIT_NAMES, digits_folder, random_images, run_distributed
+from helpers import here, DIGIT_NAMES, digits_folder, random_images, run_distributed
 
 CPU = torch.device("cpu")
 # its tests share a module-scoped fixture: under pytest-xdist they run on one worker, which computes it once
@@ -137,7 +137,7 @@ def ddp_steps_with_knobs(fields, data):
     optimizer = ray_dp.build_optimizer(cfg, model)
     batches = ray_dp.train_batches(data, cfg, rank, world, CPU)
     for epoch in range(2):  # a warm-up epoch, then the peak
-        ray_dp.train_epoch(model, optimizer, batches, cfg, CPU, epoch)
+        ray_dp.train_epoch(model, optimizer, batches, cfg, here(), epoch)
     return [p.detach().clone() for p in ray_dp.unwrap(model).parameters()]
 
 

@@ -3,7 +3,6 @@ make it: the nicety it serves turns off with one note and the run goes on, or, u
 import importlib
 import importlib.util
 import json
-import logging
 import os
 import sys
 import time
@@ -13,7 +12,7 @@ import pytest
 import ray
 
 import ray_dp
-from helpers import error_of, ray_snapshot_json, run_distributed, save_run, train
+from helpers import train_worker, error_of, ray_snapshot_json, run_distributed, save_run, train
 
 TORCHRUN_ENV = {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -68,13 +67,14 @@ def test_a_ray_without_controller_hooks_still_imports_ray_dp_whose_runs_leave_th
     monkeypatch.setitem(sys.modules, spec.name, other)
     spec.loader.exec_module(other)
     assert not other.CONTROLLER_HOOKS
-    assert other.controller_callbacks(other.Config(), str(tmp_path)) == []
-    assert "Ray Train's controller" in "".join(notes(capsys))
-    assert ray_dp.CONTROLLER_HOOKS and len(ray_dp.controller_callbacks(ray_dp.Config(), str(tmp_path))) == 2
+    assert other.run_callbacks(other.Config(), str(tmp_path), other.LoopOptions(), 0, False) == []
+    assert "no recovery lines" in "".join(notes(capsys))
+    callbacks = ray_dp.run_callbacks(ray_dp.Config(), str(tmp_path), ray_dp.LoopOptions(), 0, True)
+    assert ray_dp.CONTROLLER_HOOKS and [type(c).__name__ for c in callbacks] == ["TensorBoardLogger", "RecoveryLog"]
 
 
 def test_controller_objects_of_another_shape_are_a_note_not_an_error(tmp_path, capsys):
-    log = ray_dp.RecoveryLog(ray_dp.Config(), str(tmp_path / "recovery.json"))
+    log = ray_dp.RecoveryLog(ray_dp.Config(), str(tmp_path))
     log.after_worker_group_start(object())  # no get_workers()
     assert log.node_ips == {} and log.events[-1]["event"] == "started"
     note_about(capsys, "worker group (get_workers, distributed_context, metadata)")
@@ -86,7 +86,7 @@ def test_controller_objects_of_another_shape_are_a_note_not_an_error(tmp_path, c
 
 
 def test_ray_dp_bugs_in_the_recovery_log_stay_errors(tmp_path, monkeypatch):
-    log = ray_dp.RecoveryLog(ray_dp.Config(), str(tmp_path / "recovery.json"))
+    log = ray_dp.RecoveryLog(ray_dp.Config(), str(tmp_path))
     monkeypatch.setattr(log, "add", None)  # a defect of ray_dp's own
     with pytest.raises(TypeError):
         log.after_worker_group_start(type("Group", (), {"get_workers": lambda self: []})())
@@ -106,11 +106,11 @@ def test_run_as_a_script_its_setup_hook_and_controller_callbacks_reach_rays_proc
     # must load them, as Ray's workers and controller do.
     import ray.cloudpickle
     hook, callbacks = ray.cloudpickle.loads(run_distributed(pickled_as_script, 1, str(tmp_path))[0])
-    for name in ray_dp.RAY_LOGGERS:
-        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    from ray._private import utils
+    monkeypatch.setattr(utils, "set_sigterm_handler", utils.set_sigterm_handler)
     hook()
-    assert {name: logging.getLogger(name).level for name in ray_dp.RAY_LOGGERS} == ray_dp.RAY_LOGGERS
-    assert [type(c).__name__ for c in callbacks] == ["QuietControllerLogs", "RecoveryLog"]
+    assert getattr(utils.set_sigterm_handler, "graceful", False)  # Ray's SIGTERM handler becomes a graceful stop
+    assert [type(c).__name__ for c in callbacks] == ["TensorBoardLogger", "RecoveryLog"]
     callbacks[1].add("a line", event="test")
     assert (tmp_path / "recovery.json").exists()
 
@@ -128,36 +128,16 @@ def pickled_as_script(logs):
     finally:
         sys.argv = argv
     return ray.cloudpickle.dumps([script["RUNTIME_ENV"]["worker_process_setup_hook"],
-                                  script["controller_callbacks"](script["Config"](), logs)])
+                                  script["run_callbacks"](script["Config"](), logs, script["LoopOptions"](), 0,
+                                                          True)])
 
 
-def test_output_routing_off_leaves_rays_printing_as_it_is(monkeypatch, capsys):
-    from ray._private import worker
-    printer = worker.print_to_stdstream
-    missing(monkeypatch, "ray._private.ray_logging", "global_worker_stdstream_dispatcher")
-    ray_dp.route_ray_prints(lambda batch, ignore_prefix=False: None)
-    assert worker.print_to_stdstream is printer
-    assert ray_dp.ROUTING_LOST in note_about(capsys, "ray._private.ray_logging.global_worker_stdstream_dispatcher")
-
-
-def test_quiet_logs_without_ray_trains_context_module_still_quiet_the_rest(monkeypatch, capsys):
-    missing(monkeypatch, "ray.train.v2._internal.execution.context")
-    for name in ray_dp.RAY_LOGGERS:
-        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
-    ray_dp.quiet_ray_logs()  # in every Ray worker: silent
-    assert {name: logging.getLogger(name).level for name in ray_dp.RAY_LOGGERS} == ray_dp.RAY_LOGGERS
-    assert notes(capsys) == []
-    ray_dp.check_ray_train_internals()  # on the driver: once
-    note_about(capsys, "ray.train.v2._internal.execution.context")
-
-
-def test_without_rays_recorded_node_groups_the_bootstrap_config_still_decides(monkeypatch, tmp_path, capsys):
+def test_the_autoscalers_node_types_come_from_the_config_ray_up_left_on_the_head(tmp_path):
     bootstrap = tmp_path / "ray_bootstrap_config.yaml"
     bootstrap.write_text("head_node_type: head\navailable_node_types:\n  head: {resources: {CPU: 4}, max_workers: 0}\n"
                          "  gpu: {resources: {CPU: 8, GPU: 1}, max_workers: 3}\n")
-    missing(monkeypatch, "ray._private.state", "state")
     assert ray_dp.autoscaler_node_types(str(bootstrap)) == [({"CPU": 4}, 1), ({"CPU": 8, "GPU": 1}, 3)]
-    note_about(capsys, "ray._private.state.state.get_cluster_config")
+    assert ray_dp.autoscaler_node_types(str(tmp_path / "none.yaml")) is None
 
 
 def test_without_rays_address_resolution_a_dead_address_is_still_one_line_and_auto_goes_unchecked(monkeypatch,
@@ -172,66 +152,12 @@ def test_without_rays_address_resolution_a_dead_address_is_still_one_line_and_au
     note_about(capsys, "ray._private.services.canonicalize_bootstrap_address")
 
 
-def test_without_rays_cpu_count_the_cpus_this_process_may_use_are_counted(monkeypatch, capsys):
-    from ray._private.utils import get_num_cpus
-    assert ray_dp.ray_cpu_count() == get_num_cpus()
-    missing(monkeypatch, "ray._private.utils", "get_num_cpus")
-    assert ray_dp.ray_cpu_count() == len(os.sched_getaffinity(0))
-    note_about(capsys, "ray._private.utils.get_num_cpus")
-
-
-def test_without_rays_constant_the_setup_hook_is_still_left_out_of_a_second_ray_init(monkeypatch, capsys):
-    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-    missing(monkeypatch, "ray._private.ray_constants", "WORKER_PROCESS_SETUP_HOOK_ENV_VAR")
-    assert ray_dp.setup_hook_env_var() == WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-    monkeypatch.setitem(ray_dp.RUNTIME_ENV["env_vars"], WORKER_PROCESS_SETUP_HOOK_ENV_VAR, "ray_dp.quiet_ray_logs")
-    assert WORKER_PROCESS_SETUP_HOOK_ENV_VAR not in ray_dp.fresh_runtime_env()["env_vars"]
-    note_about(capsys, "ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR")
-
-
-def test_a_placement_group_cleaner_of_another_signature_is_left_as_it_is(monkeypatch, capsys):
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-
-    def other_init(self, check_interval_s=2.0, timeout_s=5.0):
-        pass
-    monkeypatch.setattr(PlacementGroupCleanerCallback, "__init__", other_init)
-    ray_dp.shorten_placement_group_cleaner_waits()
-    assert other_init.__defaults__ == (2.0, 5.0)
-    note_about(capsys, "PlacementGroupCleanerCallback(check_interval_s, get_actor_timeout_s, stop_timeout)")
-    missing(monkeypatch, "ray.train.v2._internal.callbacks.placement_group_callback", "PlacementGroupCleanerCallback")
-    monkeypatch.setattr(ray_dp, "_noted", set())
-    ray_dp.shorten_placement_group_cleaner_waits()
-    note_about(capsys, "PlacementGroupCleanerCallback(check_interval_s, get_actor_timeout_s, stop_timeout)")
-
-
-def test_ray_trains_knobs_go_by_the_names_ray_train_gives_them(monkeypatch, capsys):
+def test_ray_trains_knobs_are_the_variables_ray_train_reads(monkeypatch):
     from ray.train.v2._internal import constants
-    knob = "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR"
-    assert ray_dp.ray_train_knob(knob) == constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
-    assert set(ray_dp.RUNTIME_ENV["env_vars"]) >= {constants.ENABLE_PREEMPTION_WATCHER_ENV_VAR,
-                                                   constants.ENABLE_PRINT_PATCH_ENV_VAR}
-    ray_dp.check_ray_train_internals()
-    assert notes(capsys) == []
-    monkeypatch.setattr(constants, "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR", "RAY_TRAIN_START_TIMEOUT")  # renamed
-    assert ray_dp.ray_train_knob("WORKER_GROUP_START_TIMEOUT_S_ENV_VAR") == "RAY_TRAIN_START_TIMEOUT"
-    missing(monkeypatch, ray_dp.RAY_TRAIN_CONSTANTS, "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR")
-    assert ray_dp.ray_train_knob("WORKER_GROUP_START_TIMEOUT_S_ENV_VAR") == "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-    ray_dp.check_ray_train_internals()
-    assert "--start-timeout may not apply" in note_about(capsys, f"{ray_dp.RAY_TRAIN_CONSTANTS}.{knob}")
-
-
-def test_without_rays_tqdm_a_worker_trains_without_a_progress_bar(monkeypatch, capsys):
-    missing(monkeypatch, "ray.experimental.tqdm_ray")
-    log = ray_dp.StepLog(ray_dp.Config(), 0, 3, ray_dp.torch.device("cpu"), progress=True)
-    assert log.bar is None
-    note_about(capsys, "ray.experimental.tqdm_ray.tqdm")
-
-
-def test_the_doctor_reports_an_auth_mode_it_cannot_read_as_unknown(monkeypatch):
-    assert ray_dp.ray_auth_mode() in ("disabled", "token", "k8s")
-    missing(monkeypatch, "ray._private.authentication.authentication_utils")
-    assert ray_dp.ray_auth_mode() == "unknown"
-    assert ray_dp.node_software()["auth"] == "unknown"
+    monkeypatch.delenv(constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR, raising=False)
+    ray_dp.set_ray_train_knobs(ray_dp.Config(start_timeout=42.0))
+    assert os.environ[constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] == "42.0"
+    assert os.environ[constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR] == "0.2"
 
 
 # Ray 2.60's words (strings in its GCS server and raylet binaries) for a worker process that exited unexpectedly,
@@ -349,10 +275,10 @@ def without_any_ray_internal(cfg):
     ray_dp.ray_internal = lambda module, name=None: None
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        ray_dp.quiet_ray_logs()
+        ray_dp.graceful_sigterm_in_ray_worker()
         recorder = Recorder()
         worker = ray_dp.Worker(ray_dp.dist.get_rank(), ray_dp.dist.get_world_size(), ray_dp.torch.device("cpu"))
-        ray_dp.train_worker(cfg, worker, recorder, ray_dp.LoopOptions(progress=True), {})
+        train_worker(cfg, worker, recorder, ray_dp.LoopOptions(progress=True), {})
     return [line for line in out.getvalue().splitlines() if line.startswith("note:")], recorder.saved
 
 
@@ -360,8 +286,7 @@ def test_a_workers_side_trains_where_every_ray_internal_is_missing():
     cfg = ray_dp.Config(dataset="synthetic", synthetic_size=32, batch_size=8, epochs=1, workers=2, quiet=True)
     (notes_0, saved), (notes_1, _) = run_distributed(without_any_ray_internal, 2, cfg)
     assert saved["epoch"] == 1
-    assert notes_0 == ["note: ray_dp cannot use ray.experimental.tqdm_ray.tqdm of Ray "
-                       f"{ray.__version__}: no progress bar"] and notes_1 == []  # rank 0's bar only
+    assert notes_0 == notes_1 == []  # the worker's side asks none of them
 
 
 @pytest.mark.ray
@@ -375,19 +300,6 @@ def test_a_run_trains_where_every_ray_internal_is_missing(ray_cluster, tmp_path,
     assert result["recovery"] == {}  # no controller hooks, no record
     said = "\n".join(notes(capsys))
     assert f"cannot use {ray_dp.CALLBACK_MODULE} of Ray {ray.__version__}: " in said
-    assert "PlacementGroupCleanerCallback(" in said and ray_dp.ROUTING_LOST in said
+    assert ray_dp.SIGTERM_LOST in said
 
 
-def test_forwarded_lines_ours_bare_chatter_to_ray_log_and_other_shapes_as_ray_prints_them(tmp_path):
-    printed = []
-    output = ray_dp.RayOutput()
-    output.print_to_console = lambda batch, ignore_prefix=False: printed.append((batch["lines"], ignore_prefix))
-    output.log_path = str(tmp_path / "ray.log")
-    output.route({"lines": ["ray-dp: ours", "epoch 1/1: theirs"], "is_err": False, "pid": 7})
-    output.route({"lines": ["a warning"], "is_err": True, "pid": 7, "actor_name": "RayTrainWorker", "ip": "1.2.3.4"})
-    assert printed == [(["ray-dp: ours"], True), (["epoch 1/1: theirs"], False)]
-    assert (tmp_path / "ray.log").read_text() == "(RayTrainWorker pid=7, ip=1.2.3.4) a warning\n"
-    other = {"text": "a batch of another Ray's shape"}
-    output.print_to_console = lambda batch, ignore_prefix=False: printed.append(batch)
-    output.route(other)
-    assert printed[-1] is other

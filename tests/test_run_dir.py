@@ -276,16 +276,6 @@ def test_a_fresh_ray_up_cluster_with_gpu_node_types_but_no_gpu_yet_trains_on_gpu
         ray_dp.settle_device(ray_dp.replace(cfg, workers=2, cpus_per_worker=16), fresh)  # 8 CPUs a node
 
 
-def test_node_groups_recorded_by_ray_decide_too():
-    from ray.core.generated import autoscaler_pb2
-    recorded = autoscaler_pb2.ClusterConfig(node_group_configs=[
-        autoscaler_pb2.NodeGroupConfig(name="head", resources={"CPU": 4}, max_count=1),
-        autoscaler_pb2.NodeGroupConfig(name="gpu", resources={"CPU": 8, "GPU": 4}, max_count=-1)])
-    cluster = ray_dp.Cluster({"CPU": 4}, ray_dp.node_types_from_groups(recorded), local=False)
-    assert cluster.most == {"CPU": float("inf"), "GPU": float("inf")}
-    assert ray_dp.decide_gpu(ray_dp.Config(address="auto"), cluster)
-
-
 @pytest.mark.parametrize("cfg, cluster, gpu", [
     (ray_dp.Config(), ray_dp.Cluster({"CPU": 2}, None, local=True), False),  # a laptop
     (ray_dp.Config(), ray_dp.Cluster({"CPU": 2, "GPU": 1}, None, local=True), True),
@@ -328,7 +318,7 @@ def controller_state(kind, **fields):
 
 
 def recovery_log(tmp_path, **cfg):
-    log = ray_dp.RecoveryLog(ray_dp.Config(**cfg), str(tmp_path / "recovery.json"))
+    log = ray_dp.RecoveryLog(ray_dp.Config(**cfg), str(tmp_path))
     log.node_ips = {0: "10.0.0.1", 1: "10.0.0.2"}
     return log
 

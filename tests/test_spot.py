@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ray_dp
-from helpers import assert_bitwise_equal, run_distributed, save_run
+from helpers import train_worker, here, assert_bitwise_equal, run_distributed, save_run
 from test_trust import tiny_folder
 
 # Its tests share a module-scoped fixture of many runs on 2 gloo processes: under pytest-xdist they run on one worker
@@ -75,7 +75,7 @@ class killed_after:
 
 def run(cfg, launcher, world, torchrun=False):
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return ray_dp.train_worker(ray_dp.replace(cfg, workers=world), ray_dp.Worker(rank, world, torch.device("cpu")),
+    return train_worker(ray_dp.replace(cfg, workers=world), ray_dp.Worker(rank, world, torch.device("cpu")),
                                launcher, ray_dp.LoopOptions(torchrun=torchrun), {})
 
 
@@ -287,11 +287,10 @@ def on_own_folders(configs):
     ray_dp.bound_collectives(60)  # on code that trains each rank's own list, a rank's extra step would wait forever
     saves = Saves()
     printed = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(printed):
-            run(configs[dist.get_rank()], saves, dist.get_world_size(), torchrun=True)
-    except ray_dp.DataError as exc:
-        return {"error": str(exc)}
+    with contextlib.redirect_stdout(printed):
+        out = run(configs[dist.get_rank()], saves, dist.get_world_size(), torchrun=True)
+    if "data_error" in out:  # every rank returns it: the driver says it, and Ray retries nothing
+        return {"error": out["data_error"]}
     return {"samples": [m["train_samples"] for m in saves.epochs], "printed": printed.getvalue(),
             "losses": [m["train_loss"] for m in saves.epochs],
             "fingerprint": saves.checkpoints and saves.checkpoints[-1][1]["samples"]}  # rank 0 saves
@@ -402,7 +401,7 @@ def test_sigterm_while_training_asks_for_a_stop_and_otherwise_does_what_it_did_b
     assert handler_calls("callable", training=True, on_ask=lambda: False) == (False, [signal.SIGTERM])
     stop = ray_dp.GracefulStop(signal.SIG_IGN)
     stop.on_ask = object()
-    with ray_dp.training(stop):
+    with ray_dp.training_now(stop):
         assert stop.training
     assert not stop.training and stop.on_ask is None  # nothing of the run it served stays behind
 
@@ -423,30 +422,35 @@ class FakeBoard:
         self.stop = False
         self.stepped = self.Method(lambda since: None)
         self.beat = self.Method(lambda: self.stop)
+        self.restarted = self.Method(lambda: None)
 
 
 def test_rank_0_tells_the_board_at_log_steps_and_hears_the_drivers_stop_from_its_heartbeat(monkeypatch):
     monkeypatch.setattr(ray_dp.ray, "get", lambda ref, timeout=None: ref)
     monkeypatch.setattr(ray_dp.DriverLink, "BEAT_S", 0.01)
+    monkeypatch.setattr(ray_dp, "graceful_stop", lambda: None)  # this process's SIGTERM stays pytest's
     board = FakeBoard()
-    link = ray_dp.DriverLink(board)
-    rules = ray_dp.SaveRules(ray_dp.Config(checkpoint_every="0"), link=link)
-    for logged in (False, True, False):
-        rules.stepped(logged)
-    assert board.stepped.calls == [(2,)] and rules.votes() == []  # told at the log step only; nothing asked yet
-    with link:  # beats from a thread of its own: no step needs to come for the driver to know rank 0 trains
+    guard = ray_dp.EpochGuard(ray_dp.Config(checkpoint_every="0", log_every=2), here(), None,
+                              ray_dp.LoopOptions(board=board), None)
+    guard.start(0)
+    for step in guard.steps(3):
+        guard.stepped(step)
+    assert board.stepped.calls == [(2,)] and guard.vote() == set()  # told at the log step only; nothing asked yet
+    with guard:  # beats from a thread of its own: no step needs to come for the driver to know rank 0 trains
         deadline = time.time() + 10
         while len(board.beat.calls) < 3 and time.time() < deadline:
             time.sleep(0.01)
         board.stop = True
-        while not link.asked and time.time() < deadline:
+        while not guard.link.asked and time.time() < deadline:
             time.sleep(0.01)
-    assert len(board.beat.calls) >= 3 and rules.votes() == [ray_dp.DRIVER_VOTE]  # heard between two steps
+    assert len(board.beat.calls) >= 3 and guard.vote() == {ray_dp.DRIVER_VOTE}  # heard between two steps
     board.stop = False
-    assert rules.votes(epoch_end=True) == [ray_dp.DRIVER_VOTE]  # asked stays asked
+    assert guard.vote(epoch_end=True) == {ray_dp.DRIVER_VOTE}  # asked stays asked
 
 
-def test_a_resumed_epochs_progress_bar_starts_at_its_steps_so_far_in_rays_own_tqdm(capsys):
-    log = ray_dp.StepLog(ray_dp.Config(), 0, 10, torch.device("cpu"), progress=True, done=4)  # Ray's tqdm: no initial=
-    assert type(log.bar).__module__ == "ray.experimental.tqdm_ray" and log.bar._x == 4
-    log.close()
+def test_a_resumed_epochs_progress_bar_starts_at_its_steps_so_far():
+    bar = ray_dp.Bar()
+    bar.show((0, 4, 10, None, 100.0, 2))
+    assert bar.tqdm.n == 4 and bar.tqdm.total == 10 and bar.tqdm.desc.startswith("epoch 1/2, 100 samples/s")
+    bar.show(None)
+    assert bar.tqdm is None
