@@ -1785,7 +1785,7 @@ def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker
                            generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
     steps, lr = len(labels) // cfg.batch_size, learning_rate(cfg, epoch)
     losses, comm_seconds, nbytes = StepLoss(worker.device), 0.0, 0
-    start = time.perf_counter()
+    start = tic = time.perf_counter()
     for step in range(steps):
         index = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         loss, seconds, nbytes = train_batch(images[index], labels[index], params, lr,
@@ -1795,8 +1795,12 @@ def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker
         if (step + 1) % cfg.log_every == 0:
             losses.log(epoch * steps + step + 1)
         if console:
-            console.progress(epoch, step + 1, steps, losses.entries, cfg)
+            loss = losses.entries[-1][1] if losses.entries else None
+            rate = (step + 1) * cfg.batch_size / (time.perf_counter() - tic)
+            console.progress((epoch, step + 1, steps, loss, rate, cfg.epochs))
     loss, samples, _ = losses.epoch_mean()
+    if console:
+        console.progress(None)
     per_step = comm_seconds / max(steps, 1)
     # NCCL-tests' bus bandwidth: what each link carried, comparable across worker counts
     busbw = 2 * (worker.world - 1) / worker.world * nbytes / per_step / 1e9 if nbytes else 0.0
@@ -2020,6 +2024,7 @@ def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) 
     shared = not torchrun
     return LoopOptions(
         progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
+        board=new_board() if shared else None,
         start_from=(ray.put(read_weights(cfg.weights))
                     if cfg.weights and shared and not resume.resumes else None),
         data=ray.put(data.datasets) if shared and data and sent(cfg, data) else None,

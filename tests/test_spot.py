@@ -8,7 +8,6 @@ those of the uninterrupted run."""
 import contextlib
 import copy
 import io
-import os
 import shutil
 import signal
 import socket
