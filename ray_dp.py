@@ -24,31 +24,32 @@ import time
 
 STARTED_AT = time.time()  # the start-up breakdown counts the imports
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import ctypes  # noqa: E402
-import errno  # noqa: E402
-import functools  # noqa: E402
-import gc  # noqa: E402
-import importlib  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-from dataclasses import asdict, dataclass, field, fields, replace  # noqa: E402
-from datetime import timedelta  # noqa: E402
-from pathlib import Path, PurePosixPath  # noqa: E402
-from typing import Optional, Union  # noqa: E402
+import argparse
+import contextlib
+import copyreg
+import ctypes
+import errno
+import functools
+import gc
+import importlib
+import io
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field, fields, replace
+from datetime import timedelta
+from pathlib import Path, PurePosixPath
+from typing import Optional, Union
 
-import ray  # noqa: E402
+import ray
 
 SUPPORTED_RAY = ("2.59", "2.61")  # Ray Train's V2 API: from, up to but not including
 
@@ -69,21 +70,24 @@ if (_problem := ray_version_problem(ray.__version__)):
         sys.exit(2)
     raise ImportError(_problem)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import (  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import (
     BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset)
 
-import ray.train  # noqa: E402
-import ray.train.torch  # noqa: E402
-from ray.train import CheckpointConfig, RunConfig, ScalingConfig  # noqa: E402
-from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+import ray.train
+import ray.train.torch
+from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+# torch.classes is a module of a type of its own that pickle cannot ship: cloudpickle takes it along
+# with any function shipped by value that names `classes` (yours too); by name instead
+copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
 IMPORTED_AT = time.time()
 CLOCK: dict = {}  # the driver's start-up marks of the command that runs (reset_clock)
 
@@ -121,139 +125,104 @@ ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store")
 
 @dataclass(frozen=True)
 class Config:
-    mode: str = option("ddp", "ddp: DistributedDataParallel, one process per worker; scratch: "
-                       "the d2l lesson's functional LeNet with hand-written all-reduce and SGD; "
-                       "dp: nn.DataParallel over --workers GPUs driven by one process (CUDA only)",
-                       choices=MODES)
-    workers: int = option(2, "number of training workers (processes); each gets one GPU on a GPU "
-                          "cluster. MIN:MAX makes the run elastic: it starts with as many as fit, "
-                          "at least MIN, and continues from the last checkpoint when workers come "
-                          "or go", metavar="N|MIN:MAX", rerun="free", evaluation="free",
-                          doctor=True)
+    mode: str = option("ddp", "ddp: DistributedDataParallel, a process per worker; scratch: "
+                       "d2l's functional LeNet, hand-written all-reduce and SGD; dp: "
+                       "nn.DataParallel over --workers GPUs of one process", choices=MODES)
+    workers: int = option(2, "training workers (processes), a GPU each on a GPU cluster; MIN:MAX: "
+                          "elastic, from the last checkpoint as workers come or go",
+                          metavar="N|MIN:MAX", rerun="free", evaluation="free", doctor=True)
     min_workers: int = option(0, "", cli=False, rerun="free", evaluation="free")  # MIN of MIN:MAX
     cpus_per_worker: Optional[float] = option(
-        None, "CPU cores reserved per worker; fractions allowed (default: 1; on a machine ray_dp "
-              "starts Ray on itself, more workers than cores share the cores evenly)",
-        type=float, metavar="CPUS", rerun="free", evaluation="free", doctor=True)
-    gpu: Optional[bool] = option(None, "use GPU workers (default: yes when the cluster has GPUs)",
+        None, "CPU cores per worker, fractions allowed (default 1; more workers than a machine's "
+        "cores share them)", type=float, metavar="CPUS", rerun="free", evaluation="free",
+        doctor=True)
+    gpu: Optional[bool] = option(None, "GPU workers (default: when the cluster has GPUs)",
                                  rerun="free", evaluation="free", doctor=True)
-    epochs: int = option(10, "number of passes over the training set (--mode scratch and "
-                         "compare: 20)", metavar="N", rerun="adopt", lesson=20)
-    batch_size: int = option(64, "GLOBAL batch: samples per optimizer step summed over all workers "
-                             "(per-worker micro-batch = batch-size / (workers x accum-steps); "
-                             "--mode scratch and compare: 32, the lesson's)", metavar="N",
-                             lesson=32)
-    amp: bool = option(False, "mixed precision: forward passes under bf16 autocast (GPU; runs on "
-                       "CPU too); bf16 keeps fp32's range, so no GradScaler is needed",
+    epochs: int = option(10, "passes over the training set (scratch and compare: 20)",
+                         metavar="N", rerun="adopt", lesson=20)
+    batch_size: int = option(64, "GLOBAL batch: samples per optimizer step over all workers "
+                             "(a worker's micro-batch: batch-size / (workers x accum-steps); "
+                             "scratch and compare: 32)", metavar="N", lesson=32)
+    amp: bool = option(False, "bf16 autocast of the forward pass (no GradScaler needed)",
                        evaluation="adopt")
-    compile: bool = option(False, "torch.compile the model (the first epoch pays for compiling)",
-                           rerun="free")
-    lr: float = option(0.05, "learning rate of --optimizer (peak, after any warm-up; "
-                       "--mode scratch and compare: 0.2)", metavar="LR", lesson=0.2)
-    lr_schedule: str = option("cosine", "learning rate over epochs: cosine decay to 0 over "
-                              "--epochs (extending a run stretches it), or constant "
-                              "(--mode scratch and compare: constant)",
-                              choices=("cosine", "constant"), lesson="constant")
-    momentum: float = option(0.9, "SGD momentum (compare: 0, like the lesson's plain SGD, which "
-                             "--mode scratch always uses)", metavar="M", lesson=0.0)
-    accum_steps: int = option(1, "micro-batches accumulated per optimizer step (gradients synced "
-                              "only on the last)", metavar="K")
-    allreduce: str = option("naive", "--mode scratch: how gradients are summed: naive (the lesson: "
-                            "all into rank 0, then back), ring (reduce-scatter + all-gather), "
-                            "library (dist.all_reduce)", choices=ALLREDUCE_ALGORITHMS)
-    sync_bn: bool = option(False, "synchronise BatchNorm statistics across workers (models with "
-                           "BatchNorm only)")
-    model: str = option("lenet", "network: lenet, mlp, resnet18 (the lessons', for small "
-                        "images), or any torchvision classification model by name, e.g. "
-                        "resnet50, mobilenet_v3_small, vit_b_16, torchvision.resnet18 "
-                        "(torchvision's own; --model list shows them)",
-                        metavar="NAME", evaluation="checkpoint")
-    weights: str = option("", "start from this state_dict file (e.g. torchvision's ImageNet "
-                          ".pth); tensors whose shapes do not fit (a classifier for other "
-                          "classes) stay new; a local file or a URI (s3://...)", metavar="PATH",
-                          path=True, store="read")
+    compile: bool = option(False, "torch.compile the model", rerun="free")
+    lr: float = option(0.05, "peak learning rate (scratch and compare: 0.2)", metavar="LR",
+                       lesson=0.2)
+    lr_schedule: str = option("cosine", "cosine decay to 0 over --epochs, or constant (scratch "
+                              "and compare)", choices=("cosine", "constant"), lesson="constant")
+    momentum: float = option(0.9, "SGD momentum (compare: 0, the lesson's plain SGD)",
+                             metavar="M", lesson=0.0)
+    accum_steps: int = option(1, "micro-batches per optimizer step (gradients all-reduced on the "
+                              "last)", metavar="K")
+    allreduce: str = option("naive", "scratch: naive (the lesson's: into rank 0 and back), ring, "
+                            "or library (dist.all_reduce)", choices=ALLREDUCE_ALGORITHMS)
+    sync_bn: bool = option(False, "BatchNorm statistics over every worker's batch")
+    model: str = option("lenet", "lenet, mlp, resnet18 (the lessons'), or any torchvision "
+                        "classification model (--model list)", metavar="NAME",
+                        evaluation="checkpoint")
+    weights: str = option("", "start from this state_dict (e.g. torchvision's .pth); tensors that "
+                          "do not fit stay new; a file or a URI", metavar="PATH", path=True,
+                          store="read")
     image_size: Optional[int] = option(
-        None, "images are resized to N x N pixels (default: --dataset folder: 28 for lenet and "
-              "mlp, 32 for resnet18, 224 for torchvision models; the built-in sets: their own "
-              "size, 28 or 32)", type=int, metavar="N", evaluation="checkpoint")
-    augment: bool = option(True, "--dataset folder: random resized crops and horizontal flips when "
-                           "training (--no-augment: resize and center crop, as for evaluation)")
+        None, "resize images to N x N (default: the set's own; a folder: 28 for lenet and mlp, 32 "
+        "for resnet18, else 224)", type=int, metavar="N", evaluation="checkpoint")
+    augment: bool = option(True, "--dataset folder: random resized crops and flips in training")
     optimizer: str = option("sgd", "sgd (with --momentum) or adamw", choices=("sgd", "adamw"))
-    weight_decay: float = option(0.0, "weight decay, on weights only (not on biases or norm "
-                                 "layers)", metavar="WD")
-    warmup_epochs: int = option(0, "epochs of linear learning-rate warm-up before the schedule",
-                                metavar="N")
-    clip_grad_norm: float = option(0.0, "clip the gradients' global norm to this after the "
-                                   "all-reduce (every rank clips the same gradients; 0: no "
-                                   "clipping)", metavar="NORM")
-    label_smoothing: float = option(0.0, "label smoothing of the training loss (0 to 1)",
-                                    metavar="EPS")
+    weight_decay: float = option(0.0, "weight decay, on weights only", metavar="WD")
+    warmup_epochs: int = option(0, "epochs of linear learning-rate warm-up", metavar="N")
+    clip_grad_norm: float = option(0.0, "clip the gradients' global norm (0: off)",
+                                   metavar="NORM")
+    label_smoothing: float = option(0.0, "label smoothing of the training loss", metavar="EPS")
+    loss: str = option("cross_entropy", "cross_entropy, mse, or your own: FILE.py:NAME or "
+                       "module:NAME, a function (output, target) -> mean loss or an nn.Module "
+                       "class", metavar="LOSS", evaluation="checkpoint")
     loader_workers: Optional[int] = option(
-        None, "0: data held in memory are indexed on the worker's device (the fast path), "
-              "per-sample data decoded in the worker; N: a torch DataLoader with N loader "
-              "processes per worker (persistent; pinned memory on GPU) (default: 0 for in-memory "
-              "data sets, 2 for folder)",
-        type=int, metavar="N", rerun="free", evaluation="free")
-    normalize: Optional[tuple] = option(None, "", cli=False, evaluation="checkpoint")  # (mean, std)
-    synthetic_size: int = option(512, "--dataset synthetic: training images "
-                                 "(the test set has 100)", metavar="N", evaluation="checkpoint")
-    dataset: str = option("fashion-mnist", "data set; digits (1,797 real digits from scikit-learn) "
-                          "needs no download; folder: your images, --data-dir PATH holding "
-                          "train/<class>/* and val/<class>/*", evaluation="checkpoint", doctor=True)
-    data_dir: str = option("./data", "where data sets are stored and downloaded to (a directory); "
-                           "--dataset folder: the folder, on every node's disk or in object "
-                           "storage (s3://bucket/prefix)", metavar="DIR", rerun="adopt",
-                           evaluation="adopt", doctor=True, path=True, store="read")
-    download: bool = option(True, "download a missing Fashion-MNIST / CIFAR-10 into --data-dir",
-                            rerun="free", evaluation="free", doctor=True)
-    seed: int = option(0, "random seed: model init and data order (the same on every worker), "
-                       "each sample's augmentation and each worker's dropout (their own)",
-                       metavar="N", evaluation="checkpoint")
-    storage_path: str = option("./runs", "directory (or s3://bucket/path on a cluster) for "
-                               "checkpoints and result.json", metavar="PATH", rerun="free",
-                               evaluation="free", doctor=True, path=True, store="write")
-    name: str = option("", "run name, the sub-directory of --storage-path; reuse it to resume "
-                       "(default: mode-model-dataset-date-time-pid)", metavar="NAME",
-                       rerun="free", evaluation="free")
-    logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/, "
-                         "one sub-run per run: watch with tensorboard --logdir LOGDIR",
-                         metavar="LOGDIR", rerun="free", evaluation="free", path=True)
-    log_every: int = option(10, "log the train loss (averaged over workers) to TensorBoard every "
-                            "this many steps", metavar="STEPS", rerun="free")
-    quiet: bool = option(False, "no progress bar (there is none anyway when the output is "
-                         "not a terminal)", rerun="free", evaluation="free")
-    max_failures: int = option(0, "restart the worker group this many times after a worker dies, "
-                               "from the last checkpoint (-1: without limit)", metavar="K",
-                               rerun="free", evaluation="free")
-    checkpoint_every: str = option(
-        "10m", "also save a checkpoint within an epoch, to resume from exactly there: every STEPS "
-               "optimizer steps, or every Nm minutes of training (rank 0's clock); 0: at each "
-               "epoch's end only (--mode scratch: 0). SIGTERM saves at the next --log-every step",
-        metavar="STEPS|Nm", rerun="free", lesson="0")
-    timeout: float = option(1800.0, "seconds a collective may wait for the slowest worker before "
-                            "the run fails (torch.distributed's process-group timeout)",
-                            metavar="SECONDS", rerun="free", evaluation="free")
-    start_timeout: float = option(60.0, "seconds to wait for the workers to start (at the "
-                                  "start, and after a failure or resize) before Ray tries again "
-                                  "with what fits", metavar="SECONDS", rerun="free",
-                                  evaluation="free", doctor=True)
-    keep_freed_memory: bool = option(
-        True, "training processes keep the memory a step frees for the next step (glibc's malloc): "
-              "fewer page faults and faster steps, at a higher peak of resident memory "
-              "(bench/memory.md); --no-keep-freed-memory leaves glibc's defaults",
-        rerun="free", evaluation="free")
-    fresh: bool = option(False, "start the run --name over, deleting its checkpoints, instead of "
-                         "resuming it", rerun="free")
-    address: str = option("", "Ray cluster to attach to ('auto' or host:port; default: start a "
-                          "fresh local one)", metavar="ADDRESS", rerun="free", evaluation="free",
+        None, "loader processes per worker (0: in-memory data indexed on the device; default: 0 "
+        "in memory, 2 read per sample)", type=int, metavar="N", rerun="free", evaluation="free")
+    normalize: Optional[tuple] = option(None, "", cli=False, evaluation="checkpoint")  # mean, std
+    synthetic_size: int = option(512, "--dataset synthetic: training images (100 test)",
+                                 metavar="N", evaluation="checkpoint")
+    dataset: str = option("fashion-mnist", "digits needs no download; folder: --data-dir holding "
+                          "train/<class>/* and val/<class>/*", evaluation="checkpoint",
                           doctor=True)
-    eval_only: str = option("", "evaluate a saved checkpoint on --workers workers instead of "
-                            "training: a run directory (its last checkpoint), "
-                            "a checkpoint_epoch_NNN directory, or a checkpoint.pt file "
-                            "(local or a URI: s3://...)",
-                            metavar="PATH", rerun="free", evaluation="free", store="read")
-    predict_out: str = option("", "with --eval-only: write each test sample's index, label, "
-                              "predicted class and probability to this CSV file",
+    data_dir: str = option("./data", "where data sets are, or are downloaded to; a folder's on "
+                           "every node or in object storage", metavar="DIR", rerun="adopt",
+                           evaluation="adopt", doctor=True, path=True, store="read")
+    download: bool = option(True, "download a missing Fashion-MNIST or CIFAR-10", rerun="free",
+                            evaluation="free", doctor=True)
+    seed: int = option(0, "initial weights and data order; each sample's augmentation and each "
+                       "worker's dropout draw streams of their own", metavar="N",
+                       evaluation="checkpoint")
+    storage_path: str = option("./runs", "checkpoints and result.json (a directory, or s3://...)",
+                               metavar="PATH", rerun="free", evaluation="free", doctor=True,
+                               path=True, store="write")
+    name: str = option("", "run name under --storage-path: the same name resumes (default: "
+                       "mode-model-dataset-date-time-pid)", metavar="NAME", rerun="free",
+                       evaluation="free")
+    logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/",
+                         metavar="LOGDIR", rerun="free", evaluation="free", path=True)
+    log_every: int = option(10, "the train loss to TensorBoard every this many steps",
+                            metavar="STEPS", rerun="free")
+    quiet: bool = option(False, "no progress bar", rerun="free", evaluation="free")
+    max_failures: int = option(0, "restart the workers this many times from the last checkpoint "
+                               "(-1: no limit)", metavar="K", rerun="free", evaluation="free")
+    checkpoint_every: str = option(
+        "10m", "also checkpoint within an epoch every STEPS steps or Nm minutes (0: at epochs' "
+        "ends only; scratch: 0)", metavar="STEPS|Nm", rerun="free", lesson="0")
+    timeout: float = option(1800.0, "seconds a collective waits for the slowest worker",
+                            metavar="SECONDS", rerun="free", evaluation="free")
+    start_timeout: float = option(60.0, "seconds to wait for the workers to start",
+                                  metavar="SECONDS", rerun="free", evaluation="free", doctor=True)
+    keep_freed_memory: bool = option(
+        True, "keep what a step frees for the next (glibc): faster steps, a higher peak of memory "
+        "(bench/memory.md)", rerun="free", evaluation="free")
+    fresh: bool = option(False, "delete the run --name and start it over", rerun="free")
+    address: str = option("", "the Ray cluster ('auto' or host:port; default: a local one)",
+                          metavar="ADDRESS", rerun="free", evaluation="free", doctor=True)
+    eval_only: str = option("", "evaluate a checkpoint instead of training: a run directory, a "
+                            "checkpoint directory or file (a URI too)", metavar="PATH",
+                            rerun="free", evaluation="free", store="read")
+    predict_out: str = option("", "with --eval-only: each test sample's prediction to this CSV",
                               metavar="FILE.csv", rerun="free", evaluation="free", path=True,
                               store="write")
 
@@ -404,12 +373,13 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
 def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None:
     """The model, the data set, the storage and the directories the configuration names."""
     check_model_name(cfg.model)
-    if cfg.dataset not in DATASETS:  # one a checkpoint names, registered by another ray_dp.py
+    if cfg.dataset not in DATASETS and not (is_code(cfg.dataset)
+                                            and user_code(cfg.dataset, "dataset")):
         raise ConfigError(f"--dataset {cfg.dataset} is not a data set of this ray_dp.py "
-                          f"(registered: {', '.join(sorted(DATASETS))})")
-    if cfg.sync_bn and not has_batchnorm(cfg.model):
-        raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
-                          f"{cfg.model} has none")
+                          f"({', '.join(sorted(DATASETS))}, or your own: FILE.py:NAME)")
+    if cfg.loss not in LOSSES and not (is_code(cfg.loss) and user_code(cfg.loss, "loss")):
+        raise ConfigError(f"--loss {cfg.loss} is not a loss of ray_dp.py ({', '.join(LOSSES)}, "
+                          f"or your own: FILE.py:NAME)")
     check_stores(cfg, doctor, resuming)
     if cfg.weights and not resuming and stored_type(cfg.weights) != "file":
         raise ConfigError(f"--weights {cfg.weights} is not a file")
@@ -540,8 +510,6 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
         if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS):
             continue
-        if f.name == "dataset":
-            kwargs["choices"] = sorted(DATASETS)
         if f.name == "workers":
             parser.add_argument(flag, action=_WorkersAction, default=f.default, **kwargs)
         elif f.name == "gpu":  # absent: Config's None, decided from the cluster
@@ -560,15 +528,20 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
 
 
 def with_absolute_paths(cfg: Config) -> Config:
-    """Ray's workers run in directories of their own."""
+    """Ray's workers run in directories of their own; your code's file is named by its path."""
     paths = {name: os.path.abspath(getattr(cfg, name)) for name in PATH_FIELDS
              if getattr(cfg, name) and not is_uri(getattr(cfg, name))}
+    for name in ("model", "dataset", "loss"):
+        where, colon, what = getattr(cfg, name).rpartition(":")
+        if colon and where.endswith(".py") and "://" not in where:
+            paths[name] = f"{os.path.abspath(where)}:{what}"
     return replace(cfg, **paths)
 
 
 def default_run_name(command: str, cfg: Config) -> str:
-    prefix = {"compare": "compare", "eval": f"eval-{cfg.model}-{cfg.dataset}"}.get(
-        command, f"{cfg.mode}-{cfg.model}-{cfg.dataset}")
+    model, data = (spec.rpartition(":")[2] for spec in (cfg.model, cfg.dataset))
+    prefix = {"compare": "compare", "eval": f"eval-{model}-{data}"}.get(
+        command, f"{cfg.mode}-{model}-{data}")
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
@@ -589,7 +562,17 @@ def dataset(name: str):
 
 
 def load_dataset(cfg: Config) -> tuple:
-    return DATASETS[cfg.dataset](cfg)
+    """(train, test) of --dataset: a built-in's, or your own function's, called with the config if
+    it takes an argument."""
+    if cfg.dataset in DATASETS:
+        return DATASETS[cfg.dataset](cfg)
+    load = user_code(cfg.dataset, "dataset")
+    data = load(cfg) if takes_arguments(load) else load()
+    if not (isinstance(data, (tuple, list)) and len(data) == 2
+            and all(hasattr(split, "__getitem__") and hasattr(split, "__len__") for split in data)):
+        raise DataError(f"--dataset {cfg.dataset} returned {type(data).__name__}, not a pair "
+                        f"(train, test) of data sets")
+    return tuple(data)
 
 
 class NamedTensors(TensorDataset):
@@ -851,6 +834,7 @@ class DataInfo:
     per_sample: bool  # read per sample, not held in memory
     datasets: tuple = field(default=(), repr=False, compare=False)
     fingerprint: Optional[str] = None  # the training set's list of samples
+    outputs: int = NUM_CLASSES  # the model's: the classes, or a regression's target values
 
 
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
@@ -860,14 +844,18 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
                           f"training samples of {cfg.dataset} allow for one step")
-    cfg = with_data_statistics(cfg, train_set)
-    if cfg.dataset == "folder":  # normalised now: the same files, not listed again
+    if cfg.dataset == "folder":  # normalised, the same files not listed again
+        cfg = with_data_statistics(cfg, train_set)
         train_set.transform, test_set.transform = image_transforms(cfg)
-    elif not isinstance(train_set, TensorDataset):
-        train_set, test_set = load_dataset(cfg)
-    return cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set),
-                         class_names(train_set), not isinstance(train_set, TensorDataset),
-                         (train_set, test_set), samples_fingerprint(train_set))
+    classes = class_names(train_set) if classifies(train_set) else []
+    return cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set), classes,
+                         not isinstance(train_set, TensorDataset), (train_set, test_set),
+                         samples_fingerprint(train_set), outputs(train_set, classes))
+
+
+def outputs(data, classes: list) -> int:
+    """The model's outputs: a class's score each, or the values of one regression target."""
+    return len(classes) or torch.as_tensor(data[0][1]).numel()
 
 
 def input_shape(cfg: Config, data) -> tuple:
@@ -982,8 +970,17 @@ def torchvision_names() -> list:
 
 
 def build_model(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) -> nn.Module:
+    """A built-in, your own (called with those of num_classes and sample_shape it takes), or
+    torchvision's model."""
     if name in MODELS:
         return MODELS[name](tuple(sample_shape), num_classes)
+    if is_code(name):
+        build = user_code(name, "model")
+        given = {"num_classes": num_classes, "sample_shape": tuple(sample_shape)}
+        net = build(**{k: v for k, v in given.items() if takes_arguments(build, k)})
+        if not isinstance(net, nn.Module):
+            raise ConfigError(f"--model {name} returned {type(net).__name__}, not an nn.Module")
+        return net
     import torchvision.models
     name = name.removeprefix(TORCHVISION)
     net = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
@@ -1008,6 +1005,8 @@ def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
 def check_model_name(name: str) -> None:
     if name in MODELS or name.removeprefix(TORCHVISION) in torchvision_models():
         return
+    if is_code(name):
+        return user_code(name, "model") and None
     import difflib
     close = difflib.get_close_matches(name, [*MODELS, *torchvision_names()], n=3, cutoff=0.5)
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
@@ -1024,8 +1023,9 @@ def model_outline(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES
         return build_model(name, sample_shape, num_classes)
 
 
-def has_batchnorm(name: str) -> bool:
-    net = model_outline(name, (3, 32, 32))
+def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32),
+                  num_classes: int = NUM_CLASSES) -> bool:
+    net = model_outline(name, sample_shape, num_classes)
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
 
 
@@ -1057,17 +1057,44 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
 def check_model_fits(cfg: Config, data: DataInfo) -> None:
     """The model takes the data's inputs, or one line names the size that works."""
     shape = tuple(data.sample_shape)
-    problem = image_size_problem(cfg.model, shape, len(data.classes))
+    if cfg.sync_bn and not has_batchnorm(cfg.model, shape, data.outputs):
+        raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
+                          f"{cfg.model} has none")
+    if is_code(cfg.model) or not is_image(shape):
+        return check_on_a_sample(cfg, data)
+    problem = image_size_problem(cfg.model, shape, data.outputs)
     if problem is None:
-        return check_single_sample_steps(cfg, shape, len(data.classes))
+        return check_single_sample_steps(cfg, shape, data.outputs)
     side = shape[-1]
-    size = smallest_image_size(cfg.model, shape[0], len(data.classes), side)
+    size = smallest_image_size(cfg.model, shape[0], data.outputs, side)
     what = f"{cfg.dataset}'s images as given ({side} x {side} px)"
     if size is None:
         raise ConfigError(f"--model {cfg.model} cannot take {what} nor any size up to 512 px: "
                           f"{problem}")
     raise ConfigError(f"--model {cfg.model} cannot take {what}: {problem}; the smallest size it "
                       f"takes is {size} x {size} px: add --image-size {size}")
+
+
+def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
+    """Your model on two samples of the data, and the loss on its output: one line each for what
+    fails (the error, and the shapes)."""
+    x, y = (torch.stack([torch.as_tensor(t)] * 2) for t in data.datasets[0][0])
+    x = resized(x, cfg.image_size) if cfg.image_size else x
+    try:
+        output = build_model(cfg.model, data.sample_shape, data.outputs).eval()(x)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - what the model says is the reason
+        raise ConfigError(f"--model {cfg.model} fails on two samples of {cfg.dataset} (inputs "
+                          f"{tuple(x.shape)}): {first_line(exc)}") from None
+    try:
+        loss = loss_function(cfg)(output, y)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"--loss {cfg.loss} fails on the model's outputs {tuple(output.shape)} "
+                          f"and targets {tuple(y.shape)}: {first_line(exc)}") from None
+    if not (torch.is_tensor(loss) and loss.ndim == 0):
+        raise ConfigError(f"--loss {cfg.loss} returned {getattr(loss, 'shape', type(loss))}, not a "
+                          f"scalar mean loss")
 
 
 def check_single_sample_steps(cfg: Config, shape: tuple, num_classes: int) -> None:
@@ -1098,6 +1125,18 @@ def read_weights(path: str) -> dict:
     return state
 
 
+def check_state_fits(cfg: Config, data: DataInfo, state: dict) -> None:
+    """A checkpoint's weights fit the model its --model builds now (your file may have changed)."""
+    net = model_outline(cfg.model, data.sample_shape, data.outputs)
+    try:
+        net.load_state_dict(state["model"], assign=True)
+    except RuntimeError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        where = f" ({cfg.model.rpartition(':')[0]} as it is now)" if is_code(cfg.model) else ""
+        raise ConfigError(f"the checkpoint's weights do not fit --model {cfg.model}{where}: "
+                          f"{lines[-1][:200]}") from None
+
+
 def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
     """Every tensor whose name and shape fit is loaded; (kept names, new names)."""
     own = net.state_dict()
@@ -1111,11 +1150,11 @@ def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
     if not cfg.weights:
         return None
     weights = read_weights(cfg.weights)
-    kept, new = load_weights(build_model(cfg.model, info.sample_shape, len(info.classes)), weights)
+    kept, new = load_weights(build_model(cfg.model, info.sample_shape, info.outputs), weights)
     if not kept:
         twin = TORCHVISION + cfg.model
         fits_twin = twin in torchvision_names() and load_weights(
-            build_model(twin, info.sample_shape, len(info.classes)), weights)[0]
+            build_model(twin, info.sample_shape, info.outputs), weights)[0]
         hint = f"; they fit torchvision's {cfg.model}: use --model {twin}" if fits_twin else ""
         raise ConfigError(f"--weights {cfg.weights} does not fit {cfg.model}: none of its "
                           f"{len(weights)} tensors has the name and shape of one of the "
@@ -1123,6 +1162,114 @@ def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
     listed = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
     return (f"--weights {cfg.weights}: kept {len(kept)} of the model's {len(kept) + len(new)} "
             f"tensors" + (f"; new (fine-tuned from scratch): {listed}" if new else ""))
+
+
+# ==================================================================================================
+# Your own model, data and loss: --model, --dataset and --loss take FILE.py:NAME or module:NAME;
+# ray_dp.train() takes the objects themselves. The driver loads them once and sends them to the
+# workers by value: a cluster's nodes need no copy of your file.
+# ==================================================================================================
+
+CODE: dict = {}  # spec -> your object, as the driver loaded it (and sent it to the workers)
+
+
+def is_code(spec: str) -> bool:
+    return ":" in spec and "://" not in spec
+
+
+def user_code(spec: str, flag: str):
+    """The object FILE.py:NAME or module:NAME names, loaded once; one line for what is wrong."""
+    if spec in CODE:
+        return CODE[spec]
+    where, _, name = spec.rpartition(":")
+    try:
+        module = load_module(where)
+    except FileNotFoundError:
+        raise ConfigError(f"--{flag} {spec}: there is no file {where}") from None
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"--{flag} {spec}: no module {exc.name} (a file's path ends in .py)"
+                          ) from None
+    except Exception as exc:  # noqa: BLE001 - whatever your file raises, it is named
+        raise ConfigError(f"--{flag} {spec}: {where} fails to import: {first_line(exc)}") from None
+    if not hasattr(module, name):
+        raise ConfigError(f"--{flag} {spec}: {where} has no {name}")
+    CODE[spec] = getattr(module, name)
+    return CODE[spec]
+
+
+def load_module(where: str):
+    """A file (FILE.py) or a module on the Python path, registered to travel by value."""
+    import ray.cloudpickle
+    if where.endswith(".py"):
+        import importlib.util
+        path = os.path.abspath(where)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(path)
+        name = "ray_dp_code_" + re.sub(r"\W", "_", path)
+        loader = importlib.util.spec_from_file_location(name, path)
+        module = sys.modules[name] = importlib.util.module_from_spec(loader)
+        try:
+            loader.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    else:
+        module = importlib.import_module(where)
+    if module.__name__ != "__main__":
+        ray.cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def as_spec(value, flag: str) -> str:
+    """ray_dp.train()'s model=, dataset= or loss=: a string as typed, an object under its name."""
+    if isinstance(value, str):
+        return value
+    spec = f"{value.__module__}:{value.__qualname__}"
+    CODE[spec] = value
+    return spec
+
+
+def takes_arguments(function, name: Optional[str] = None) -> bool:
+    """Whether `function` (or a class's __init__) takes any argument, or one called `name`."""
+    import inspect
+    kinds = inspect.signature(function).parameters.values()
+    return any(p.kind == p.VAR_KEYWORD or (p.name == name if name else p.name != "self")
+               for p in kinds)
+
+
+def code_file(spec: str) -> Optional[dict]:
+    """What the run directory records of your code: its spec and its file's text's hash."""
+    if not is_code(spec) or not spec.rpartition(":")[0].endswith(".py"):
+        return {"spec": spec} if is_code(spec) else None
+    import hashlib
+    path = os.path.abspath(spec.rpartition(":")[0])
+    text = Path(path).read_bytes() if os.path.isfile(path) else b""
+    return {"spec": spec, "file": path, "sha256": hashlib.sha256(text).hexdigest()[:16]}
+
+
+LOSSES = {"cross_entropy": lambda cfg: functools.partial(F.cross_entropy,
+                                                         label_smoothing=cfg.label_smoothing),
+          "mse": lambda cfg: lambda output, target: F.mse_loss(output.reshape(target.shape),
+                                                               target)}
+
+
+def loss_function(cfg: Config, training: bool = True):
+    """--loss as a function (output, target) -> mean loss (label smoothing in training only)."""
+    if cfg.loss in LOSSES:
+        return LOSSES[cfg.loss](cfg if training else replace(cfg, label_smoothing=0.0))
+    loss = user_code(cfg.loss, "loss")
+    return loss() if isinstance(loss, type) else loss
+
+
+def classifies(data) -> bool:
+    """Targets that are class indices (accuracy, per-class tables), not values (a regression)."""
+    target = data.tensors[1][0] if isinstance(data, TensorDataset) else data[0][1]
+    return isinstance(target, int) or (torch.is_tensor(target) and target.ndim == 0
+                                       and not target.is_floating_point())
+
+
+def is_image(shape: tuple) -> bool:
+    return len(shape) == 3
 
 
 # ==================================================================================================
@@ -1501,7 +1648,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
                 guard: Optional["EpochGuard"] = None) -> dict:
     """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint); its
     metrics, the train loss averaged over every worker's samples."""
-    guard = guard or EpochGuard(cfg, worker, saves_within=False)
+    guard, criterion = guard or EpochGuard(cfg, worker, saves_within=False), loss_function(cfg)
     model.train()
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(cfg, epoch)
@@ -1516,8 +1663,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
             x, y = (t.to(worker.device, non_blocking=True) for t in next(micro_batches))
             # 3. no_sync on all but the last micro-batch: one all-reduce of gradients per step
             with no_sync(model, sync=micro == cfg.accum_steps - 1), autocast(cfg, worker.device):
-                loss = F.cross_entropy(model(resized(x, cfg.image_size)), y,
-                                       label_smoothing=cfg.label_smoothing)
+                loss = criterion(model(resized(x, cfg.image_size)), y)
                 (loss / cfg.accum_steps).backward()  # K micro-batches: one mean over the step
             losses.add(loss.detach() * len(y), len(y))
         if cfg.clip_grad_norm:  # after the all-reduce: every rank clips the same gradients
@@ -1585,33 +1731,40 @@ class StepLoss:
 
 @torch.no_grad()
 def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: bool = False,
-             num_classes: int = NUM_CLASSES, workers: int = 0,
-             image_size: Optional[int] = None) -> dict:
+             num_classes: int = NUM_CLASSES, workers: int = 0, image_size: Optional[int] = None,
+             criterion=None) -> dict:
     """Exact test metrics: each rank scores a disjoint shard, then ONE all-reduce adds up [loss sum,
-    confusion matrix] (with details, each sample's prediction at its own index too)."""
+    count, confusion matrix] (with details, each sample's prediction at its own index too).
+    num_classes 0: a regression, scored by its loss alone."""
     rank, world = rank_and_world()
-    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+    criterion = criterion or F.cross_entropy
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, samples]
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
     predictions = torch.zeros(len(data) if details else 0, 2, dtype=torch.float64, device=device)
     for index, x, y in eval_batches(data, shard_indices(len(data), rank, world), batch_size,
                                     workers):
         x, y = resized(x.to(device), image_size), y.to(device)
-        logits = net(x)
-        loss_sum += F.cross_entropy(logits, y, reduction="sum")
-        probability, predicted = logits.softmax(1).max(1)
-        confusion.index_put_((y, predicted), torch.ones_like(y, dtype=torch.float64),
-                             accumulate=True)
+        output = net(x)
+        sums += torch.stack([criterion(output, y).double() * len(y),
+                             torch.tensor(len(y), dtype=torch.float64, device=device)])
+        if num_classes:
+            probability, predicted = output.softmax(1).max(1)
+            confusion.index_put_((y, predicted), torch.ones_like(y, dtype=torch.float64),
+                                 accumulate=True)
+        else:
+            predicted, probability = output.reshape(len(y), -1)[:, 0], torch.zeros(len(y))
         if details:  # other ranks leave these rows at 0: the sum is each rank's own rows
             predictions[index.to(device)] = torch.stack(
-                [predicted.double(), probability.double()], 1)
-    totals = all_reduce_sum(torch.cat([loss_sum, confusion.flatten(), predictions.flatten()]))
-    confusion = totals[1:1 + num_classes ** 2].view(num_classes, num_classes)
-    count = confusion.sum().item()
-    metrics = {"test_loss": totals[0].item() / count, "test_acc": confusion.trace().item() / count,
-               "test_count": int(count)}
+                [predicted.double(), probability.double().to(device)], 1)
+    totals = all_reduce_sum(torch.cat([sums, confusion.flatten(), predictions.flatten()]))
+    count = totals[1].item()
+    metrics = {"test_loss": totals[0].item() / count, "test_count": int(count)}
+    confusion = totals[2:2 + num_classes ** 2].view(num_classes, num_classes)
+    if num_classes:
+        metrics["test_acc"] = confusion.trace().item() / count
     if details:
         metrics["confusion"] = confusion.long().tolist()
-        metrics["predictions"] = totals[1 + num_classes ** 2:].view(-1, 2).tolist()
+        metrics["predictions"] = totals[2 + num_classes ** 2:].view(-1, 2).tolist()
     return metrics
 
 
@@ -1638,7 +1791,7 @@ def evaluate_as_saved(model: nn.Module, test_set, cfg: Config, device: torch.dev
         with autocast(cfg, device):
             return evaluate(net, test_set, device, eval_batch_size(test_set),
                             num_classes=num_classes, workers=loader_workers(cfg, test_set),
-                            image_size=cfg.image_size)
+                            image_size=cfg.image_size, criterion=loss_function(cfg, False))
     finally:
         net.train()
 
@@ -1866,6 +2019,8 @@ class LoopOptions:
     resume_from: Optional[object] = None  # ref of a checkpoint Ray never listed
     weights: Optional[object] = None  # --eval-only: ref of the model's weights
     classes: tuple = ()  # --eval-only: the names of the model's outputs
+    outputs: int = 0  # --eval-only: a regression's outputs
+    code: Optional[object] = None  # ref of your model, data set and loss (CODE), by value
     clock: dict = field(default_factory=dict)  # the driver's start-up marks
 
 
@@ -1876,6 +2031,8 @@ def worker_setup(config: dict) -> tuple:
     cfg, options = config["config"], config["options"]
     worker = config.get("worker") or Worker.current(cfg)
     worker.marks["loop"] = time.time()
+    if options.code is not None:
+        CODE.update(ray.get(options.code))  # your code, as the driver loaded it
     if cfg.keep_freed_memory:
         keep_freed_memory()
     bound_collectives(cfg.timeout)
@@ -1894,9 +2051,9 @@ def train_loop_per_worker(config: dict) -> dict:
     if isinstance(data := worker_data(cfg, options, worker), DataError):
         return {"data_error": str(data)}  # every rank alike
     train_set, test_set = data
-    classes = class_names(train_set)
+    classes = class_names(train_set) if classifies(train_set) else []
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = build_model(cfg.model, input_shape(cfg, train_set), len(classes))
+    model = build_model(cfg.model, input_shape(cfg, train_set), outputs(train_set, classes))
     state = launcher.latest_checkpoint()  # one checkpoint, the same on every rank
     if state is None and cfg.weights:
         load_weights(model, starting_weights(cfg, options))
@@ -1964,7 +2121,8 @@ def starting_weights(cfg: Config, options: LoopOptions) -> dict:
 # ==================================================================================================
 
 
-def run(cfg: Config, resume: "Resume" = None, data: Optional[DataInfo] = None) -> Optional[dict]:
+def run(cfg: Config, resume: "Resume" = None, data: Optional[DataInfo] = None,
+        typed: tuple = ()) -> Optional[dict]:
     """Train the resolved and validated cfg from `resume`. Under torchrun every process runs this;
     rank 0 alone checks, speaks and writes, and its loop decides for all."""
     resume = resume or Resume()
@@ -1972,7 +2130,7 @@ def run(cfg: Config, resume: "Resume" = None, data: Optional[DataInfo] = None) -
     if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts at fit
         CLOCK.clear()
     if not follower:
-        cfg, data, notes = preflight(cfg, resume, data)
+        cfg, data, notes = preflight(cfg, resume, data, typed)
         CLOCK["checked"] = time.time()
         cfg = cfg if torchrun else connect(cfg)
         CLOCK["connected"] = time.time()
@@ -2006,16 +2164,29 @@ def run(cfg: Config, resume: "Resume" = None, data: Optional[DataInfo] = None) -
     return summary
 
 
-def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo]) -> tuple:
+def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=()) -> tuple:
     """The checks that need the data, before any cluster starts: (cfg, data, notes)."""
     if data is None:
         cfg, data = check_data(cfg)
-    checks = [lambda: check_model_fits(cfg, data),
+    checks = [lambda: check_images_only(cfg, data, typed),
+              lambda: check_model_fits(cfg, data),
               lambda: resume.classes and check_same_classes(cfg, resume.classes, data.classes,
                                                             "resume it on"),
               lambda: check_same_samples(cfg, resume, data),
+              lambda: resume.resumes and is_code(cfg.model) and check_state_fits(
+                  cfg, data, load_checkpoint(resume.latest)),
               lambda: None if resume.resumes else check_weights(cfg, data)]
     return cfg, data, [note for check in checks if isinstance(note := check(), str)]
+
+
+def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
+    """Flags for images, typed for data that are none."""
+    if not is_image(data.sample_shape) and (flags := sorted({"image_size", "augment"} & set(typed))):
+        raise ConfigError(f"--{flags[0].replace('_', '-')} is for images; {cfg.dataset}'s inputs "
+                          f"have the shape {tuple(data.sample_shape)}: not applicable (drop it)")
+    if cfg.mode == "scratch" and not (is_image(data.sample_shape) and not data.per_sample):
+        raise ConfigError(f"--mode scratch trains the lesson's LeNet on images held in memory; "
+                          f"{cfg.dataset} has none (use --mode ddp)")
 
 
 def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) -> LoopOptions:
@@ -2045,7 +2216,9 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
     if not options.torchrun:
         options = replace(options, board=options.board or new_board())
     CLOCK["fit"] = time.time()
-    options = replace(options, clock=dict(CLOCK))
+    code = {spec: CODE[spec] for spec in (cfg.model, cfg.dataset, cfg.loss) if spec in CODE}
+    options = replace(options, clock=dict(CLOCK),  # your code in the object store: Ray's controller
+                      code=ray.put(code) if code and not options.torchrun else None)  # leaves it
     workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
                (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
     trainer = TorchTrainer(
@@ -2161,6 +2334,10 @@ def switches(cfg: Config, data: DataInfo) -> list:
 
 def images(cfg: Config, data: DataInfo) -> str:
     size = data.sample_shape[-1]
+    if not is_image(data.sample_shape):
+        kind = (plural(len(data.classes), "class") if data.classes
+                else f"a regression of {plural(data.outputs, 'value')} (loss alone)")
+        return f", inputs of shape {tuple(data.sample_shape)}, {kind}"
     if not data.per_sample:
         return f", images resized to {size} x {size} px" if cfg.image_size else ""
     augment = "augmented" if cfg.augment else "not augmented"
@@ -2252,7 +2429,7 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     check_location(cfg)
     adopted = []
     if command == "train":
-        typed_cfg = cfg
+        typed_cfg, options["typed"] = cfg, tuple(sorted(typed))
         cfg, options["resume"] = check_run_dir(cfg, typed)
         if not under_torchrun() and (summary := finished_result(cfg, options["resume"])):
             return "finished", cfg, {"summary": summary, "done": options["resume"].done}
@@ -2300,6 +2477,8 @@ def settings_as_flags(settings: dict) -> list:
             raise ConfigError(f"ray_dp.train() has no setting {name!r}: its settings are the "
                               f"flags of ray_dp.py --help, with _ for - (e.g. batch_size)")
         flag = "--" + name.replace("_", "-")
+        if name in ("model", "dataset", "loss") and value is not None:
+            value = as_spec(value, name)
         if name == "gpu":
             flags += [] if value is None else ["--gpu" if value else "--cpu"]
         elif isinstance(value, bool):
@@ -2352,7 +2531,21 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
             "optimizer": optimizer_state, "epoch": epoch,
             "config": asdict(cfg), "history": list(history), "classes": list(classes),
             "format": CHECKPOINT_FORMAT, **({"partial": partial} if partial else {}),
-            **({"samples": samples} if samples else {})}
+            **({"samples": samples} if samples else {}), "code": code_record(cfg)}
+
+
+def code_record(cfg: Config) -> dict:
+    """Your code a run trained with: each spec, and its file's hash (never the code itself)."""
+    return {flag: record for flag in ("model", "dataset", "loss")
+            if (record := code_file(getattr(cfg, flag)))}
+
+
+def note_code_changed(cfg: Config, state: dict, run: str) -> None:
+    for flag, now in code_record(cfg).items():
+        then = (state.get("code") or {}).get(flag) or {}
+        if then.get("spec") == now["spec"] and then.get("sha256") != now.get("sha256"):
+            print(f"note: {now.get('file', now['spec'])} changed since {run} saved its "
+                  f"checkpoint", flush=True)
 
 
 def load_checkpoint(path: str) -> dict:
@@ -2430,6 +2623,7 @@ class Resume:
     step: int = 0  # a mid-epoch checkpoint: the steps of epoch done + 1 it has done
     unlisted: Optional[str] = None  # a checkpoint Ray never listed, which its workers are handed
     samples: Optional[str] = None  # the fingerprint of the list of samples it trained on
+    latest: Optional[str] = None  # its checkpoint file
 
     @property
     def resumes(self) -> bool:
@@ -2466,13 +2660,14 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
     stored = stored_config(state)
     cfg = follow_stored(cfg, stored, typed)
     check_same_training(cfg, stored)
+    note_code_changed(cfg, state, f"run '{cfg.name}'")
     done = state["epoch"]
     if cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs and done < cfg.epochs:
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
               f"{stored['epochs']}): epoch {done + 1} trains at lr "
               f"{learning_rate(cfg, done):.4g}", flush=True)
     return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0),
-                       None if listed else latest, state.get("samples"))
+                       None if listed else latest, state.get("samples"), latest)
 
 
 def note_epochs_beyond_rays(cfg: Config, latest: Optional[str]) -> None:
@@ -2963,7 +3158,8 @@ class EpochGuard:
                    "keep": keep_score(self.epoch + 1, step, self.total)}
         state = self.saved(self.epoch, self.history, partial) if self.worker.is_main else None
         self.launcher.report(metrics, state, self.epoch + 1, step)
-        self.saves, self.save_seconds = self.saves + 1, self.save_seconds + time.perf_counter() - tic
+        self.saves += 1
+        self.save_seconds += time.perf_counter() - tic
         self.after_save()
 
     def after_save(self) -> None:
@@ -3032,7 +3228,7 @@ def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
 
 class GracefulStop:
     """SIGTERM while this process trains (a reclaimed spot node's, a drained one's): the run saves
-    at the next log step and stops. Otherwise, or at a second SIGTERM, what the signal did before."""
+    at the next log step and stops. Otherwise, or at a second SIGTERM, what it did before."""
 
     def __init__(self, before):
         self.before, self.asked, self.training = before, False, False
@@ -3292,14 +3488,18 @@ def plural(count: int, noun: str) -> str:
 
 def format_epoch(m: dict, epochs: int) -> str:
     resumed = f" (from step {m['resumed_at_step'] + 1})" if m.get("resumed_at_step") else ""
+    acc = f", test acc {m['test_acc']:.4f}" if "test_acc" in m else ""
     return (f"epoch {m['epoch']}/{epochs}: train loss {m['train_loss']:.4f}, "
-            f"test loss {m['test_loss']:.4f}, test acc {m['test_acc']:.4f}, "
+            f"test loss {m['test_loss']:.4f}{acc}, "
             f"{m['epoch_seconds']:.1f} s{resumed}, {m['samples_per_second']:.0f} samples/s")
 
 
 def format_summary(summary: dict, launcher: str = "") -> str:
     """`test acc: 0.97, 0.3 sec/epoch on 2 workers (cpu)`, and what it survived."""
-    line = (f"test acc: {summary['final']['test_acc']:.2f}, {summary['sec_per_epoch']:.1f} "
+    final = summary["final"]
+    score = (f"test acc: {final['test_acc']:.2f}" if "test_acc" in final
+             else f"test loss: {final['test_loss']:.4g}")
+    line = (f"{score}, {summary['sec_per_epoch']:.1f} "
             f"sec/epoch on {plural(summary['world_size'], 'worker')} "
             f"({summary['device']}{launcher})")
     recovery = summary.get("recovery") or {}
@@ -3314,8 +3514,8 @@ def format_summary(summary: dict, launcher: str = "") -> str:
 
 def near_chance(cfg: Config, summary: dict) -> Optional[str]:
     """A run that ended where guessing would: what most likely happened, and what to try."""
-    final, acc = summary["final"], summary["final"]["test_acc"]
-    if acc > 1.5 / NUM_CLASSES or cfg.dataset == "synthetic":
+    final, acc = summary["final"], summary["final"].get("test_acc", 1.0)
+    if acc > 1.5 / NUM_CLASSES or cfg.dataset == "synthetic" or is_code(cfg.dataset):
         return None
     steps = sum(m["train_samples"] for m in summary["epochs"]) // cfg.batch_size
     head = f"test acc {acc:.2f} is near chance (1/{NUM_CLASSES} = {1 / NUM_CLASSES:.2f})"
@@ -3363,8 +3563,8 @@ class TensorBoardWriter:
         if m["epoch"] == self.cfg.epochs:
             hparams = {k: v for k, v in asdict(self.cfg).items()
                        if isinstance(v, (int, float, str, bool))}
-            final = {"hparam/test_acc": m["test_acc"], "hparam/test_loss": m["test_loss"],
-                     "hparam/train_loss": m["train_loss"]}
+            final = {f"hparam/{key}": m[key] for key in ("test_acc", "test_loss", "train_loss")
+                     if key in m}
             self.writer.add_hparams(hparams, final, run_name=".")
         self.writer.flush()
 
@@ -3517,6 +3717,7 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
                           f"{trained['dataset']} with {was}; {says} contradicts it (drop it)")
     taken = {name: trained[name] for name in EVAL_FROM_CHECKPOINT
              if name in EVAL_FIXED or name not in typed}
+    note_code_changed(replace(cfg, **taken), checkpoint, path)
     # a scratch checkpoint is a LeNet state_dict too: every checkpoint is evaluated the ddp way
     return replace(cfg, **taken, mode="ddp", eval_only=path), checkpoint
 
@@ -3574,23 +3775,25 @@ def eval_loop_per_worker(config: dict) -> dict:
         return {"data_error": str(data)}
     test_set = data[1]
     classes = len(options.classes)  # the checkpoint's, not what the test labels reach
-    model = build_model(cfg.model, input_shape(cfg, test_set), classes)
+    model = build_model(cfg.model, input_shape(cfg, test_set), classes or options.outputs)
     model.load_state_dict(weights)
     on_device(model, worker.device, cfg.model).eval()
     with autocast(cfg, worker.device):
         metrics = evaluate(model, test_set, worker.device, eval_batch_size(test_set), details=True,
                            num_classes=classes, workers=loader_workers(cfg, test_set),
-                           image_size=cfg.image_size)
+                           image_size=cfg.image_size, criterion=loss_function(cfg, False))
     return {"metrics": metrics, "world_size": worker.world, "device": worker.device.type}
 
 
 def run_eval(cfg: Config, checkpoint: dict) -> dict:
     """--eval-only: the test metrics, per class, the confusion matrix; what result.json holds."""
     train_set, test_set = load_dataset(cfg)
-    names = checkpoint_classes(cfg, checkpoint, train_set, test_set)
+    names = checkpoint_classes(cfg, checkpoint, train_set, test_set) if classifies(test_set) else []
     info = DataInfo((len(train_set), len(test_set)), input_shape(cfg, test_set), names,
-                    not isinstance(test_set, TensorDataset))
+                    not isinstance(test_set, TensorDataset), (test_set, test_set),
+                    outputs=outputs(test_set, names))
     check_model_fits(cfg, info)
+    check_state_fits(cfg, info, checkpoint)
     if stored_type(cfg.run_dir) == "file":
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if epoch_checkpoints(cfg.run_dir):
@@ -3601,12 +3804,14 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
           f"{len(test_set)} test samples) on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers",
           flush=True)
     options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(names),
+                          outputs=info.outputs,
                           data=ray.put((None, test_set)) if sent(cfg, info) else None)
     out = fit(cfg, eval_loop_per_worker, options).return_value
     if "data_error" in out:
         raise DataError(out["data_error"])
     metrics = out["metrics"]
-    predictions, confusion = metrics.pop("predictions"), metrics["confusion"]
+    predictions, confusion = metrics.pop("predictions"), metrics.pop("confusion")
+    metrics.update({"confusion": confusion} if names else {})
     per_class = [{"class": c, "name": names[c], "count": sum(confusion[c]),
                   "correct": confusion[c][c], "acc": confusion[c][c] / max(sum(confusion[c]), 1)}
                  for c in range(len(names))]
@@ -3623,23 +3828,29 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
 
 def write_predictions(path: str, test_set, predictions: list, names: list) -> None:
     """--predict-out: each test sample's label and prediction, by number and name, with its
-    probability, and for images read from files the file."""
+    probability (a regression: its target and prediction), and an image's file."""
     import csv
     files = [file for file, _ in test_set.samples] if hasattr(test_set, "samples") else None
     text = io.StringIO()
     writer = csv.writer(text)
-    writer.writerow(["index", "label", "predicted", "probability", "label_name", "predicted_name"]
-                    + (["path"] if files else []))
-    for i, (label, (predicted, probability)) in enumerate(zip(labels_of(test_set), predictions)):
-        writer.writerow([i, label, int(predicted), f"{probability:.6f}", names[label],
-                         names[int(predicted)]] + ([files[i]] if files else []))
+    head = (["label", "predicted", "probability", "label_name", "predicted_name"] if names
+            else ["target", "predicted"])
+    writer.writerow(["index", *head, *(["path"] if files else [])])
+    targets = labels_of(test_set) if names else [test_set[i][1] for i in range(len(test_set))]
+    for i, (target, (predicted, probability)) in enumerate(zip(targets, predictions)):
+        row = ([target, int(predicted), f"{probability:.6f}", names[target],
+                names[int(predicted)]] if names else [float(torch.as_tensor(target).reshape(-1)[0]),
+                                                      f"{predicted:.6g}"])
+        writer.writerow([i, *row, *([files[i]] if files else [])])
     write_stored(path, text.getvalue().encode())
 
 
 def format_eval(metrics: dict, per_class: list, out: dict) -> str:
+    workers = f"on {out['world_size']} workers ({out['device']})"
+    if not per_class:
+        return f"test loss {metrics['test_loss']:.4f} ({metrics['test_count']} samples) {workers}"
     lines = [f"test loss {metrics['test_loss']:.4f}, test acc {metrics['test_acc']:.4f} "
-             f"({sum(c['correct'] for c in per_class)}/{metrics['test_count']}) "
-             f"on {out['world_size']} workers ({out['device']})", "",
+             f"({sum(c['correct'] for c in per_class)}/{metrics['test_count']}) {workers}", "",
              "class  count  correct  acc     name"]
     lines += [f"{c['class']:>5}  {c['count']:>5}  {c['correct']:>7}  {c['acc']:.4f}  {c['name']}"
               for c in per_class]

@@ -65,7 +65,7 @@ BAD_INPUTS = [
     (["--lr", "-0.1"], "--lr must be a positive number"),
     (["--momentum", "1"], "--momentum must be in [0, 1)"),
     (["--model", "vgg"], "--model vgg is not a model of ray_dp or torchvision; did you mean vgg19"),
-    (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
+    (["--dataset", "imagenet"], "--dataset imagenet is not a data set of this ray_dp.py"),
     (["--sync-bn", "--model", "lenet"], "--sync-bn needs a model with BatchNorm"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--dataset", "digits", "--gpu"], "--gpu was given but this machine has no GPU"),

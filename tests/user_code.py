@@ -1,0 +1,70 @@
+"""A user's own code, as a user would write it for ray_dp's --model, --dataset and --loss: nothing here knows
+ray_dp. (Tests name it by its path: FILE.py:NAME.)"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+
+class SmallCNN(nn.Module):
+    """The tutorial's kind of model, as written: no arguments, dropout, log_softmax outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3)
+        self.dropout = nn.Dropout(0.25)
+        self.fc = nn.Linear(8 * 13 * 13, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv(x)), 2)
+        return F.log_softmax(self.fc(self.dropout(torch.flatten(x, 1))), dim=1)
+
+
+class TabularMLP(nn.Module):
+    """An MLP for any table: it takes the width of a row and the number of outputs."""
+
+    def __init__(self, sample_shape, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(sample_shape[0], 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def split(features, targets, test_every=5):
+    """Every test_every-th row to the test set, standardised by the training rows' statistics."""
+    x = torch.tensor(features, dtype=torch.get_default_dtype())
+    test = torch.arange(len(x)) % test_every == 0
+    mean, std = x[~test].mean(0), x[~test].std(0)
+    x = (x - mean) / std
+    return TensorDataset(x[~test], targets[~test]), TensorDataset(x[test], targets[test])
+
+
+def wine():
+    """scikit-learn's 178 wines, 13 features, 3 classes."""
+    from sklearn.datasets import load_wine
+    data = load_wine()
+    train, test = split(data.data, torch.tensor(data.target))
+    train.classes = test.classes = list(data.target_names)
+    return train, test
+
+
+def diabetes(cfg):
+    """scikit-learn's 442 patients, 10 features, a disease progression to predict (standardised): a regression."""
+    from sklearn.datasets import load_diabetes
+    data = load_diabetes()
+    target = torch.tensor(data.target, dtype=torch.get_default_dtype())
+    return split(data.data, (target - target.mean()) / target.std())
+
+
+def smooth_l1(output, target):
+    """A loss of one's own: (output, target) -> the mean loss."""
+    return F.smooth_l1_loss(output.reshape(target.shape), target)
+
+
+def not_a_model():
+    return "a string"
+
+
+def not_a_pair():
+    return [1, 2, 3]
