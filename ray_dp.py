@@ -32,6 +32,7 @@ import errno
 import functools
 import gc
 import importlib
+import importlib.util
 import io
 import json
 import logging
@@ -621,7 +622,6 @@ def load_digits(test_size: int = 360) -> tuple[TensorDataset, TensorDataset]:
 
 def sklearn_digits_file() -> tuple:
     """(pixels, labels) read as scikit-learn reads digits.csv.gz, without its 1 s import."""
-    import importlib.util
     spec = importlib.util.find_spec("sklearn")
     if spec is None:
         raise DataError("--dataset digits needs scikit-learn: pip install -r requirements.txt")
@@ -860,7 +860,8 @@ def outputs(data, classes: list) -> int:
 
 def input_shape(cfg: Config, data) -> tuple:
     shape = tuple(data[0][0].shape)
-    return (shape[0], cfg.image_size, cfg.image_size) if cfg.image_size else shape
+    sized = cfg.image_size and is_image(shape)
+    return (shape[0], cfg.image_size, cfg.image_size) if sized else shape
 
 
 def resized(images: torch.Tensor, size: Optional[int]) -> torch.Tensor:
@@ -1064,7 +1065,8 @@ def check_model_fits(cfg: Config, data: DataInfo) -> None:
         return check_on_a_sample(cfg, data)
     problem = image_size_problem(cfg.model, shape, data.outputs)
     if problem is None:
-        return check_single_sample_steps(cfg, shape, data.outputs)
+        check_single_sample_steps(cfg, shape, data.outputs)
+        return None if cfg.loss == "cross_entropy" else check_on_a_sample(cfg, data)
     side = shape[-1]
     size = smallest_image_size(cfg.model, shape[0], data.outputs, side)
     what = f"{cfg.dataset}'s images as given ({side} x {side} px)"
@@ -1201,7 +1203,6 @@ def load_module(where: str):
     """A file (FILE.py) or a module on the Python path, registered to travel by value."""
     import ray.cloudpickle
     if where.endswith(".py"):
-        import importlib.util
         path = os.path.abspath(where)
         if not os.path.isfile(path):
             raise FileNotFoundError(path)
@@ -2181,7 +2182,8 @@ def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=())
 
 def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
     """Flags for images, typed for data that are none."""
-    if not is_image(data.sample_shape) and (flags := sorted({"image_size", "augment"} & set(typed))):
+    flags = sorted({"image_size", "augment"} & set(typed))
+    if flags and not is_image(data.sample_shape):
         raise ConfigError(f"--{flags[0].replace('_', '-')} is for images; {cfg.dataset}'s inputs "
                           f"have the shape {tuple(data.sample_shape)}: not applicable (drop it)")
     if cfg.mode == "scratch" and not (is_image(data.sample_shape) and not data.per_sample):
@@ -2540,12 +2542,13 @@ def code_record(cfg: Config) -> dict:
             if (record := code_file(getattr(cfg, flag)))}
 
 
-def note_code_changed(cfg: Config, state: dict, run: str) -> None:
-    for flag, now in code_record(cfg).items():
-        then = (state.get("code") or {}).get(flag) or {}
-        if then.get("spec") == now["spec"] and then.get("sha256") != now.get("sha256"):
-            print(f"note: {now.get('file', now['spec'])} changed since {run} saved its "
-                  f"checkpoint", flush=True)
+def note_code_changed(cfg: Config, state: dict, since: str) -> None:
+    """A note for each file of your code whose text changed since the checkpoint."""
+    changed = {now["file"] for flag, now in code_record(cfg).items()
+               if "file" in now and ((state.get("code") or {}).get(flag) or {}).get("sha256")
+               not in (None, now["sha256"])}
+    for path in sorted(changed):
+        print(f"note: {path} changed since {since}", flush=True)
 
 
 def load_checkpoint(path: str) -> dict:
@@ -2660,7 +2663,7 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
     stored = stored_config(state)
     cfg = follow_stored(cfg, stored, typed)
     check_same_training(cfg, stored)
-    note_code_changed(cfg, state, f"run '{cfg.name}'")
+    note_code_changed(cfg, state, f"run '{cfg.name}' saved its checkpoint")
     done = state["epoch"]
     if cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs and done < cfg.epochs:
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
@@ -3717,7 +3720,7 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
                           f"{trained['dataset']} with {was}; {says} contradicts it (drop it)")
     taken = {name: trained[name] for name in EVAL_FROM_CHECKPOINT
              if name in EVAL_FIXED or name not in typed}
-    note_code_changed(replace(cfg, **taken), checkpoint, path)
+    note_code_changed(replace(cfg, **taken), checkpoint, f"{path} was saved")
     # a scratch checkpoint is a LeNet state_dict too: every checkpoint is evaluated the ddp way
     return replace(cfg, **taken, mode="ddp", eval_only=path), checkpoint
 
