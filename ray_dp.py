@@ -381,6 +381,9 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
     if cfg.loss not in LOSSES and not (is_code(cfg.loss) and user_code(cfg.loss, "loss")):
         raise ConfigError(f"--loss {cfg.loss} is not a loss of ray_dp.py ({', '.join(LOSSES)}, "
                           f"or your own: FILE.py:NAME)")
+    if cfg.sync_bn and not is_code(cfg.model) and not has_batchnorm(cfg.model):
+        raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
+                          f"{cfg.model} has none")
     check_stores(cfg, doctor, resuming)
     if cfg.weights and not resuming and stored_type(cfg.weights) != "file":
         raise ConfigError(f"--weights {cfg.weights} is not a file")
@@ -2032,8 +2035,9 @@ def worker_setup(config: dict) -> tuple:
     cfg, options = config["config"], config["options"]
     worker = config.get("worker") or Worker.current(cfg)
     worker.marks["loop"] = time.time()
-    if options.code is not None:
-        CODE.update(ray.get(options.code))  # your code, as the driver loaded it
+    if options.code is not None:  # your code, as the driver loaded it
+        for registry, entries in zip((CODE, MODELS, DATASETS), ray.get(options.code)):
+            registry.update(entries)
     if cfg.keep_freed_memory:
         keep_freed_memory()
     bound_collectives(cfg.timeout)
@@ -2102,7 +2106,8 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
             data = from_rank_0(load_dataset(cfg) if worker.is_main else None, worker.device)
         else:
             data = load_dataset(cfg)
-            check_classes_agree(class_names(data[0]), worker.device)
+            check_classes_agree(class_names(data[0]) if classifies(data[0]) else [],
+                                worker.device)
         check_node_holds(data, cfg, worker, Console.of(options, worker))
     except DataError as exc:
         return exc
@@ -2197,7 +2202,7 @@ def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) 
     shared = not torchrun
     return LoopOptions(
         progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
-        board=new_board() if shared else None,
+        board=new_board() if shared and ray.is_initialized() else None,
         start_from=(ray.put(read_weights(cfg.weights))
                     if cfg.weights and shared and not resume.resumes else None),
         data=ray.put(data.datasets) if shared and data and sent(cfg, data) else None,
@@ -2218,9 +2223,11 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
     if not options.torchrun:
         options = replace(options, board=options.board or new_board())
     CLOCK["fit"] = time.time()
-    code = {spec: CODE[spec] for spec in (cfg.model, cfg.dataset, cfg.loss) if spec in CODE}
+    code = [{spec: CODE[spec] for spec in (cfg.model, cfg.dataset, cfg.loss) if spec in CODE},
+            {cfg.model: MODELS[cfg.model]} if cfg.model in MODELS else {},  # registered by
+            {cfg.dataset: DATASETS[cfg.dataset]} if cfg.dataset in DATASETS else {}]  # a script
     options = replace(options, clock=dict(CLOCK),  # your code in the object store: Ray's controller
-                      code=ray.put(code) if code and not options.torchrun else None)  # leaves it
+                      code=None if options.torchrun else ray.put(code))  # leaves it alone
     workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
                (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
     trainer = TorchTrainer(

@@ -290,8 +290,33 @@ NOTEBOOK = """
 import json, sys
 sys.path.insert(0, {repo!r})
 import ray, ray_dp
+import torch.nn as nn
+
+
+class Net(nn.Module):  # the notebook's own model
+    def __init__(self, sample_shape, num_classes):
+        super().__init__()
+        self.layer = nn.Linear(sample_shape[0], num_classes)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
 summary = ray_dp.train(workers=2, dataset="digits", epochs=1, storage_path="runs", name="attached",
                        address={address!r}, gpu=False)
+own = ray_dp.train(workers=2, model=Net, dataset="my_data.py:wine", epochs=2, batch_size=16,
+                   storage_path="runs", name="own", address={address!r}, gpu=False)
+print("OWN", own["final"]["test_acc"], own["config"]["model"])
+
+
+@ray_dp.model("tinynet")  # registered by name in the notebook: its workers get it too
+def tinynet(sample_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, num_classes))
+
+
+named = ray_dp.train(workers=2, model="tinynet", dataset="digits", epochs=1, storage_path="runs",
+                     name="named", address={address!r}, gpu=False)
+print("NAMED", named["final"]["test_count"])
 ray.shutdown()
 local = ray_dp.train(workers=2, dataset="digits", epochs=2, storage_path="runs", name="local", quiet=True)
 print("SUMMARIES", json.dumps([[m["epoch"] for m in s["epochs"]] for s in (summary, local)]))
@@ -309,6 +334,9 @@ def test_ray_dp_trains_from_a_notebook_in_another_directory_locally_and_attached
                              "--include-dashboard", "false", "--disable-usage-stats", "--ray-client-server-port",
                              "47380", *node_ports(45000)], env=env, cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # a data set of the notebook's own in a file that is gone once the driver has read it: the workers get it whole
+    (tmp_path / "my_data.py").write_text(open(os.path.join(REPO, "tests", "user_code.py")).read()
+                                         + "\nimport os\nos.remove(__file__)\n")
     try:
         script = NOTEBOOK.format(repo=REPO, address="127.0.0.5:47379")
         done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
@@ -316,6 +344,9 @@ def test_ray_dp_trains_from_a_notebook_in_another_directory_locally_and_attached
     finally:
         stop_node(head)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.split("NAMED ", 1)[1].split()[0] == "360"
+    own_acc, own_model = done.stdout.split("OWN ", 1)[1].split()[:2]
+    assert float(own_acc) > 0.8 and own_model == "__main__:Net" and not (tmp_path / "my_data.py").exists()
     summaries = json.loads(done.stdout.split("SUMMARIES ", 1)[1])
     assert summaries == [[1], [1, 2]]
     assert json.loads((tmp_path / "runs" / "local" / "result.json").read_text())["epochs"][-1]["epoch"] == 2

@@ -20,6 +20,17 @@ class SmallCNN(nn.Module):
         return F.log_softmax(self.fc(self.dropout(torch.flatten(x, 1))), dim=1)
 
 
+class PlainCNN(nn.Module):
+    """A convolutional network without randomness of its own (one process's dropout masks are not N workers')."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(1, 4, 5, stride=3), nn.Linear(4 * 8 * 8, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.relu(self.conv(x)), 1))
+
+
 class TabularMLP(nn.Module):
     """An MLP for any table: it takes the width of a row and the number of outputs."""
 
