@@ -90,7 +90,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 # with any function shipped by value that names `classes` (yours too); by name instead
 copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
 IMPORTED_AT = time.time()
-CLOCK: dict = {}  # the driver's start-up marks of the command that runs (reset_clock)
+CLOCK: dict = {}
 
 
 # ==================================================================================================
@@ -102,7 +102,7 @@ CLOCK: dict = {}  # the driver's start-up marks of the command that runs (reset_
 
 MODES = ("ddp", "scratch", "dp")
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "library")
-NUM_CLASSES = 10  # the built-in data sets'
+NUM_CLASSES = 10
 MODEL_IMAGE_SIZE = {"lenet": 28, "mlp": 28, "resnet18": 32}  # a folder's default --image-size
 DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
 MAX_SEED = 2 ** 32 - 1
@@ -111,11 +111,9 @@ NO_LESSON = object()
 
 def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", doctor: bool = False,
            lesson=NO_LESSON, path: bool = False, store: str = "", **argparse_kwargs):
-    """A flag with its facts. rerun: "fixed" (the run's own; another typed value is refused),
-    "adopt" (the run's unless typed) or "free". evaluation (--eval-only): "train" (refused when
-    typed), "checkpoint" (the checkpoint's), "adopt" (the checkpoint's unless typed) or "free".
-    doctor: the doctor takes it. lesson: --mode scratch's and compare's default. path: made
-    absolute on the driver. store: "read" or "write" where it may be a URI (s3://...)."""
+    """A flag with its facts. rerun: "fixed" (another typed value is refused), "adopt" (the run's
+    unless typed), "free"; evaluation: "train" (refused), "checkpoint", "adopt", "free"; doctor:
+    it takes it; lesson: scratch's default; path: made absolute; store: a URI "read" or "write"."""
     return field(default=default, metadata={"help": help, "rerun": rerun, "evaluation": evaluation,
                                             "doctor": doctor, "lesson": lesson, "path": path,
                                             "store": store, **argparse_kwargs})
@@ -289,8 +287,7 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     a run that resumes starts from its checkpoint, not from --weights."""
     if not doctor:
         check_run_name(cfg)
-    scratch, cpus = cfg.mode == "scratch", cfg.cpus_per_worker
-    lesson = "(scratch mode is the lesson's"
+    cpus = cfg.cpus_per_worker
     checks = [
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
         (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
@@ -312,6 +309,17 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (checkpoint_interval(cfg.checkpoint_every) is not None,
          f"--checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' "
          f"ends only), got {cfg.checkpoint_every}"),
+    ]
+    for ok, message in checks + mode_checks(cfg):
+        if not ok:
+            raise ConfigError(message)
+    validate_names_and_places(cfg, doctor, resuming)
+
+
+def mode_checks(cfg: Config) -> list:
+    """(ok, message) of what the modes (scratch, dp) and the other flags say together."""
+    scratch, lesson = cfg.mode == "scratch", "(scratch mode is the lesson's"
+    return [
         (not (scratch and checkpoint_interval(cfg.checkpoint_every) not in (None, (0, 0.0))),
          "--checkpoint-every needs --mode ddp (scratch mode saves at each epoch's end)"),
         (math.isfinite(cfg.timeout) and cfg.timeout >= 1,
@@ -365,10 +373,6 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (not cfg.predict_out or cfg.predict_out != cfg.eval_only,
          f"--predict-out {cfg.predict_out} is the checkpoint being evaluated"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    validate_names_and_places(cfg, doctor, resuming)
 
 
 def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None:
@@ -439,7 +443,6 @@ def is_run_name(name: str) -> bool:
 
 
 def not_a_directory(path: str) -> Optional[str]:
-    """The first existing part of `path` if it is a file, else None."""
     for part in [Path(path), *Path(path).parents]:
         if part.exists():
             return None if part.is_dir() else str(part)
@@ -472,7 +475,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):  # no "(default: )"
+    def _get_help_string(self, action):
         return action.help if action.default in ("", None) else super()._get_help_string(action)
 
 
@@ -580,7 +583,6 @@ def load_dataset(cfg: Config) -> tuple:
 
 
 class NamedTensors(TensorDataset):
-    """A TensorDataset that knows its class names."""
 
     def __init__(self, *tensors, classes: list):
         super().__init__(*tensors)
@@ -654,7 +656,7 @@ def load_torchvision(dataset_class, root: str, download: bool) -> tuple:
             try:
                 splits = [dataset_class(root, train=train, download=download)
                           for train in (True, False)]
-            except (RuntimeError, OSError) as exc:  # not found, corrupt, no network
+            except (RuntimeError, OSError) as exc:
                 for name in set(own_entries(dataset_class)) - (before or set()):
                     remove_path(os.path.join(root, name))
                 raise DataError(missing_dataset(dataset_class, root, download, exc)) from None
@@ -667,7 +669,7 @@ def load_torchvision(dataset_class, root: str, download: bool) -> tuple:
 
 
 def images_to_tensors(split) -> TensorDataset:
-    images = torch.as_tensor(split.data)  # (N, H, W) uint8 or CIFAR's (N, H, W, C)
+    images = torch.as_tensor(split.data)
     images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
     return NamedTensors(images.float().div(255), torch.as_tensor(split.targets, dtype=torch.int64),
                         classes=class_names(split))
@@ -677,10 +679,10 @@ def missing_dataset(dataset_class, root: str, download: bool, error: Exception) 
     reason = " ".join(str(error).split())
     tried = (f" and could not be downloaded ({reason})" if "download=True" not in reason
              else " and could not be downloaded") if download else " (--no-download)"
-    if hasattr(dataset_class, "resources"):  # the MNIST family
+    if hasattr(dataset_class, "resources"):
         folder = os.path.join(root, dataset_class.__name__, "raw")
         names = [os.path.splitext(os.path.basename(url))[0] for url, _ in dataset_class.resources]
-    else:  # CIFAR-10
+    else:
         folder = os.path.join(root, dataset_class.base_folder)
         names = ([name for name, _ in dataset_class.train_list + dataset_class.test_list]
                  + [dataset_class.meta["filename"]])
@@ -740,7 +742,7 @@ def load_folder(cfg: Config) -> tuple:
             loader = functools.partial(read_image, data_dir=root)
             train = ImageFolder(f"{root}/train", transform=train_transform, loader=loader)
             val = ImageFolder(f"{root}/val", transform=eval_transform, loader=loader)
-    except FileNotFoundError as exc:  # a class folder without a single image
+    except FileNotFoundError as exc:
         raise DataError(f"--data-dir {root}: {exc}") from None
     if train.classes != val.classes:
         only_train = sorted(set(train.classes) - set(val.classes)) or "none"
@@ -824,19 +826,17 @@ def class_names(data) -> list:
 
 
 def labels_of(data) -> list:
-    """Every sample's label, without decoding an image."""
     return data.tensors[1].tolist() if isinstance(data, TensorDataset) else list(data.targets)
 
 
 @dataclass(frozen=True)
 class DataInfo:
-    """What the driver learns of the data before any worker starts."""
-    sizes: tuple  # (train samples, test samples)
+    sizes: tuple
     sample_shape: tuple  # one input's (C, H, W) as the model sees it
     classes: list
-    per_sample: bool  # read per sample, not held in memory
+    per_sample: bool
     datasets: tuple = field(default=(), repr=False, compare=False)
-    fingerprint: Optional[str] = None  # the training set's list of samples
+    fingerprint: Optional[str] = None
     outputs: int = NUM_CLASSES  # the model's: the classes, or a regression's target values
 
 
@@ -857,7 +857,6 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
 
 
 def outputs(data, classes: list) -> int:
-    """The model's outputs: a class's score each, or the values of one regression target."""
     return len(classes) or torch.as_tensor(data[0][1]).numel()
 
 
@@ -876,7 +875,6 @@ def resized(images: torch.Tensor, size: Optional[int]) -> torch.Tensor:
 
 
 def samples_per_epoch(cfg: Config, train_size: int) -> int:
-    """Whole global batches: each worker's equal shard, cut to whole steps."""
     if cfg.mode == "scratch":
         return train_size // cfg.batch_size * cfg.batch_size
     return train_size // cfg.processes // (cfg.micro_batch * cfg.accum_steps) * cfg.batch_size
@@ -935,7 +933,6 @@ MODELS: dict = {}
 
 
 def model(name: str):
-    """Register `build(sample_shape, num_classes) -> nn.Module` under --model NAME."""
     def register(build):
         MODELS[name] = build
         return build
@@ -1035,12 +1032,11 @@ def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32),
 
 @functools.lru_cache(maxsize=64)
 def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Optional[str]:
-    """Why `name` cannot take inputs of sample_shape, in a line, or None."""
     try:
         net = model_outline(name, sample_shape, num_classes).eval()
         with torch.no_grad():
             net(torch.zeros(2, *sample_shape, device=next(net.parameters()).device))
-    except Exception as exc:  # noqa: BLE001 - what the model says is the reason
+    except Exception as exc:
         return first_line(exc)
     return None
 
@@ -1089,12 +1085,12 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
         output = build_model(cfg.model, data.sample_shape, data.outputs).eval()(x)
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - what the model says is the reason
+    except Exception as exc:
         raise ConfigError(f"--model {cfg.model} fails on two samples of {cfg.dataset} (inputs "
                           f"{tuple(x.shape)}): {first_line(exc)}") from None
     try:
         loss = loss_function(cfg)(output, y)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ConfigError(f"--loss {cfg.loss} fails on the model's outputs {tuple(output.shape)} "
                           f"and targets {tuple(y.shape)}: {first_line(exc)}") from None
     if not (torch.is_tensor(loss) and loss.ndim == 0):
@@ -1109,7 +1105,7 @@ def check_single_sample_steps(cfg: Config, shape: tuple, num_classes: int) -> No
     net = model_outline(cfg.model, shape, num_classes).train()
     try:
         net(torch.zeros(1, *shape, device=next(net.parameters()).device))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ConfigError(f"--model {cfg.model} cannot train on micro-batches of one image "
                           f"({first_line(exc)}): raise --batch-size to 2 per worker or more, or "
                           f"use --sync-bn") from None
@@ -1120,7 +1116,7 @@ def read_weights(path: str) -> dict:
     try:
         source = io.BytesIO(read_stored(path)) if is_uri(path) else path
         state = torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many kinds
+    except Exception as exc:
         raise ConfigError(f"--weights {path} is not a state_dict torch can load safely "
                           f"({first_words(exc, 160)})") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
@@ -1143,7 +1139,6 @@ def check_state_fits(cfg: Config, data: DataInfo, state: dict) -> None:
 
 
 def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
-    """Every tensor whose name and shape fit is loaded; (kept names, new names)."""
     own = net.state_dict()
     kept = [k for k, v in weights.items() if k in own and own[k].shape == v.shape]
     net.load_state_dict({k: weights[k] for k in kept}, strict=False)
@@ -1194,7 +1189,7 @@ def user_code(spec: str, flag: str):
     except ModuleNotFoundError as exc:
         raise ConfigError(f"--{flag} {spec}: no module {exc.name} (a file's path ends in .py)"
                           ) from None
-    except Exception as exc:  # noqa: BLE001 - whatever your file raises, it is named
+    except Exception as exc:
         raise ConfigError(f"--{flag} {spec}: {where} fails to import: {first_line(exc)}") from None
     if not hasattr(module, name):
         raise ConfigError(f"--{flag} {spec}: {where} has no {name}")
@@ -1225,7 +1220,6 @@ def load_module(where: str):
 
 
 def as_spec(value, flag: str) -> str:
-    """ray_dp.train()'s model=, dataset= or loss=: a string as typed, an object under its name."""
     if isinstance(value, str):
         return value
     spec = f"{value.__module__}:{value.__qualname__}"
@@ -1234,7 +1228,6 @@ def as_spec(value, flag: str) -> str:
 
 
 def takes_arguments(function, name: Optional[str] = None) -> bool:
-    """Whether `function` (or a class's __init__) takes any argument, or one called `name`."""
     import inspect
     kinds = inspect.signature(function).parameters.values()
     return any(p.kind == p.VAR_KEYWORD or (p.name == name if name else p.name != "self")
@@ -1286,22 +1279,21 @@ class Worker:
     rank: int
     world: int
     device: torch.device
-    node_rank: int = 0  # which machine: Ray numbers nodes by IP address
-    marks: dict = field(default_factory=dict)  # wall clock: loop, data, model, first step
+    node_rank: int = 0
+    marks: dict = field(default_factory=dict)
 
     @property
-    def is_main(self) -> bool:  # the one rank that prints and writes
+    def is_main(self) -> bool:
         return self.rank == 0
 
     @classmethod
     def current(cls, cfg: Config) -> "Worker":
-        """This process in the group Ray, torchrun or a test made."""
         torch.set_num_threads(cfg.threads)  # Ray sets OMP_NUM_THREADS=1 in workers
         rank, world = rank_and_world()
         try:
             context = ray.train.get_context()
             return cls(rank, world, ray.train.torch.get_device(), context.get_node_rank())
-        except (RuntimeError, AttributeError):  # not in a Ray Train worker
+        except (RuntimeError, AttributeError):
             return cls(rank, world, torch.device("cpu"))
 
 
@@ -1312,14 +1304,12 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over workers in place (nothing to do on one)."""
     if rank_and_world()[1] > 1:
         dist.all_reduce(tensor)
     return tensor
 
 
 def from_rank_0(value, device: torch.device):
-    """Rank 0's value on every rank (a collective)."""
     if rank_and_world()[1] == 1:
         return value
     shared = [value]
@@ -1340,7 +1330,6 @@ def broadcast_from_rank_0(tensors: list) -> None:
 
 
 def node_ranks(worker: Worker) -> list:
-    """Every worker's node rank, in world-rank order (a collective)."""
     ranks = torch.zeros(worker.world, dtype=torch.int64, device=worker.device)
     ranks[worker.rank] = worker.node_rank
     return all_reduce_sum(ranks).tolist()
@@ -1353,7 +1342,6 @@ def bound_collectives(seconds: float) -> None:
 
 
 class SumOverRanks(torch.autograd.Function):
-    """All-reduce whose backward pass all-reduces the gradient too."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -1369,9 +1357,8 @@ class SumOverRanks(torch.autograd.Function):
 
 
 class SyncBatchNormCPU(nn.BatchNorm2d):
-    """BatchNorm over all workers' batches on CPU/gloo, where torch's SyncBatchNorm refuses to run:
-    each rank's (count, mean, M2) in fp32, one autograd-aware all-reduce, Chan's parallel formula
-    (E[x^2] - mean^2 would cancel catastrophically)."""
+    """BatchNorm over all workers' batches on CPU, where torch's SyncBatchNorm will not run: each
+    rank's (count, mean, M2), one autograd-aware all-reduce, Chan's stable parallel formula."""
 
     def forward(self, x):
         rank, world = rank_and_world()
@@ -1385,12 +1372,12 @@ class SyncBatchNormCPU(nn.BatchNorm2d):
         rows = torch.zeros(world, 1 + 2 * x.shape[1], dtype=x32.dtype, device=x.device)
         rows = rows.index_copy(0, torch.tensor([rank], device=x.device),
                                torch.cat([count, mean, m2]).unsqueeze(0))
-        rows = SumOverRanks.apply(rows)  # every rank's row
+        rows = SumOverRanks.apply(rows)
         mean, var, n = combine_statistics(rows[:, 0], *rows[:, 1:].chunk(2, dim=1))
         with torch.no_grad():
             self.num_batches_tracked += 1
             self.running_mean.lerp_(mean.detach(), self.momentum)
-            self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)  # unbiased
+            self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)
         x_hat = (x32 - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         return (x_hat * self.weight.view(shape) + self.bias.view(shape)).to(x.dtype)
 
@@ -1404,7 +1391,6 @@ def combine_statistics(counts, means, m2s) -> tuple:
 
 
 def convert_sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
-    """Every BatchNorm2d synchronised: torch's on GPU, SyncBatchNormCPU on CPU."""
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     for name, child in model.named_children():
@@ -1418,7 +1404,6 @@ def convert_sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def wrap_model(model: nn.Module, device: torch.device, mode: str = "ddp") -> nn.Module:
-    """DDP on more than one worker, the bare model on one; --mode dp: nn.DataParallel."""
     if mode == "dp":
         return nn.DataParallel(model)
     if rank_and_world()[1] == 1:
@@ -1433,10 +1418,11 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, (DDP, nn.DataParallel)) else model
 
 
-def no_sync(model: nn.Module, sync: bool):
-    """DDP's no_sync() on accumulation micro-steps: their gradients stay local until the last."""
+def no_sync(model: nn.Module, skip: bool):
+    """DDP's model.no_sync() where `skip`: this micro-batch's gradients stay local (one worker, or
+    the last micro-batch of a step: a context that does nothing)."""
     ddp = getattr(model, "_orig_mod", model)
-    return ddp.no_sync() if isinstance(ddp, DDP) and not sync else contextlib.nullcontext()
+    return ddp.no_sync() if isinstance(ddp, DDP) and skip else contextlib.nullcontext()
 
 
 def on_device(model: nn.Module, device: torch.device, name: str) -> nn.Module:
@@ -1448,9 +1434,8 @@ def on_device(model: nn.Module, device: torch.device, name: str) -> nn.Module:
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part way: set_epoch(epoch, start) leaves out the
-    first `start` indices of the epoch's permutation (what the saved steps consumed, on however
-    many workers) and shards the rest as DistributedSampler shards a whole epoch."""
+    """DistributedSampler whose set_epoch(epoch, start) leaves out the epoch's first `start`
+    samples (what saved steps consumed, on any number of workers) and shards the rest alike."""
 
     start = 0
 
@@ -1473,7 +1458,6 @@ class ResumableSampler(DistributedSampler):
 
 
 def train_sampler(data, rank: int, world: int, seed: int) -> ResumableSampler:
-    """This rank's shuffled shard; drop_last: every rank takes the same number of steps."""
     return ResumableSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed,
                             drop_last=True)
 
@@ -1506,7 +1490,6 @@ def stream_seed(seed: int, stream: int, *keys: int) -> int:
 
 
 def seed_generators(seed: int, device: torch.device, every_gpu: bool = False) -> None:
-    """The generators a step draws from: the CPU's and its GPU's (--mode dp: every GPU's)."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         (torch.cuda.manual_seed_all if every_gpu else torch.cuda.manual_seed)(seed)
@@ -1540,7 +1523,7 @@ class SampleStreams(torch.utils.data.Dataset):
         return len(self.data)
 
     def __getitems__(self, keys: list) -> list:
-        if hasattr(self.data, "prefetch"):  # a bucket's: a batch's objects at once
+        if hasattr(self.data, "prefetch"):
             self.data.prefetch([index for _, index in keys])
         return [self[key] for key in keys]
 
@@ -1553,7 +1536,6 @@ class SampleStreams(torch.utils.data.Dataset):
 
 
 def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device):
-    """This rank's micro-batches, the same ones in the same order on either path."""
     sampler = train_sampler(data, rank, world, cfg.seed)
     workers = loader_workers(cfg, data)
     if not workers and isinstance(data, TensorDataset):
@@ -1578,11 +1560,10 @@ def loader_workers(cfg: Config, data) -> int:
 
 
 def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
-    """Every index exactly once across ranks (no padded duplicates, unlike DistributedSampler)."""
     return torch.arange(min(rank, n), n, world)
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt(3)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEPT_FREED_BYTES = 1 << 30
 MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                    "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")  # a user's own, left as they are
@@ -1590,9 +1571,8 @@ memory_kept = False
 
 
 def keep_freed_memory() -> None:
-    """--keep-freed-memory: glibc keeps what a step frees for the next step instead of giving it
-    back to the kernel, which zero-fills every page again at its next touch (bench/memory.md).
-    Before each fork the free pages go back, so loader processes share none of them."""
+    """--keep-freed-memory: glibc keeps what a step frees for the next, not zero-filled anew by the
+    kernel (bench/memory.md); before each fork the free pages go back to it."""
     global memory_kept
     if memory_kept or any(name in os.environ for name in MALLOC_SETTINGS):
         return
@@ -1600,7 +1580,7 @@ def keep_freed_memory() -> None:
         os.confstr("CS_GNU_LIBC_VERSION")
         libc = ctypes.CDLL(None)
         mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
-    except (ValueError, OSError, AttributeError):  # not glibc
+    except (ValueError, OSError, AttributeError):
         return
     if mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES) and mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES):
         os.register_at_fork(before=lambda: malloc_trim(0))
@@ -1608,9 +1588,8 @@ def keep_freed_memory() -> None:
 
 
 def one_arena(cfg: Config) -> dict:
-    """The runtime environment of Ray's training workers: with --keep-freed-memory, glibc's one
-    arena for every thread, since a thread's own arena (Ray trains in one) serves every block
-    over 64 MiB from mmap whatever the thresholds say."""
+    """Ray's training workers' runtime environment: glibc's one arena, since a thread's own (Ray
+    trains in one) serves blocks over 64 MiB from mmap whatever the thresholds say."""
     if not cfg.keep_freed_memory or any(name in os.environ
                                         for name in (*MALLOC_SETTINGS, "MALLOC_ARENA_MAX")):
         return {}
@@ -1623,7 +1602,6 @@ def one_arena(cfg: Config) -> dict:
 
 
 def autocast(cfg: Config, device: torch.device):
-    """--amp: bf16 autocast of the forward pass and the loss."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
 
 
@@ -1656,8 +1634,8 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
     model.train()
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(cfg, epoch)
-    losses = guard.start(epoch)
-    batches.sampler.set_epoch(epoch, guard.samples_done)  # 2. a new shuffle each epoch
+    loss_sums = guard.start(epoch)  # [loss sum, samples] of this rank
+    batches.sampler.set_epoch(epoch, guard.samples_done)  # 5. set_epoch: a new shuffle each epoch
     micro_batches = Waited(batches)
     for step in guard.steps(len(batches) // cfg.accum_steps):
         # this rank's own dropout: a stream of (seed, rank, epoch, step), which a resume redraws
@@ -1665,25 +1643,24 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
                         worker.device, every_gpu=cfg.mode == "dp")
         for micro in range(cfg.accum_steps):
             x, y = (t.to(worker.device, non_blocking=True) for t in next(micro_batches))
-            # 3. no_sync on all but the last micro-batch: one all-reduce of gradients per step
-            with no_sync(model, sync=micro == cfg.accum_steps - 1), autocast(cfg, worker.device):
+            # 6. no_sync on all but the last micro-batch: one all-reduce of gradients per step
+            with no_sync(model, skip=micro < cfg.accum_steps - 1), autocast(cfg, worker.device):
                 loss = criterion(model(resized(x, cfg.image_size)), y)
                 (loss / cfg.accum_steps).backward()  # K micro-batches: one mean over the step
-            losses.add(loss.detach() * len(y), len(y))
+            loss_sums.add(loss.detach() * len(y), len(y))
         if cfg.clip_grad_norm:  # after the all-reduce: every rank clips the same gradients
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % cfg.log_every == 0:
-            losses.log(epoch * guard.total + step + 1)  # 4. the loss all-reduced, for logging
+            loss_sums.log(epoch * guard.total + step + 1)  # 7. the loss all-reduced, for logging
         guard.stepped(step)  # a checkpoint within the epoch, or a stop, when one is due
-    # 4. the epoch's loss all-reduced: a mean over every worker's samples, not rank 0's
-    return guard.finish(losses.epoch_mean(), optimizer.param_groups[0]["lr"],
+    # 7. the epoch's loss all-reduced: a mean over every worker's samples, not rank 0's
+    return guard.finish(loss_sums.epoch_mean(), optimizer.param_groups[0]["lr"],
                         micro_batches.seconds)
 
 
 class Waited:
-    """An iterator of batches that counts the seconds spent waiting for them."""
 
     def __init__(self, batches):
         self.batches, self.seconds = iter(batches), 0.0
@@ -1696,9 +1673,8 @@ class Waited:
 
 
 class StepLoss:
-    """An epoch's train loss: this rank's [sum, samples], all-reduced at log steps (TensorBoard's
-    curve) and at the epoch's end. From a mid-epoch checkpoint, every rank's sums so far
-    (`partial`), the window since the last log on rank 0 only."""
+    """An epoch's train loss: this rank's [sum, samples], all-reduced at log steps and at the end;
+    a mid-epoch checkpoint's sums so far (`partial`) count once, on rank 0."""
 
     def __init__(self, device: torch.device, partial: Optional[dict] = None, main: bool = True):
         partial = partial or {}
@@ -1720,7 +1696,6 @@ class StepLoss:
         self.window.zero_()
 
     def so_far(self) -> dict:
-        """Every rank's sums so far (a collective): what a mid-epoch checkpoint keeps."""
         total = all_reduce_sum(torch.cat([self.sums, self.window])).tolist()
         return {"loss_sum": self.before[0] + total[0], "samples": self.before[1] + int(total[1]),
                 "step_log": [list(entry) for entry in self.entries], "pending": total[2:]}
@@ -1737,12 +1712,11 @@ class StepLoss:
 def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: bool = False,
              num_classes: int = NUM_CLASSES, workers: int = 0, image_size: Optional[int] = None,
              criterion=None) -> dict:
-    """Exact test metrics: each rank scores a disjoint shard, then ONE all-reduce adds up [loss sum,
-    count, confusion matrix] (with details, each sample's prediction at its own index too).
-    num_classes 0: a regression, scored by its loss alone."""
+    """Exact test metrics: each rank scores a disjoint shard, then ONE all-reduce adds up [loss
+    sum, count, confusion matrix] (details: each prediction). num_classes 0: a regression."""
     rank, world = rank_and_world()
     criterion = criterion or F.cross_entropy
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, samples]
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
     predictions = torch.zeros(len(data) if details else 0, 2, dtype=torch.float64, device=device)
     for index, x, y in eval_batches(data, shard_indices(len(data), rank, world), batch_size,
@@ -1773,7 +1747,6 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
 
 
 def eval_batches(data, indices: torch.Tensor, batch_size: int, workers: int):
-    """(indices, inputs, labels) of this rank's shard, in order."""
     if isinstance(data, TensorDataset):
         inputs, labels = data.tensors
         for index in indices.split(batch_size):
@@ -1801,7 +1774,7 @@ def evaluate_as_saved(model: nn.Module, test_set, cfg: Config, device: torch.dev
 
 
 def eval_batch_size(data) -> int:
-    return 1000 if isinstance(data, TensorDataset) else 64  # decoded images cost memory
+    return 1000 if isinstance(data, TensorDataset) else 64
 
 
 def cuda_fast_paths(cfg: Config, data: tuple, device: torch.device) -> tuple:
@@ -1831,7 +1804,6 @@ def init_lenet_params(seed: int, in_channels: int = 1, image_size: int = 28) -> 
 
 
 def lenet(X: torch.Tensor, params: list) -> torch.Tensor:
-    """The lesson's functional LeNet."""
     h1 = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), kernel_size=2, stride=2)
     h2 = F.avg_pool2d(F.relu(F.conv2d(h1, params[2], params[3])), kernel_size=2, stride=2)
     h3 = F.relu(h2.reshape(h2.shape[0], -1) @ params[4] + params[5])
@@ -1847,7 +1819,6 @@ def get_params(params: list, device: torch.device) -> list:
 
 
 def split_batch(X: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> tuple:
-    """This worker's slice of the global mini-batch (the lesson hands slice i to GPU i)."""
     return X.chunk(world)[rank], y.chunk(world)[rank]
 
 
@@ -1869,7 +1840,7 @@ def allreduce_naive(buffer: torch.Tensor) -> None:
 def allreduce_ring(buffer: torch.Tensor) -> None:
     """Ring all-reduce: reduce-scatter, then all-gather; each rank sends 2(N-1)/N of the buffer."""
     rank, world = rank_and_world()
-    chunks = buffer.tensor_split(world)  # views; the larger chunks first
+    chunks = buffer.tensor_split(world)
     right, left = (rank + 1) % world, (rank - 1) % world
     incoming = torch.empty_like(chunks[0])
 
@@ -2014,12 +1985,11 @@ def scratch_loop_per_worker(config: dict) -> dict:
 
 @dataclass(frozen=True)
 class LoopOptions:
-    """What the driver hands every worker besides the config (refs: Ray's object store)."""
     progress: bool = False  # draw rank 0's progress bar: a terminal watches
     torchrun: bool = False  # the workers are torchrun's processes (Ray Train's local mode)
     board: Optional[object] = None  # Ray: the driver's Board (lines, progress, stop)
     data: Optional[object] = None  # ref of (train, test) as the driver decided them
-    start_from: Optional[object] = None  # ref of --weights' tensors
+    start_from: Optional[object] = None
     resume_from: Optional[object] = None  # ref of a checkpoint Ray never listed
     weights: Optional[object] = None  # --eval-only: ref of the model's weights
     classes: tuple = ()  # --eval-only: the names of the model's outputs
@@ -2029,9 +1999,8 @@ class LoopOptions:
 
 
 def worker_setup(config: dict) -> tuple:
-    """(cfg, worker, launcher, options) of this process. Under torchrun rank 0's config is the run's
-    (another machine may see the run directory otherwise); a test hands its own worker and
-    launcher."""
+    """(cfg, worker, launcher, options) of this process; under torchrun rank 0's config is the
+    run's. A test hands its own worker and launcher."""
     cfg, options = config["config"], config["options"]
     worker = config.get("worker") or Worker.current(cfg)
     worker.marks["loop"] = time.time()
@@ -2052,9 +2021,10 @@ def worker_setup(config: dict) -> tuple:
 
 def train_loop_per_worker(config: dict) -> dict:
     """--mode ddp (and dp): the DDP tutorial's loop, its distributed lines numbered."""
-    cfg, worker, launcher, options = worker_setup(config)  # 1. this rank of the process group
+    # 1. this rank of the process group Ray Train (or torchrun) started: rank, world, device
+    cfg, worker, launcher, options = worker_setup(config)
     if isinstance(data := worker_data(cfg, options, worker), DataError):
-        return {"data_error": str(data)}  # every rank alike
+        return {"data_error": str(data)}
     train_set, test_set = data
     classes = class_names(train_set) if classifies(train_set) else []
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -2062,43 +2032,44 @@ def train_loop_per_worker(config: dict) -> dict:
     state = launcher.latest_checkpoint()  # one checkpoint, the same on every rank
     if state is None and cfg.weights:
         load_weights(model, starting_weights(cfg, options))
-    if cfg.sync_bn:  # 5. SyncBatchNorm: converted before DDP sees the modules
+    if cfg.sync_bn:  # 2. SyncBatchNorm: converted before DDP sees the modules
         model = convert_sync_bn(model, worker.device)
     if worker.device.type == "cuda":
         train_set, test_set = cuda_fast_paths(cfg, (train_set, test_set), worker.device)
-    model = wrap_model(on_device(model, worker.device, cfg.model), worker.device, cfg.mode)  # 6.
+    model = wrap_model(on_device(model, worker.device, cfg.model), worker.device, cfg.mode)  # 3.
     model = torch.compile(model) if cfg.compile else model
-    optimizer = build_optimizer(cfg, model)  # once, outside the loop
+    optimizer = build_optimizer(cfg, model)
     if state is not None:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)  # 2.
+    # 4. DistributedSampler: this rank's shard of the data, as micro-batches
+    batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
     samples = samples_fingerprint(train_set)
 
-    def saved(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
-        # 7. rank 0 saves the bare model (model.module), not DDP's wrapper
+    def checkpoint_of(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
+        # 9. the checkpoint holds the bare model (model.module), not DDP's wrapper
         return checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(), epoch, cfg,
                                 history, classes, partial, samples)
     worker.marks["model"] = time.time()
-    with EpochGuard(cfg, worker, launcher, options, state, saved=saved) as guard:
+    with EpochGuard(cfg, worker, launcher, options, state, checkpoint_of) as guard:
         for epoch in range(guard.first_epoch, cfg.epochs):
             trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, guard)
-            if guard.stopped:  # within the epoch, its checkpoint saved
+            if guard.stopped:
                 break
-            # 3. exact evaluation: each test sample scored once over all ranks
+            # 8. exact evaluation: each test sample scored once over all ranks
             scores = evaluate_as_saved(model, test_set, cfg, worker.device, len(classes))
             metrics = guard.end_epoch(epoch, trained, scores)
-            launcher.report(metrics, saved(epoch + 1, guard.history) if worker.is_main else None,
-                            epoch + 1)  # 7. every rank reports, rank 0 alone with a checkpoint
+            # 9. every rank reports; rank 0 alone hands its checkpoint over, to be saved once
+            state = checkpoint_of(epoch + 1, guard.history) if worker.is_main else None
+            launcher.report(metrics, state, epoch + 1)
             if guard.stopped:
                 break
     return guard.result()
 
 
 def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
-    """(train, test) as the run decided them: the driver's, from Ray's object store; under torchrun
-    a folder's list is rank 0's; else this worker loads them. Each node then checks it holds every
-    image of a folder's list. A DataError is returned: a run that cannot start is not retried."""
+    """(train, test) as the driver (rank 0 under torchrun) decided them, each node checked against
+    it; a DataError is returned, not raised: a run that cannot start is not retried."""
     try:
         if options.data is not None:
             data = ray.get(options.data)
@@ -2116,7 +2087,6 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
 
 
 def starting_weights(cfg: Config, options: LoopOptions) -> dict:
-    """--weights' tensors: from Ray's object store (no shared disk needed), or the file."""
     if options.start_from is not None:
         return ray.get(options.start_from)
     return read_weights(cfg.weights)
@@ -2151,15 +2121,18 @@ def run(cfg: Config, resume: "Resume" = None, data: Optional[DataInfo] = None,
                         else record_failure(cfg, exc)) from None
     except OSError as exc:  # torchrun: rank 0's own write
         raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
-    if follower:
-        return None
+    return None if follower else summary_of(cfg, result, options.board, torchrun)
+
+
+def summary_of(cfg: Config, result: ray.train.Result, board, torchrun: bool) -> dict:
+    """A finished run's result.json and last lines; a run that stopped, one line."""
     if "data_error" in result.return_value:
         raise DataError(result.return_value["data_error"])
     if stopped := result.return_value["stopped"]:
         raise RunStopped(f"stopped at {position_of(stopped)} (SIGTERM), its checkpoint saved: "
                          f"the same command resumes from there")
     try:
-        summary = summarize(cfg, result, options.board)
+        summary = summarize(cfg, result, board)
     except OSError as exc:
         raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
     print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
@@ -2211,7 +2184,6 @@ def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) 
 
 
 def sent(cfg: Config, data: DataInfo) -> bool:
-    """What the driver sends the workers: data held in memory, a folder's list of images."""
     return not data.per_sample or cfg.dataset == "folder"
 
 
@@ -2230,6 +2202,8 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
                       code=None if options.torchrun else ray.put(code))  # leaves it alone
     workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
                (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
+    # the launch: Ray Train starts the worker processes and their process group (its
+    # init_process_group, with TorchConfig's backend), then runs `loop` in each
     trainer = TorchTrainer(
         loop, train_loop_config={"config": cfg, "options": options},
         scaling_config=scaling_config(cfg, workers),
@@ -2303,7 +2277,6 @@ def fresh_runtime_env() -> dict:
 
 
 def check_runtime_env() -> None:
-    """Imported, ray_dp needs the Ray it runs on to ship it to its processes."""
     if "py_modules" in RUNTIME_ENV and "py_modules" not in ray.get_runtime_context().runtime_env:
         raise ConfigError("this Ray was started without ray_dp's runtime environment, so its "
                           "workers cannot import ray_dp: ray.shutdown(), then ray.init(runtime_env="
@@ -2386,14 +2359,14 @@ def main(argv=None) -> int:
         return fail(f"training failed: {exc}", 1)
     except RunStopped as exc:
         return fail(str(exc), 143)  # 128 + SIGTERM, as a shell reports one
-    except ray.train.TrainingFailedError as exc:  # --eval-only's workers
+    except ray.train.TrainingFailedError as exc:
         return fail(f"evaluation failed: {describe_training_error(exc, {})}", 1)
-    except OSError as exc:  # an evaluation's result.json or predictions
+    except OSError as exc:
         if not disk_full(exc):
             raise
         return fail(f"error: {full_device(cfg, exc)}: free space and run the same command again", 1)
     except KeyboardInterrupt:
-        return fail(interrupted(command, cfg), 130)  # 128 + SIGINT
+        return fail(interrupted(command, cfg), 130)
     return 1 if command == "doctor" and not outcome else 0
 
 
@@ -2468,9 +2441,8 @@ def resolve(command: str, args: dict, typed: set) -> Config:
 
 
 def train(**settings) -> dict:
-    """ray_dp from Python (a notebook): the flags as keyword arguments, _ for -, e.g.
-    ray_dp.train(workers=2, dataset="digits", epochs=3). Returns what result.json holds; raises
-    ConfigError, RunFailed, or RunStopped (the same call resumes)."""
+    """ray_dp from Python: the flags as keyword arguments (ray_dp.train(workers=2, model=Net));
+    what result.json holds, or ConfigError, RunFailed, RunStopped (the same call resumes)."""
     reset_clock()
     command, cfg, options = parse_command(settings_as_flags(settings))
     if command == "models":
@@ -2523,7 +2495,6 @@ def checkpoint_dir_name(epoch: int, step: int = 0) -> str:
 
 
 def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
-    """(epochs done, steps of the next one done) of a checkpoint directory's name, or None."""
     match = CHECKPOINT_DIR.fullmatch(name)
     if not match:
         return None
@@ -2544,7 +2515,6 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
 
 
 def code_record(cfg: Config) -> dict:
-    """Your code a run trained with: each spec, and its file's hash (never the code itself)."""
     return {flag: record for flag in ("model", "dataset", "loss")
             if (record := code_file(getattr(cfg, flag)))}
 
@@ -2563,7 +2533,7 @@ def load_checkpoint(path: str) -> dict:
     try:
         source = io.BytesIO(read_stored(str(path))) if is_uri(str(path)) else path
         state = torch.load(source, map_location="cpu", weights_only=True)  # data, never code
-    except Exception as exc:  # noqa: BLE001 - torch raises many kinds for foreign files
+    except Exception as exc:
         raise ConfigError(f"{path} is not a readable checkpoint ({first_words(exc, 200)})"
                           ) from None
     if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
@@ -2627,13 +2597,12 @@ def resume_point(run_dir: str) -> tuple[Optional[str], bool]:
 
 @dataclass(frozen=True)
 class Resume:
-    """What a rerun resumes from, as the driver found it."""
-    done: int = 0  # epochs done (0: from the beginning)
-    classes: Optional[list] = None  # the names of the model's outputs
+    done: int = 0
+    classes: Optional[list] = None
     step: int = 0  # a mid-epoch checkpoint: the steps of epoch done + 1 it has done
     unlisted: Optional[str] = None  # a checkpoint Ray never listed, which its workers are handed
     samples: Optional[str] = None  # the fingerprint of the list of samples it trained on
-    latest: Optional[str] = None  # its checkpoint file
+    latest: Optional[str] = None
 
     @property
     def resumes(self) -> bool:
@@ -2641,9 +2610,8 @@ class Resume:
 
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Resume]:
-    """Resolving a rerun before validation: --fresh may delete only this run; the checkpoint it
-    resumes from must load and have trained as the command says; what the command leaves unsaid
-    (flags not in `typed`) comes from it."""
+    """A rerun, resolved before validation: --fresh deletes only this run; the checkpoint must load
+    and have trained as the command says, which takes from it what it leaves unsaid."""
     from pyarrow import fs
     storage, run_dir = files_at(cfg.run_dir)
     kind = storage.get_file_info(run_dir).type
@@ -2733,7 +2701,6 @@ def check_same_training(cfg: Config, stored: dict) -> None:
 
 
 def same_setting(name: str, stored, now) -> bool:
-    """Equal, or for --weights the same file however its path is spelt."""
     if stored == now:
         return True
     if name == "weights" and stored and now and os.path.exists(stored) and os.path.exists(now):
@@ -2751,7 +2718,6 @@ def as_flag(name: str, value) -> str:
 
 
 def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> None:
-    """A resume takes up the list of samples its checkpoint trained on."""
     if resume.resumes and data.fingerprint and not resume.samples:
         print(f"note: run '{cfg.name}' was saved before ray_dp kept its list of images: it "
               f"resumes on --data-dir {cfg.data_dir} as it is now", flush=True)
@@ -2769,7 +2735,7 @@ def samples_fingerprint(data) -> Optional[str]:
         root = os.fspath(data.root).rstrip("/")
         lines = [",".join(map(str, data.classes))] + [
             f"{os.fspath(path)[len(root) + 1:]}\t{label}" for path, label in data.samples]
-    except (AttributeError, TypeError, ValueError):  # no such list, or one of another shape
+    except (AttributeError, TypeError, ValueError):
         return None
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
@@ -2793,7 +2759,6 @@ def check_deletable(cfg: Config, storage, run_dir: str) -> None:
 
 
 def location(path: str) -> tuple:
-    """(file system, path) in one spelling: links resolved, file:// as the disk it is."""
     storage, where = files_at(path)
     if storage.type_name == "local":
         return "local", os.path.realpath(where)
@@ -2818,10 +2783,9 @@ def write_json(path: str, data: dict) -> None:
 
 
 def write_stored(path: str, data: bytes) -> None:
-    """A whole file, on a disk (write_atomically) or as one object in a bucket."""
     from pyarrow import fs
     storage, key = files_at(path)
-    if isinstance(storage, fs.LocalFileSystem):  # a disk, file:// too
+    if isinstance(storage, fs.LocalFileSystem):
         return write_atomically(key, data)
     with storage.open_output_stream(key) as f:
         f.write(data)
@@ -2869,7 +2833,6 @@ def read_stored(path: str) -> bytes:
 
 def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Optional[str],
                **more) -> dict:
-    """result.json, for training and evaluation alike."""
     return {"config": asdict(cfg), "final": final, "world_size": out.get("world_size"),
             "device": out.get("device"), "checkpoint": checkpoint, "format": CHECKPOINT_FORMAT,
             **more}
@@ -2905,7 +2868,6 @@ def last_checkpoint(cfg: Config, epoch: int) -> str:
 
 
 def finished_result(cfg: Config, resume: Resume) -> Optional[dict]:
-    """The result.json of a run that has done its --epochs (and of that epoch), else None."""
     if resume.done < cfg.epochs:
         return None
     try:
@@ -2970,7 +2932,6 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
 
 
 def append_log(folder: str, text: str) -> None:
-    """Ray's full errors, kept in the run's ray.log (off the console)."""
     with contextlib.suppress(OSError):
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "ray.log"), "a") as f:
@@ -3036,7 +2997,7 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
     try:
         state = load_checkpoint(latest)
         done, step = state["epoch"], (state.get("partial") or {}).get("step", 0)
-    except ConfigError:  # cut short: what its name says
+    except ConfigError:
         done, step = checkpoint_order(Path(latest).parent.name) or (0, 0)
     where = (f"at epoch {done + 1} of {cfg.epochs}, step {step}" if step
              else f"after epoch {done} of {cfg.epochs}")
@@ -3056,15 +3017,15 @@ SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
 class EpochGuard:
-    """What happens around the lesson's steps: where the loop starts (a checkpoint's epoch, or a
-    step in it), checkpoints within an epoch (--checkpoint-every), a graceful stop on SIGTERM or
-    the driver's, what rank 0 tells the user. A save or a stop is voted on in an all-reduce of its
-    own at log steps, so that every rank saves and stops at the same step."""
+    """Around the lesson's steps: where the loop starts, checkpoints within an epoch, a graceful
+    stop (SIGTERM, or the driver's), rank 0's console; saves and stops are voted in an all-reduce
+    of their own at log steps, so that every rank takes them at the same step."""
 
     def __init__(self, cfg: Config, worker: Worker, launcher=None, options: LoopOptions = None,
-                 state: Optional[dict] = None, saved=None, saves_within: bool = True):
+                 state: Optional[dict] = None, checkpoint_of=None, saves_within: bool = True):
         options = options or LoopOptions()
-        self.cfg, self.worker, self.launcher, self.saved = cfg, worker, launcher, saved
+        self.cfg, self.worker, self.launcher = cfg, worker, launcher
+        self.checkpoint_of = checkpoint_of
         self.torchrun, self.console = options.torchrun, Console.of(options, worker)
         self.first_epoch = state["epoch"] if state else 0
         self.history = list(state["history"]) if state else []
@@ -3104,16 +3065,14 @@ class EpochGuard:
                 f"{self.first_epoch + 1}, step {step}")
 
     def start(self, epoch: int) -> StepLoss:
-        """An epoch begins (the rest of one, from a mid-epoch checkpoint)."""
         partial = self.resumed if epoch == self.first_epoch else None
         self.epoch, self.first_step = epoch, (partial or {}).get("step", 0)
         self.samples_done = (partial or {}).get("samples_done", 0)
         self.saves, self.save_seconds, self.tic = 0, 0.0, time.perf_counter()
-        self.losses = StepLoss(self.worker.device, partial, self.worker.is_main)
-        return self.losses
+        self.loss_sums = StepLoss(self.worker.device, partial, self.worker.is_main)
+        return self.loss_sums
 
     def steps(self, remaining: int):
-        """The epoch's step indices, until the ranks agree to stop."""
         self.total, self.stopped_at = self.first_step + remaining, None
         for step in range(self.first_step, self.total):
             yield step
@@ -3132,7 +3091,7 @@ class EpochGuard:
             self.link.board.stepped.remote(self.since)
         rate = ((step + 1 - self.first_step) * self.cfg.batch_size
                 / (time.perf_counter() - self.tic))
-        loss = self.losses.entries[-1][1] if self.losses.entries else None
+        loss = self.loss_sums.entries[-1][1] if self.loss_sums.entries else None
         self.console.progress((self.epoch, step + 1, self.total, loss, rate, self.cfg.epochs))
         if step + 1 < self.total and (self.due_at(step + 1) or agreed):
             self.save_within(step + 1)
@@ -3163,10 +3122,11 @@ class EpochGuard:
         global_batch = self.cfg.micro_batch * self.cfg.accum_steps * self.worker.world
         partial = {"epoch": self.epoch, "step": step, "steps": self.total,
                    "samples_done": self.samples_done + (step - self.first_step) * global_batch,
-                   **self.losses.so_far()}
+                   **self.loss_sums.so_far()}
         metrics = {"epoch": self.epoch + 1, "step": step, "steps": self.total,
                    "keep": keep_score(self.epoch + 1, step, self.total)}
-        state = self.saved(self.epoch, self.history, partial) if self.worker.is_main else None
+        state = (self.checkpoint_of(self.epoch, self.history, partial) if self.worker.is_main
+                 else None)
         self.launcher.report(metrics, state, self.epoch + 1, step)
         self.saves += 1
         self.save_seconds += time.perf_counter() - tic
@@ -3187,12 +3147,11 @@ class EpochGuard:
         return {"train_loss": mean, "lr": lr, "train_samples": samples, "epoch_seconds": seconds,
                 "samples_per_second": trained / seconds, "data_seconds": data_seconds,
                 "first_step_at": self.worker.marks.get("first_step"),
-                "step_log": self.losses.entries, "checkpoints_within": self.saves,
+                "step_log": self.loss_sums.entries, "checkpoints_within": self.saves,
                 "checkpoint_seconds": self.save_seconds,
                 **({"resumed_at_step": self.first_step} if self.first_step else {})}
 
     def end_epoch(self, epoch: int, trained: dict, scores: dict) -> dict:
-        """An epoch's metrics kept, said, and returned to be reported."""
         metrics = {"epoch": epoch + 1, **trained, **scores, "ended_at": time.time()}
         if epoch == self.first_epoch:
             metrics["startup"] = dict(self.worker.marks)
@@ -3224,7 +3183,6 @@ class StoppedBySigtermError(RuntimeError):
 
 
 def position_of(stopped: dict) -> str:
-    """"epoch 3, step 40 of 120", or "the end of epoch 2"."""
     if stopped["step"]:
         return f"epoch {stopped['epoch']}, step {stopped['step']} of {stopped['steps']}"
     return f"the end of epoch {stopped['epoch'] - 1}"
@@ -3273,7 +3231,6 @@ def graceful_stop() -> Optional[GracefulStop]:
 
 @contextlib.contextmanager
 def training_now(stop: Optional[GracefulStop]):
-    """The driver's SIGTERM asks for a graceful stop while the run trains."""
     if stop is None:
         yield
         return
@@ -3285,9 +3242,8 @@ def training_now(stop: Optional[GracefulStop]):
 
 
 class DriverLink:
-    """Rank 0's line to the driver's Board: a beat every BEAT_S from a thread of its own, so that
-    the driver knows a worker trains however long a step takes; its answer carries the driver's
-    stop."""
+    """Rank 0's beat to the driver's Board every BEAT_S, from a thread of its own (the driver
+    knows a worker trains, however long a step takes); its answer carries the driver's stop."""
 
     BEAT_S = 2.0
 
@@ -3322,9 +3278,8 @@ class DriverLink:
 
 
 class Board:
-    """A Ray actor on the driver's node for one run: what rank 0 and Ray Train's controller tell
-    the user (the driver prints it: Ray's own output stays in its logs), the steps since the last
-    checkpoint (what a failure redoes), the driver's stop, and rank 0's last beat."""
+    """A Ray actor on the driver's node for a run: what rank 0 and the controller say (the driver
+    prints it), the steps since the last checkpoint, the driver's stop, rank 0's last beat."""
 
     HEARD_WITHIN = 10.0  # seconds without a beat after which no worker trains
 
@@ -3353,7 +3308,6 @@ class Board:
         return self.stop
 
     def restarted(self) -> None:
-        """A worker group starts: what the last one trained since its checkpoint is redone."""
         self.redone, self.since = self.redone + self.since, 0
 
     def ask_stop(self) -> bool:
@@ -3378,7 +3332,6 @@ def board_heard(board) -> bool:
 
 
 def told(board, method: str) -> bool:
-    """board.method() done; False where there is none, or it is gone."""
     if board is None:
         return False
     try:
@@ -3423,14 +3376,12 @@ class Console:
             self.bar.show(state)
 
     def flush(self) -> None:
-        """What rank 0 said has reached the board (its calls run in order)."""
         if self.main and self.board is not None:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
                 ray.get(self.board.beat.remote(), timeout=30)
 
 
 class Bar:
-    """tqdm's bar, one an epoch, from Console.progress's states."""
 
     def __init__(self):
         self.tqdm, self.epoch = None, None
@@ -3460,7 +3411,6 @@ class Bar:
 
 
 class Relay:
-    """The driver's side of the Board, while a run lasts: prints what was said, draws the bar."""
 
     def __init__(self, board, progress: bool):
         self.board, self.bar, self.done = board, Bar() if progress else None, threading.Event()
@@ -3608,7 +3558,7 @@ def run_callbacks(cfg: Config, logs: Optional[str], options: LoopOptions, done: 
 
 
 PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited"
-                       r"|communicator was aborted")  # gloo's and NCCL's words
+                       r"|communicator was aborted")
 
 
 def describe_worker_failures(failures: dict, node_ips: dict) -> str:
@@ -3636,7 +3586,7 @@ def describe_worker_failures(failures: dict, node_ips: dict) -> str:
 
 
 def on_node(rank: int, node_ips: dict, error) -> str:
-    found = re.search(r"node_ip='([^']+)'", str(error))  # Ray's health check names it
+    found = re.search(r"node_ip='([^']+)'", str(error))
     ip = node_ips.get(rank) or (found[1] if found else "")
     return f" on {ip}" if ip else ""
 
@@ -3662,11 +3612,10 @@ def first_words(error: BaseException, most: int) -> str:
 
 
 def recovery_summary(record_path: str) -> dict:
-    """result.json's account of failures: how many, restarts, world sizes, epochs redone."""
     try:
         with open(record_path) as f:
             events = json.load(f)["events"]
-    except FileNotFoundError:  # torchrun: no controller
+    except FileNotFoundError:
         return {}
     starts = [e for e in events if e["event"] == "started"]
     return {"failures": sum(e["event"] == "failed" for e in events),
@@ -3707,9 +3656,8 @@ def format_startup(phases: dict) -> str:
 
 
 def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
-    """The config for evaluating --eval-only's checkpoint, and the checkpoint: what it fixes (the
-    model, its data, its images) comes from it; a typed training flag, or a value that
-    contradicts it, is refused rather than ignored."""
+    """The config and checkpoint for --eval-only: what the checkpoint fixes comes from it; a typed
+    training flag, or a value that contradicts it, is refused rather than ignored."""
     path = checkpoint_file(cfg.eval_only)
     checkpoint = load_checkpoint(path)
     trained = stored_config(checkpoint)
@@ -4017,14 +3965,12 @@ def is_uri(path: str) -> bool:
 
 
 def files_at(path: str):
-    """(pyarrow file system, path in it) of a local path or a URI."""
     from pyarrow import fs
     return fs.FileSystem.from_uri(path) if is_uri(path) else (fs.LocalFileSystem(),
                                                                os.path.abspath(path))
 
 
 def stored_type(path: str) -> str:
-    """"file", "directory" or "none"."""
     from pyarrow import fs
     storage, where = files_at(path)
     return {fs.FileType.File: "file", fs.FileType.Directory: "directory"}.get(
@@ -4032,7 +3978,6 @@ def stored_type(path: str) -> str:
 
 
 def check_location(cfg: Config) -> None:
-    """--storage-path usable and --name inside it, before anything looks there."""
     check_run_name(cfg)
     if is_uri(cfg.storage_path):
         check_store("storage-path", cfg.storage_path)
@@ -4073,7 +4018,7 @@ def store_problem(uri: str, access: str) -> Optional[str]:
         storage, path = fs.FileSystem.from_uri(uri)
     except (ArrowException, ValueError) as exc:
         return str(exc).splitlines()[0]
-    if isinstance(storage, fs.LocalFileSystem):  # file://: a directory
+    if isinstance(storage, fs.LocalFileSystem):
         return None
     bucket = path.split("/")[0]
     if not bucket:
@@ -4115,7 +4060,6 @@ def uri_syntax_problem(uri: str) -> Optional[str]:
 
 
 def store_error(reason: str) -> str:
-    """The part of an AWS SDK error that names it: 'AWS Error ACCESS_DENIED during HeadBucket'."""
     named = reason[reason.find("AWS Error"):] if "AWS Error" in reason else reason
     return re.split(r" \(Request ID|; Details", named)[0][:200].rstrip(": .")
 
@@ -4187,9 +4131,8 @@ def stored_image(uri: str, data_dir: str) -> bytes:
 
 
 def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console") -> None:
-    """A folder on each node's own disk: every rank's node holds each image of the run's list,
-    else every rank stops with one line naming a node, a file and --data-dir; what the training
-    list lacks is not trained, which rank 0 says once."""
+    """A folder on each node's disk holds every image of the run's list, else one line names a
+    node, a file and --data-dir, on every rank; images the list lacks are not trained (a note)."""
     if cfg.dataset != "folder" or is_uri(cfg.data_dir):
         return
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
@@ -4231,7 +4174,6 @@ def node_name() -> str:
 
 
 def check_classes_agree(classes: list, device: torch.device) -> None:
-    """Every rank's data hold rank 0's classes, else every rank stops with the same error."""
     differs = torch.tensor([from_rank_0(classes, device) != classes], dtype=torch.int64,
                            device=device)
     if all_reduce_sum(differs).item():
@@ -4252,7 +4194,6 @@ class RayLauncher:
         self.resume_from = resume_from
 
     def latest_checkpoint(self) -> Optional[dict]:
-        """Ray's latest checkpoint; where Ray has none, the driver's pick for every rank."""
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
             return ray.get(self.resume_from) if self.resume_from is not None else None
@@ -4260,7 +4201,6 @@ class RayLauncher:
             return load_checkpoint(os.path.join(directory, CHECKPOINT_FILE))
 
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
-        """Every rank reports (a barrier); only rank 0 passes a checkpoint."""
         dir_name = checkpoint_dir_name(epoch, step)
         if state is None:
             return ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=dir_name)
@@ -4279,7 +4219,6 @@ class TorchrunLauncher:
         self.tensorboard = TensorBoardWriter(cfg) if worker.is_main else None
 
     def latest_checkpoint(self) -> Optional[dict]:
-        """Rank 0 reads it (after its own --fresh) and hands every rank its contents."""
         state = None
         if self.worker.is_main:
             latest = latest_committed(self.cfg.run_dir)
@@ -4291,7 +4230,7 @@ class TorchrunLauncher:
             save_checkpoint(self.cfg.run_dir, state, epoch, step)
         if step:
             return
-        ray.train.report(metrics)  # local mode keeps the last metrics for the Result
+        ray.train.report(metrics)
         if self.tensorboard:
             self.tensorboard.write(metrics)
             if "startup" in metrics:
@@ -4374,7 +4313,6 @@ class Cluster:
         return most
 
     def hosts(self, per_worker: dict) -> bool:
-        """Some node type holds one worker (a worker never spans nodes)."""
         return any(count and fits(per_worker, resources)
                    for resources, count in self.node_types or [])
 
@@ -4395,7 +4333,7 @@ def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
         return cfg.gpu
     if cfg.mode == "dp" or cluster.now.get("GPU", 0) > 0:
         return True
-    if cluster.most is not None:  # e.g. a fresh `ray up` cluster: GPU nodes start on demand
+    if cluster.most is not None:
         return cluster.most.get("GPU", 0) > 0
     if cluster.local:
         return False
@@ -4459,7 +4397,6 @@ def autoscaler_node_types(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[li
 
 
 def node_types_from_yaml(cluster_yaml: dict) -> list:
-    """The head node once, plus max_workers nodes of each node type."""
     head = cluster_yaml.get("head_node_type")
     return [(node_type.get("resources", {}), node_type.get("max_workers", 0) + (name == head))
             for name, node_type in cluster_yaml.get("available_node_types", {}).items()]
@@ -4473,7 +4410,7 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
     except ValueError:
         raise ConfigError(f"--address {address}: give 'auto' or host:port "
                           f"(e.g. 10.0.0.5:6379)") from None
-    if resolved is None:  # this Ray cannot tell where 'auto' points
+    if resolved is None:
         return
     if not resolved:
         raise ConfigError(f"--address {address}: no running Ray cluster is recorded on this "
@@ -4505,7 +4442,6 @@ _noted = set()
 
 
 def ray_internal(module: str, name: Optional[str] = None):
-    """Ray's module (or its attribute), or None if this Ray has no such thing."""
     try:
         found = importlib.import_module(module)
         return getattr(found, name) if name else found
@@ -4529,7 +4465,7 @@ def ray_joins_torchrun() -> bool:
                                     "has_torchrun_env")
     try:
         return has_torchrun_env()
-    except TypeError:  # None, or another signature
+    except TypeError:
         low, high = SUPPORTED_RAY
         raise ConfigError(f"under torchrun ray_dp needs Ray Train's local mode as Ray >= {low} and "
                           f"< {high} has it (Ray {ray.__version__} is installed): pip install -r "
@@ -4562,7 +4498,6 @@ def state_facts(state) -> tuple:
 
 
 def worker_node_ips(worker_group) -> dict:
-    """{world rank: node IP} of a worker group Ray Train's controller started."""
     try:
         return {worker.distributed_context.world_rank: worker.metadata.node_ip
                 for worker in worker_group.get_workers()}
@@ -4636,9 +4571,8 @@ SIGTERM_LOST = ("SIGTERM to a Ray worker stops it at once (no graceful stop): it
 
 
 def graceful_sigterm_in_ray_worker() -> None:
-    """Every Ray worker's setup hook. A Ray worker trains in a thread, and Ray's task loop sets its
-    SIGTERM handler (exit) in the main thread after this hook, through set_sigterm_handler, which
-    this wraps so that the handler becomes GracefulStop(Ray's)."""
+    """Every Ray worker's setup hook: Ray then sets its SIGTERM handler (exit) through
+    set_sigterm_handler, which this wraps so that the handler becomes GracefulStop(Ray's)."""
     module, name = SIGTERM_SETTER
     setter = ray_internal(module, name)
     if setter is None or getattr(setter, "graceful", False):
@@ -4678,9 +4612,8 @@ def set_ray_train_knobs(cfg: Config) -> None:
 
 
 def shorten_placement_group_cleaner_waits() -> None:
-    """Ray Train's placement-group cleaner asks the State API (Ray's dashboard, not installed)
-    whether the controller lives, 10 s a question, and every fit waits for it to stop: 12 s more
-    a run (bench/startup.md). One second a question keeps its job."""
+    """Ray Train's placement-group cleaner asks the State API (the dashboard, not installed) 10 s
+    a question and every fit waits for it: 12 s a run (bench/startup.md); 1 s keeps its job."""
     import inspect
     cleaner = ray_internal("ray.train.v2._internal.callbacks.placement_group_callback",
                            "PlacementGroupCleanerCallback")
@@ -4699,10 +4632,9 @@ if __name__ != "__main__":
 
 
 class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
-    """One line per event of a run's life that is not an epoch (a worker lost, failure k of
-    --max-failures, waiting for workers, the group restarted, the start-up breakdown), and the
-    same events in recovery.json; Ray's full errors in ray.log. It runs in Ray Train's controller
-    (its internal hooks: the public UserCallback sees reports only)."""
+    """A line for each event of a run that is not an epoch (a worker lost, a restart, the start-up
+    breakdown), recovery.json, and Ray's full errors in ray.log; in Ray Train's controller, by its
+    internal hooks (the public UserCallback sees reports only)."""
 
     def __init__(self, cfg: Config, logs: str, board=None, done: int = 0,
                  clock: Optional[dict] = None):
@@ -4725,7 +4657,7 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.controller_clock.setdefault("group", time.time())
 
     def before_init_train_context(self, workers) -> dict:
-        self.controller_clock.setdefault("actors", time.time())  # the workers' processes are up
+        self.controller_clock.setdefault("actors", time.time())
         return {}
 
     def after_worker_group_start(self, worker_group) -> None:
@@ -4736,7 +4668,7 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.add(message, event="started", workers=len(self.node_ips), nodes=nodes)
 
     def after_report(self, training_report, metrics: list) -> None:
-        epoch = metrics[0]["epoch"]  # mid-epoch: the epoch its checkpoint is in
+        epoch = metrics[0]["epoch"]
         if "startup" in metrics[0] and not any(e["event"] == "startup" for e in self.events):
             phases = startup_breakdown(self.clock, self.controller_clock, metrics[0]["startup"])
             self.add(format_startup(phases), event="startup", seconds=phases)
@@ -4783,7 +4715,6 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.board.say.remote(line) if self.board is not None else print(line, flush=True)
 
     def save(self) -> None:
-        """A disk that refuses the record must not stop the training it records."""
         try:
             write_json(os.path.join(self.logs, "recovery.json"), {"events": self.events})
         except OSError as exc:
@@ -4811,9 +4742,9 @@ class Doctor:
 
     def __init__(self, cfg: Config, hang_timeout: float, check_images: bool = False):
         self.cfg, self.hang_timeout, self.check_images = cfg, hang_timeout, check_images
-        self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")  # Ray's errors; kept on failure
+        self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")
         self.probe: Optional[dict] = None
-        self.nodes: dict = {}  # node name -> node ID
+        self.nodes: dict = {}
 
     def run(self) -> bool:
         checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
@@ -4841,10 +4772,9 @@ class Doctor:
 
     @staticmethod
     def checked(check) -> Check:
-        """An error the check did not foresee fails it, in one line (Ctrl-C stops)."""
         try:
             return check()
-        except Exception as exc:  # noqa: BLE001 - whatever it is, it is this check's failure
+        except Exception as exc:
             return Check(False, f"{first_line(exc)} (the check itself failed)")
 
     def ray(self) -> Check:
@@ -4917,7 +4847,7 @@ class Doctor:
         begun = time.time()
         try:
             self.probe = trainer.fit().return_value
-        except SystemExit:  # Ray Train's own Ctrl-C handler
+        except SystemExit:
             raise KeyboardInterrupt from None
         except ray.train.TrainingFailedError as exc:
             append_log(self.logs, str(exc))
@@ -4991,7 +4921,7 @@ class Doctor:
             try:
                 answers[name] = (ray.get(call) if call in ready else TimeoutError(
                     f"no answer within {self.cfg.start_timeout:g} s (--start-timeout)"))
-            except Exception as exc:  # noqa: BLE001 - the node's own error is the answer
+            except Exception as exc:
                 answers[name] = exc
         return answers
 
@@ -5031,7 +4961,6 @@ def node_software() -> dict:
 
 
 def node_names(nodes: list) -> dict:
-    """{name: node ID}: a node by its address, with its ID where two share one."""
     addresses = [node["NodeManagerAddress"] for node in nodes]
     return {(f"{address} ({node['NodeID'][:8]})" if addresses.count(address) > 1 else address):
             node["NodeID"] for node, address in zip(nodes, addresses)}
@@ -5056,7 +4985,6 @@ def write_marker(folder: str) -> dict:
 
 
 def read_markers(folder: str):
-    """On one node: the node IDs it sees in folder, or why it cannot (str)."""
     from pyarrow import ArrowException, fs
     try:
         files, path = files_at(folder)
@@ -5076,7 +5004,6 @@ def remove_markers(folder: str, created: dict) -> None:
 
 
 def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> Check:
-    """Shared storage, from what each node wrote and then saw, by node name."""
     for node, answer in written.items():
         error = answer if isinstance(answer, BaseException) else answer["error"]
         if error is not None:
@@ -5101,9 +5028,8 @@ def said(answer) -> str:
 
 
 def data_files(cfg: Config) -> dict:
-    """What --dataset finds here without downloading: sizes, classes, read per sample or not."""
     train, test = load_dataset(cfg)
-    train[0]  # decoded as a run's first look decodes it
+    train[0]
     named = isinstance(train, TensorDataset) or getattr(train, "classes", None)
     return {"train": len(train), "test": len(test),
             "classes": class_names(train) if named else None,
@@ -5195,7 +5121,6 @@ def everyone_comes(group, seconds: float, before: str) -> None:
 
 
 def time_allreduce(size: int, device: torch.device) -> float:
-    """Median seconds of one all-reduce of `size` bytes, after one to warm up."""
     tensor = torch.ones(size // 4, device=device)
     seconds = []
     for _ in range(1 + (10 if size <= 1 << 20 else 3)):
@@ -5222,7 +5147,6 @@ def human_bytes(size: int) -> str:
 
 
 def bus_bandwidth(size: int, seconds: float, ranks: int) -> float:
-    """nccl-tests' busbw: what each link carries in a ring all-reduce."""
     return size / seconds * 2 * (ranks - 1) / ranks
 
 
