@@ -462,7 +462,7 @@ def step_against_plain_loop(repeats, steps=6):
 
             def model_and_optimizer(place):
                 torch.manual_seed(0)  # the same initial weights for both
-                model = place(ray_dp.build_model(cfg.model, info.sample_shape, len(info.classes)))
+                model = place(ray_dp.build_model(cfg.model, info.sample_shape, info.outputs))
                 return model, ray_dp.build_optimizer(cfg, model)
             # ray-dp's model as its workers place it (on_device: channels_last), the user's as built
             ours, ours_optimizer = model_and_optimizer(lambda m: ray_dp.on_device(m, torch.device("cpu"), cfg.model))
@@ -481,7 +481,7 @@ def step_against_plain_loop(repeats, steps=6):
 
             def ray_dp_step():
                 begun = time.perf_counter()
-                ray_dp.train_epoch(ours, ours_optimizer, Held(), cfg, torch.device("cpu"), 0)
+                ray_dp.train_epoch(ours, ours_optimizer, Held(), cfg, ray_dp.Worker(0, 1, torch.device("cpu")), 0)
                 return (time.perf_counter() - begun) / steps
 
             def plain_step():
@@ -666,7 +666,7 @@ def spot_costs(repeats):
     checkpoint of a model and its SGD momentum (checkpoint_state, then save_checkpoint: torch.save and the rename
     into place, on this machine's disk; under Ray the same bytes go through ray.train.report), median of the repeats,
     and what it costs as a share of training at the default --checkpoint-every 10m. Per step: the dropout stream
-    seeded per (rank, epoch, step), and, averaged over the steps, rank 0's message to the driver's ProgressBoard
+    seeded per (rank, epoch, step), and, averaged over the steps, rank 0's EpochGuard: its vote and its message to the driver's Board
     with the look at its last answer, at each --log-every step (a local Ray). Saves under Ray: the same uninterrupted
     run with --checkpoint-every 20 (8 checkpoints within each of its 2 epochs), the seconds per
     checkpoint as rank 0 spends it (the epochs' checkpoint_seconds / checkpoints_within in result.json: the
@@ -708,16 +708,15 @@ def spot_costs(repeats):
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
              runtime_env=ray_dp.RUNTIME_ENV)
     try:
-        board = ray.remote(num_cpus=0)(ray_dp.ProgressBoard).remote()
-        rules = ray_dp.SaveRules(cfg, board=board)
+        board = ray.remote(num_cpus=0)(ray_dp.Board).remote()
+        guard = ray_dp.EpochGuard(cfg, ray_dp.Worker(0, 1, torch.device("cpu")), None,
+                                  ray_dp.LoopOptions(board=board), None)
+        guard.start(0)
         ray.get(board.steps_redone.remote())
         tic = time.perf_counter()
-        for step in range(n):  # at log steps (--log-every 10): the votes, and the message to the board
-            logged = (step + 1) % cfg.log_every == 0
-            if logged:
-                rules.votes()
-            rules.stepped(logged)
-        figures["per step: rank 0 and the ProgressBoard (--log-every 10), us"] = round(
+        for step in guard.steps(n):  # at log steps (--log-every 10): the votes, and the message to the board
+            guard.stepped(step)
+        figures["per step: rank 0's EpochGuard and the driver's Board (--log-every 10), us"] = round(
             (time.perf_counter() - tic) / n * 1e6, 1)
         figures.update(a_loss(max(1, repeats // 3)))
     finally:
