@@ -156,8 +156,9 @@ class Config:
     allreduce: str = option("naive", "scratch: naive (the lesson's: into rank 0 and back), ring, "
                             "or library (dist.all_reduce)", choices=ALLREDUCE_ALGORITHMS)
     sync_bn: bool = option(False, "BatchNorm statistics over every worker's batch")
-    model: str = option("lenet", "lenet, mlp, resnet18 (the lessons'), or any torchvision "
-                        "classification model (--model list)", metavar="NAME",
+    model: str = option("lenet", "lenet, mlp, resnet18 (the lessons'), any torchvision "
+                        "classification model (--model list), or yours: FILE.py:NAME or "
+                        "module:NAME, an nn.Module class or a function", metavar="NAME",
                         evaluation="checkpoint")
     weights: str = option("", "start from this state_dict (e.g. torchvision's .pth); tensors that "
                           "do not fit stay new; a file or a URI", metavar="PATH", path=True,
@@ -181,8 +182,10 @@ class Config:
     normalize: Optional[tuple] = option(None, "", cli=False, evaluation="checkpoint")  # mean, std
     synthetic_size: int = option(512, "--dataset synthetic: training images (100 test)",
                                  metavar="N", evaluation="checkpoint")
-    dataset: str = option("fashion-mnist", "digits needs no download; folder: --data-dir holding "
-                          "train/<class>/* and val/<class>/*", evaluation="checkpoint",
+    dataset: str = option("fashion-mnist", "fashion-mnist, cifar10, digits (no download), "
+                          "synthetic; folder: --data-dir holding train/<class>/* and val/<class>/*; "
+                          "or yours: FILE.py:NAME, a function returning (train, test)",
+                          evaluation="checkpoint",
                           doctor=True)
     data_dir: str = option("./data", "where data sets are, or are downloaded to; a folder's on "
                            "every node or in object storage", metavar="DIR", rerun="adopt",
@@ -203,6 +206,9 @@ class Config:
     log_every: int = option(10, "the train loss to TensorBoard every this many steps",
                             metavar="STEPS", rerun="free")
     quiet: bool = option(False, "no progress bar", rerun="free", evaluation="free")
+    worker_output: bool = option(False, "show what Ray's workers print (your code's print() "
+                                 "calls, Ray's own lines): else they go to Ray's logs "
+                                 "(docs/monitoring.md)", rerun="free", evaluation="free")
     max_failures: int = option(0, "restart the workers this many times from the last checkpoint "
                                "(-1: no limit)", metavar="K", rerun="free", evaluation="free")
     checkpoint_every: str = option(
@@ -331,6 +337,8 @@ def mode_checks(cfg: Config) -> list:
          f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
         (not (scratch and cfg.accum_steps > 1),
          "--accum-steps needs --mode ddp (scratch mode has none)"),
+        (not (scratch and cfg.loss != "cross_entropy"),
+         f"--loss needs --mode ddp {lesson} cross-entropy)"),
         (not (scratch and cfg.sync_bn),
          "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
         (not (scratch and (cfg.amp or cfg.compile)),
@@ -557,6 +565,7 @@ def default_run_name(command: str, cfg: Config) -> str:
 # ==================================================================================================
 
 DATASETS: dict = {}
+SAME_ON_EVERY_RANK = ("fashion-mnist", "cifar10", "digits", "synthetic")  # files, a fixed split
 
 
 def dataset(name: str):
@@ -579,6 +588,10 @@ def load_dataset(cfg: Config) -> tuple:
             and all(hasattr(split, "__getitem__") and hasattr(split, "__len__") for split in data)):
         raise DataError(f"--dataset {cfg.dataset} returned {type(data).__name__}, not a pair "
                         f"(train, test) of data sets")
+    if not all(isinstance(sample := split[0], (tuple, list)) and len(sample) == 2
+               for split in data if len(split)):
+        raise DataError(f"--dataset {cfg.dataset}: a sample is {type(sample).__name__}, not an "
+                        f"(input, target) pair")
     return tuple(data)
 
 
@@ -826,7 +839,11 @@ def class_names(data) -> list:
 
 
 def labels_of(data) -> list:
-    return data.tensors[1].tolist() if isinstance(data, TensorDataset) else list(data.targets)
+    if isinstance(data, TensorDataset):
+        return data.tensors[1].tolist()
+    if hasattr(data, "targets"):  # without decoding a sample
+        return [int(label) for label in data.targets]
+    return [int(data[i][1]) for i in range(len(data))]
 
 
 @dataclass(frozen=True)
@@ -1198,8 +1215,7 @@ def user_code(spec: str, flag: str):
 
 
 def load_module(where: str):
-    """A file (FILE.py) or a module on the Python path, registered to travel by value."""
-    import ray.cloudpickle
+    """A file (FILE.py) or a module on the Python path, loaded anew."""
     if where.endswith(".py"):
         path = os.path.abspath(where)
         if not os.path.isfile(path):
@@ -1214,16 +1230,33 @@ def load_module(where: str):
             raise
     else:
         module = importlib.import_module(where)
-    if module.__name__ != "__main__":
-        ray.cloudpickle.register_pickle_by_value(module)
+    travels(module)
     return module
+
+
+def travels(module) -> None:
+    """Your module's code goes to the workers by value (their nodes need no copy); an installed
+    package's, and __main__'s (which cloudpickle ships anyway), by name."""
+    import ray.cloudpickle
+    import sysconfig
+    installed = [sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")]
+    where = os.path.abspath(getattr(module, "__file__", None) or "/")
+    if module.__name__ not in ("__main__", __name__) and not any(where.startswith(path)
+                                                                 for path in installed):
+        ray.cloudpickle.register_pickle_by_value(module)
 
 
 def as_spec(value, flag: str) -> str:
     if isinstance(value, str):
         return value
-    spec = f"{value.__module__}:{value.__qualname__}"
+    named = value if hasattr(value, "__qualname__") else type(value)  # an instance: its class's
+    if named is not value and flag != "loss":
+        raise ConfigError(f"{flag}= takes a class or a function that returns the {flag}, not "
+                          f"an instance of {type(value).__name__}")
+    spec = f"{named.__module__}:{named.__qualname__}" + ("()" if named is not value else "")
     CODE[spec] = value
+    if (module := sys.modules.get(named.__module__)) is not None:
+        travels(module)
     return spec
 
 
@@ -1260,9 +1293,8 @@ def loss_function(cfg: Config, training: bool = True):
 
 def classifies(data) -> bool:
     """Targets that are class indices (accuracy, per-class tables), not values (a regression)."""
-    target = data.tensors[1][0] if isinstance(data, TensorDataset) else data[0][1]
-    return isinstance(target, int) or (torch.is_tensor(target) and target.ndim == 0
-                                       and not target.is_floating_point())
+    target = torch.as_tensor(data.tensors[1][0] if isinstance(data, TensorDataset) else data[0][1])
+    return target.ndim == 0 and not (target.is_floating_point() or target.is_complex())
 
 
 def is_image(shape: tuple) -> bool:
@@ -1356,30 +1388,37 @@ class SumOverRanks(torch.autograd.Function):
         return grad
 
 
-class SyncBatchNormCPU(nn.BatchNorm2d):
-    """BatchNorm over all workers' batches on CPU, where torch's SyncBatchNorm will not run: each
-    rank's (count, mean, M2), one autograd-aware all-reduce, Chan's stable parallel formula."""
+class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm (1d, 2d or 3d) over all workers' batches on CPU, where torch's SyncBatchNorm will
+    not run: each rank's (count, mean, M2), one autograd-aware all-reduce, Chan's formula."""
+
+    def _check_input_dim(self, x):
+        if x.ndim < 2:
+            raise ValueError(f"expected at least 2D input (got {x.ndim}D input)")
 
     def forward(self, x):
         rank, world = rank_and_world()
         if not self.training or world == 1:
             return super().forward(x)
-        shape = (1, x.shape[1], 1, 1)
+        dims, shape = (0, *range(2, x.ndim)), (1, x.shape[1], *(1,) * (x.ndim - 2))
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         count = torch.full((1,), x.numel() / x.shape[1], dtype=x32.dtype, device=x.device)
-        mean = x32.mean((0, 2, 3))
-        m2 = (x32 - mean.view(shape)).square().sum((0, 2, 3))
+        mean = x32.mean(dims)
+        m2 = (x32 - mean.view(shape)).square().sum(dims)
         rows = torch.zeros(world, 1 + 2 * x.shape[1], dtype=x32.dtype, device=x.device)
         rows = rows.index_copy(0, torch.tensor([rank], device=x.device),
                                torch.cat([count, mean, m2]).unsqueeze(0))
         rows = SumOverRanks.apply(rows)
         mean, var, n = combine_statistics(rows[:, 0], *rows[:, 1:].chunk(2, dim=1))
-        with torch.no_grad():
-            self.num_batches_tracked += 1
-            self.running_mean.lerp_(mean.detach(), self.momentum)
-            self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                self.running_mean.lerp_(mean.detach(), self.momentum)
+                self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)
         x_hat = (x32 - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        return (x_hat * self.weight.view(shape) + self.bias.view(shape)).to(x.dtype)
+        if self.affine:
+            x_hat = x_hat * self.weight.view(shape) + self.bias.view(shape)
+        return x_hat.to(x.dtype)
 
 
 def combine_statistics(counts, means, m2s) -> tuple:
@@ -1394,8 +1433,10 @@ def convert_sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     for name, child in model.named_children():
-        if type(child) is nn.BatchNorm2d:
-            synced = SyncBatchNormCPU(child.num_features, child.eps, child.momentum)
+        if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(
+                child, (nn.SyncBatchNorm, SyncBatchNormCPU)):
+            synced = SyncBatchNormCPU(child.num_features, child.eps, child.momentum, child.affine,
+                                      child.track_running_stats)
             synced.load_state_dict(child.state_dict())
             setattr(model, name, synced)
         else:
@@ -1585,6 +1626,13 @@ def keep_freed_memory() -> None:
     if mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES) and mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES):
         os.register_at_fork(before=lambda: malloc_trim(0))
         memory_kept = True
+
+
+def worker_runtime_env(cfg: Config) -> dict:
+    """Ray's training workers' environment: one arena; a print once (Ray Train's print patch
+    also logs what it prints, and --worker-output would show both)."""
+    env_vars = {**one_arena(cfg).get("env_vars", {}), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    return {"env_vars": env_vars}
 
 
 def one_arena(cfg: Config) -> dict:
@@ -2004,6 +2052,7 @@ def worker_setup(config: dict) -> tuple:
     cfg, options = config["config"], config["options"]
     worker = config.get("worker") or Worker.current(cfg)
     worker.marks["loop"] = time.time()
+    quiet_ray_train()
     if options.code is not None:  # your code, as the driver loaded it
         for registry, entries in zip((CODE, MODELS, DATASETS), ray.get(options.code)):
             registry.update(entries)
@@ -2073,7 +2122,7 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
     try:
         if options.data is not None:
             data = ray.get(options.data)
-        elif options.torchrun and cfg.dataset == "folder":
+        elif options.torchrun and cfg.dataset not in SAME_ON_EVERY_RANK:
             data = from_rank_0(load_dataset(cfg) if worker.is_main else None, worker.device)
         else:
             data = load_dataset(cfg)
@@ -2160,13 +2209,16 @@ def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=())
 
 def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
     """Flags for images, typed for data that are none."""
-    flags = sorted({"image_size", "augment"} & set(typed))
-    if flags and not is_image(data.sample_shape):
-        raise ConfigError(f"--{flags[0].replace('_', '-')} is for images; {cfg.dataset}'s inputs "
-                          f"have the shape {tuple(data.sample_shape)}: not applicable (drop it)")
-    if cfg.mode == "scratch" and not (is_image(data.sample_shape) and not data.per_sample):
-        raise ConfigError(f"--mode scratch trains the lesson's LeNet on images held in memory; "
-                          f"{cfg.dataset} has none (use --mode ddp)")
+    if "image_size" in typed and not is_image(data.sample_shape):
+        raise ConfigError(f"--image-size is for images; {cfg.dataset}'s inputs have the shape "
+                          f"{tuple(data.sample_shape)}: not applicable (drop it)")
+    if "augment" in typed and cfg.dataset != "folder":
+        raise ConfigError(f"--augment is for --dataset folder's images; {cfg.dataset} is not "
+                          f"augmented by ray_dp: not applicable (drop it)")
+    if cfg.mode == "scratch" and not (is_image(data.sample_shape) and not data.per_sample
+                                      and data.outputs == NUM_CLASSES):
+        raise ConfigError(f"--mode scratch trains the lesson's LeNet on images of 10 classes held "
+                          f"in memory; {cfg.dataset} has none (use --mode ddp)")
 
 
 def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) -> LoopOptions:
@@ -2178,13 +2230,9 @@ def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) 
         board=new_board() if shared and ray.is_initialized() else None,
         start_from=(ray.put(read_weights(cfg.weights))
                     if cfg.weights and shared and not resume.resumes else None),
-        data=ray.put(data.datasets) if shared and data and sent(cfg, data) else None,
+        data=ray.put(data.datasets) if shared and data else None,
         resume_from=(ray.put(load_checkpoint(resume.unlisted))
                      if shared and resume.unlisted else None))
-
-
-def sent(cfg: Config, data: DataInfo) -> bool:
-    return not data.per_sample or cfg.dataset == "folder"
 
 
 def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Result:
@@ -2194,7 +2242,12 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
     set_ray_train_knobs(cfg)
     if not options.torchrun:
         options = replace(options, board=options.board or new_board())
+    else:  # Ray Train's local mode logs each report at INFO
+        quiet_ray_train()
     CLOCK["fit"] = time.time()
+    for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
+        if registered is not None and registered.__module__ in sys.modules:
+            travels(sys.modules[registered.__module__])
     code = [{spec: CODE[spec] for spec in (cfg.model, cfg.dataset, cfg.loss) if spec in CODE},
             {cfg.model: MODELS[cfg.model]} if cfg.model in MODELS else {},  # registered by
             {cfg.dataset: DATASETS[cfg.dataset]} if cfg.dataset in DATASETS else {}]  # a script
@@ -2213,7 +2266,7 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=run_callbacks(cfg, logs, options, done, training),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            worker_runtime_env=one_arena(cfg)),
+            worker_runtime_env=worker_runtime_env(cfg)),
         torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)))
     # SIGTERM to the driver: rank 0 hears of it at its next beat (--mode ddp under Ray)
     stop = graceful_stop() if training and options.board and cfg.mode != "scratch" else None
@@ -2244,19 +2297,19 @@ def connect(cfg: Config) -> Config:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         cfg = settle_device(cfg, Cluster({"CPU": cpus, "GPU": torch.cuda.device_count()}, None,
                                          local=True))
-        start_ray("", cpus)
+        start_ray("", cpus, cfg.worker_output)
         return cfg
-    start_ray(cfg.address)
+    start_ray(cfg.address, worker_output=cfg.worker_output)
     return settle_device(cfg, cluster_of(cfg))
 
 
-def start_ray(address: str, cpus: Optional[int] = None) -> None:
-    """A Ray of this machine's own (no address), or the cluster at address. Ray's own output stays
-    in its logs (log_to_driver off): ray_dp's lines reach the console through the Board."""
+def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = False) -> None:
+    """A Ray of this machine's own (no address), or the cluster at address. The workers' output
+    stays in Ray's logs unless worker_output: ray_dp's lines reach the console through the Board."""
     if ray.is_initialized():
         return check_runtime_env()
     settings = dict(runtime_env=fresh_runtime_env(), logging_level=logging.ERROR,
-                    log_to_driver=False)
+                    log_to_driver=worker_output)
     if not address:
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **settings)
         return
@@ -2322,6 +2375,8 @@ def images(cfg: Config, data: DataInfo) -> str:
         return f", inputs of shape {tuple(data.sample_shape)}, {kind}"
     if not data.per_sample:
         return f", images resized to {size} x {size} px" if cfg.image_size else ""
+    if cfg.dataset != "folder":
+        return f", {len(data.classes)} classes, images {size} x {size} px"
     augment = "augmented" if cfg.augment else "not augmented"
     mean, std = cfg.normalize or ([], [])
     return (f", {len(data.classes)} classes, images {size} x {size} px, {augment}, normalised with "
@@ -2346,7 +2401,7 @@ DP_NOTE = ("nn.DataParallel normalised each GPU's 1/%d of the batch with its own
 
 def main(argv=None) -> int:
     """The command line: one command, one line for every way it can end."""
-    reset_clock()
+    new_command()
     command, cfg = "train", None
     try:
         command, cfg, options = parse_command(argv)
@@ -2368,6 +2423,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return fail(interrupted(command, cfg), 130)
     return 1 if command == "doctor" and not outcome else 0
+
+
+def new_command() -> None:
+    """What a command starts from: its start-up marks, your code loaded anew."""
+    CODE.clear()
+    reset_clock()
 
 
 def reset_clock() -> None:
@@ -2443,7 +2504,7 @@ def resolve(command: str, args: dict, typed: set) -> Config:
 def train(**settings) -> dict:
     """ray_dp from Python: the flags as keyword arguments (ray_dp.train(workers=2, model=Net));
     what result.json holds, or ConfigError, RunFailed, RunStopped (the same call resumes)."""
-    reset_clock()
+    new_command()
     command, cfg, options = parse_command(settings_as_flags(settings))
     if command == "models":
         raise ConfigError("model='list' is the command line's listing (python ray_dp.py --model "
@@ -2637,7 +2698,7 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
                           f"over, or --eval-only an earlier checkpoint_epoch_* directory") from None
     stored = stored_config(state)
     cfg = follow_stored(cfg, stored, typed)
-    check_same_training(cfg, stored)
+    check_same_training(cfg, stored, state.get("code"))
     note_code_changed(cfg, state, f"run '{cfg.name}' saved its checkpoint")
     done = state["epoch"]
     if cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs and done < cfg.epochs:
@@ -2688,10 +2749,10 @@ def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
     return replace(cfg, **adopt)
 
 
-def check_same_training(cfg: Config, stored: dict) -> None:
+def check_same_training(cfg: Config, stored: dict, code: Optional[dict] = None) -> None:
     ignored = RERUN_MAY_CHANGE | ({"momentum"} if cfg.mode == "scratch" else set())
     changed = [name for name, now in asdict(cfg).items() if name not in ignored
-               and not same_setting(name, stored[name], now)]
+               and not same_setting(name, stored[name], now, (code or {}).get(name))]
     if changed:
         was = ", ".join(as_flag(name, stored[name]) for name in changed)
         says = ", ".join(as_flag(name, getattr(cfg, name)) for name in changed)
@@ -2700,11 +2761,13 @@ def check_same_training(cfg: Config, stored: dict) -> None:
                           f"a new --name")
 
 
-def same_setting(name: str, stored, now) -> bool:
+def same_setting(name: str, stored, now, code: Optional[dict] = None) -> bool:
     if stored == now:
         return True
     if name == "weights" and stored and now and os.path.exists(stored) and os.path.exists(now):
         return os.path.samefile(stored, now)
+    if code and is_code(now) and stored.rpartition(":")[2] == now.rpartition(":")[2]:
+        return code.get("sha256") == (code_file(now) or {}).get("sha256")  # your file, moved
     return False
 
 
@@ -3763,7 +3826,7 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
           flush=True)
     options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(names),
                           outputs=info.outputs,
-                          data=ray.put((None, test_set)) if sent(cfg, info) else None)
+                          data=ray.put((None, test_set)))
     out = fit(cfg, eval_loop_per_worker, options).return_value
     if "data_error" in out:
         raise DataError(out["data_error"])
@@ -3851,6 +3914,7 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
             continue
         validate(cfg, resuming=resume.resumes)
         cfg, data = check_data(cfg)
+        check_images_only(cfg, data, ())
         check_model_fits(cfg, data)
         resolved.append((cfg, resume, data, None))
     if any(summary is None for *_, summary in resolved):
@@ -4624,6 +4688,21 @@ def shorten_placement_group_cleaner_waits() -> None:
     cleaner.__init__.__defaults__ = (1.0, 1.0, 0.1)
 
 
+QUIETED = {  # Ray Train's loggers (module, level) that --worker-output would show
+    "ray.train.v2._internal.execution.context": logging.WARNING,  # a line per report and rank
+    # the cleaner's stop, shortened above, logs a traceback for the 0.1 s it did not wait
+    "ray.train.v2._internal.callbacks.placement_group_callback": logging.CRITICAL}
+
+
+def quiet_ray_train() -> None:
+    """Ray Train's chatter off: its report lines in the workers (and torchrun), the cleaner's in
+    the controller."""
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    for module, level in QUIETED.items():
+        if (logger := ray_internal(module, "logger")) is not None:
+            logger.setLevel(level)
+
+
 RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_ray_worker}
 if __name__ != "__main__":
     # Imported (a notebook, another program): Ray's processes unpickle its functions by reference,
@@ -4642,6 +4721,9 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
         self.clock, self.controller_clock = clock or {}, {}
         self.events, self.failures, self.node_ips = [], 0, {}
         self.reported, self.save_failed = None, False
+
+    def after_controller_start(self, train_run_context) -> None:
+        quiet_ray_train()
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         kind, error, workers = state_facts(current_state)

@@ -132,13 +132,15 @@ def sync_bn_on_rank(x_full, grad_full):
             "running_mean": bn.running_mean, "running_var": bn.running_var}
 
 
-def test_cpu_sync_batchnorm_on_2_workers_equals_batchnorm_over_the_full_batch():
+@pytest.mark.parametrize("shape, batchnorm", [((8, 3), nn.BatchNorm1d), ((8, 3, 5, 5), nn.BatchNorm2d),
+                                              ((8, 3, 2, 3, 4), nn.BatchNorm3d)], ids=["1d", "2d", "3d"])
+def test_cpu_sync_batchnorm_on_2_workers_equals_batchnorm_over_the_full_batch(shape, batchnorm):
     gen = torch.Generator().manual_seed(0)
-    x_full = torch.randn(8, 3, 5, 5, generator=gen) * 2 + 1
-    grad_full = torch.randn(8, 3, 5, 5, generator=gen)
+    x_full = torch.randn(*shape, generator=gen) * 2 + 1
+    grad_full = torch.randn(*shape, generator=gen)
     ranks = run_distributed(sync_bn_on_rank, 2, x_full, grad_full)
 
-    bn = nn.BatchNorm2d(3)
+    bn = batchnorm(3)
     with torch.no_grad():
         bn.weight.copy_(torch.tensor([0.5, 1.5, -1.0]))
         bn.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
@@ -166,6 +168,8 @@ def test_convert_sync_bn_replaces_every_batchnorm_and_keeps_its_state():
     assert not any(type(m) is nn.BatchNorm2d for m in model.modules())
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    table = ray_dp.convert_sync_bn(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False)), CPU)
+    assert isinstance(table[1], ray_dp.SyncBatchNormCPU) and not table[1].affine  # a tabular model's, too
 
 
 def test_amp_bf16_step_is_close_to_the_fp32_step():

@@ -287,19 +287,22 @@ def test_the_doctor_decodes_every_image_and_names_each_bad_one(tmp_path):
 # 11. ray_dp from a notebook: imported, in another directory, on a local Ray and on an attached cluster.
 
 NOTEBOOK = """
-import json, sys
+import json, math, sys
 sys.path.insert(0, {repo!r})
 import ray, ray_dp
 import torch.nn as nn
 
 
-class Net(nn.Module):  # the notebook's own model
+class Net(nn.Module):  # the notebook's own model, which says when it first runs
     def __init__(self, sample_shape, num_classes):
         super().__init__()
-        self.layer = nn.Linear(sample_shape[0], num_classes)
+        self.layer, self.said = nn.Linear(math.prod(sample_shape), num_classes), False
 
     def forward(self, x):
-        return self.layer(x)
+        if not self.said:
+            print("NET FORWARD", flush=True)
+            self.said = True
+        return self.layer(x.flatten(1))
 
 
 summary = ray_dp.train(workers=2, dataset="digits", epochs=1, storage_path="runs", name="attached",
@@ -318,7 +321,8 @@ named = ray_dp.train(workers=2, model="tinynet", dataset="digits", epochs=1, sto
                      name="named", address={address!r}, gpu=False)
 print("NAMED", named["final"]["test_count"])
 ray.shutdown()
-local = ray_dp.train(workers=2, dataset="digits", epochs=2, storage_path="runs", name="local", quiet=True)
+local = ray_dp.train(workers=2, model=Net, dataset="digits", epochs=2, storage_path="runs", name="local",
+                     quiet=True, worker_output=True)
 print("SUMMARIES", json.dumps([[m["epoch"] for m in s["epochs"]] for s in (summary, local)]))
 """
 
@@ -347,7 +351,12 @@ def test_ray_dp_trains_from_a_notebook_in_another_directory_locally_and_attached
     assert done.stdout.split("NAMED ", 1)[1].split()[0] == "360"
     own_acc, own_model = done.stdout.split("OWN ", 1)[1].split()[:2]
     assert float(own_acc) > 0.8 and own_model == "__main__:Net" and not (tmp_path / "my_data.py").exists()
-    summaries = json.loads(done.stdout.split("SUMMARIES ", 1)[1])
+    # the workers' prints reach the console once each with worker_output, not at all without it
+    said = [line for line in (done.stdout + done.stderr).splitlines() if "NET FORWARD" in line]
+    by_workers = [line for line in said if "RayTrainWorker pid=" in line]
+    assert len(said) - len(by_workers) == 2, said  # the driver's check of the model, twice
+    assert len(by_workers) == 2 and len({line.split("pid=")[1].split(")")[0] for line in by_workers}) == 2, said
+    summaries = json.loads(done.stdout.split("SUMMARIES ", 1)[1].splitlines()[0])
     assert summaries == [[1], [1, 2]]
     assert json.loads((tmp_path / "runs" / "local" / "result.json").read_text())["epochs"][-1]["epoch"] == 2
 

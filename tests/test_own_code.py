@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ray_dp
-from helpers import REPO, error_of
+from helpers import REPO, error_of, here, run_distributed
 
 OWN = os.path.join(REPO, "tests", "user_code.py")
 
@@ -44,7 +44,11 @@ BAD = [
      "--loss {tmp}/losses.py:per_sample returned torch.Size([2]), not a scalar mean loss"),
     (["--model", "mlp", "--dataset", "{tmp}/mine.py:wine", "--image-size", "32"],
      "--image-size is for images; {tmp}/mine.py:wine's inputs have the shape (13,): not applicable (drop it)"),
-    (["--model", "mlp", "--dataset", "{tmp}/mine.py:wine", "--augment"], "--augment is for images; "),
+    (["--model", "mlp", "--dataset", "{tmp}/mine.py:wine", "--augment"],
+     "--augment is for --dataset folder's images; {tmp}/mine.py:wine is not augmented by ray_dp: not applicable"),
+    (["--model", "mlp", "--dataset", "{tmp}/mine.py:dicts"], "--dataset {tmp}/mine.py:dicts: a sample is dict, not an "
+                                                              "(input, target) pair"),
+    (["--mode", "scratch", "--dataset", "digits", "--loss", "mse"], "--loss needs --mode ddp"),
     (["--mode", "scratch", "--dataset", "{tmp}/mine.py:wine"], "--mode scratch trains the lesson's LeNet on images"),
     (["--loss", "huber"], "--loss huber is not a loss of ray_dp.py (cross_entropy, mse, or your own: FILE.py:NAME)"),
 ]
@@ -120,3 +124,53 @@ def test_a_regression_is_scored_by_its_loss_alone():
     expected = torch.nn.functional.mse_loss(net(test.tensors[0]).squeeze(1), test.tensors[1]).item()
     assert metrics["test_loss"] == pytest.approx(expected, rel=1e-5) and "test_acc" not in metrics
     assert metrics["test_count"] == len(test) and len(metrics["predictions"]) == len(test)
+
+
+def test_a_file_moved_with_its_text_unchanged_resumes_as_the_same_code(code, no_cluster, capsys):
+    trained(code, model=f"{code}/mine.py:TabularMLP", dataset=f"{code}/mine.py:wine")
+    (code / "moved").mkdir()
+    shutil.copy(code / "mine.py", code / "moved" / "mine.py")
+    _, cfg, options = ray_dp.parse_command(["--model", f"{code}/moved/mine.py:TabularMLP", "--dataset",
+                                            f"{code}/moved/mine.py:wine", "--batch-size", "16", "--name", "own",
+                                            *runs(code)])
+    assert options["resume"].done == 1 and cfg.model == f"{code}/moved/mine.py:TabularMLP"
+    with open(code / "moved" / "mine.py", "a") as f:
+        f.write("# another text\n")
+    err = error_of(["--model", f"{code}/moved/mine.py:TabularMLP", "--dataset", f"{code}/moved/mine.py:wine",
+                    "--batch-size", "16", "--name", "own", *runs(code)], capsys)
+    assert "was trained with --model " in err and "rerun it with its values" in err
+
+
+def test_targets_of_any_integer_kind_are_classes_and_a_data_set_without_targets_still_names_its_labels():
+    import numpy as np
+
+    class Rows(torch.utils.data.Dataset):  # per sample, labels as numpy integers, no `targets`
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.zeros(3), np.int64(i % 2)
+    assert ray_dp.classifies(Rows()) and ray_dp.labels_of(Rows()) == [0, 1, 0, 1]
+    assert not ray_dp.classifies([(torch.zeros(3), 0.5)]) and ray_dp.classifies([(torch.zeros(3), True)])
+
+
+def test_train_takes_a_loss_instance_but_not_a_model_instance():
+    assert ray_dp.as_spec(torch.nn.MSELoss(), "loss") == "torch.nn.modules.loss:MSELoss()"
+    with pytest.raises(ray_dp.ConfigError, match="model= takes a class or a function that returns the model, not an "
+                                                 "instance of Linear"):
+        ray_dp.as_spec(torch.nn.Linear(3, 2), "model")
+
+
+def rank_0s_split(cfg):
+    data = ray_dp.worker_data(cfg, ray_dp.LoopOptions(torchrun=True), here())
+    return data[0].tensors[0]
+
+
+def test_under_torchrun_every_rank_trains_rank_0s_own_data_set(code):
+    # a data set of one's own whose split is drawn anew by every call: rank 0 decides it for all
+    (code / "shuffled.py").write_text("import torch\nfrom torch.utils.data import TensorDataset\n\n\n"
+                                      "def load():\n    x = torch.randperm(40).double()[:, None]\n"
+                                      "    return TensorDataset(x[:30], x[:30, 0]), TensorDataset(x[30:], x[30:, 0])\n")
+    cfg = ray_dp.Config(dataset=f"{code}/shuffled.py:load", model="mlp")
+    zero, one = run_distributed(rank_0s_split, 2, cfg)
+    assert torch.equal(zero, one)

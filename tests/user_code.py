@@ -79,3 +79,7 @@ def not_a_model():
 
 def not_a_pair():
     return [1, 2, 3]
+
+
+def dicts():
+    return [{"x": torch.zeros(3), "y": 0}] * 4, [{"x": torch.zeros(3), "y": 0}] * 2
