@@ -183,10 +183,9 @@ class Config:
     synthetic_size: int = option(512, "--dataset synthetic: training images (100 test)",
                                  metavar="N", evaluation="checkpoint")
     dataset: str = option("fashion-mnist", "fashion-mnist, cifar10, digits (no download), "
-                          "synthetic; folder: --data-dir holding train/<class>/* and val/<class>/*; "
-                          "or yours: FILE.py:NAME, a function returning (train, test)",
-                          evaluation="checkpoint",
-                          doctor=True)
+                          "synthetic; folder: --data-dir holding train/<class>/* and "
+                          "val/<class>/*; or yours: FILE.py:NAME, a function returning (train, "
+                          "test)", evaluation="checkpoint", doctor=True)
     data_dir: str = option("./data", "where data sets are, or are downloaded to; a folder's on "
                            "every node or in object storage", metavar="DIR", rerun="adopt",
                            evaluation="adopt", doctor=True, path=True, store="read")
@@ -1629,10 +1628,8 @@ def keep_freed_memory() -> None:
 
 
 def worker_runtime_env(cfg: Config) -> dict:
-    """Ray's training workers' environment: one arena; a print once (Ray Train's print patch
-    also logs what it prints, and --worker-output would show both)."""
-    env_vars = {**one_arena(cfg).get("env_vars", {}), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-    return {"env_vars": env_vars}
+    """Ray's training workers' environment: one arena, Ray Train's knobs for them."""
+    return {"env_vars": {**one_arena(cfg).get("env_vars", {}), **WORKER_KNOBS}}
 
 
 def one_arena(cfg: Config) -> dict:
@@ -4497,12 +4494,15 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
 #   1. Ray Train's torchrun test                  6. its checkpoint list's file and keys
 #   2. its controller hooks (RecoveryLog)         7. set_sigterm_handler (a worker's SIGTERM)
 #   3. its controller's state and error classes   8. canonicalize_bootstrap_address (auto)
-#   4. its worker group's accessors               9. its environment knobs (set_ray_train_knobs)
-#   5. its memory monitor's wording              10. its placement-group cleaner's waits
+#   4. its worker group's accessors               9. its environment knobs (set_ray_train_knobs,
+#   5. its memory monitor's wording                  WORKER_KNOBS)
+#  10. its placement-group cleaner's waits       11. its loggers' names (QUIETED)
 # ==================================================================================================
 
 RAY_CHECKED = "2.60.0"
 _noted = set()
+WORKER_KNOBS = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}  # a print once, not also logged: a Ray Train
+# worker's print goes to its log as well, and --worker-output would show both
 
 
 def ray_internal(module: str, name: Optional[str] = None):
