@@ -2049,7 +2049,6 @@ def worker_setup(config: dict) -> tuple:
     cfg, options = config["config"], config["options"]
     worker = config.get("worker") or Worker.current(cfg)
     worker.marks["loop"] = time.time()
-    quiet_ray_train()
     if options.code is not None:  # your code, as the driver loaded it
         for registry, entries in zip((CODE, MODELS, DATASETS), ray.get(options.code)):
             registry.update(entries)
@@ -4496,7 +4495,7 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
 #   3. its controller's state and error classes   8. canonicalize_bootstrap_address (auto)
 #   4. its worker group's accessors               9. its environment knobs (set_ray_train_knobs,
 #   5. its memory monitor's wording                  WORKER_KNOBS)
-#  10. its placement-group cleaner's waits       11. its loggers' names (QUIETED)
+#                                                10. its placement-group cleaner's waits and logger
 # ==================================================================================================
 
 RAY_CHECKED = "2.60.0"
@@ -4688,19 +4687,13 @@ def shorten_placement_group_cleaner_waits() -> None:
     cleaner.__init__.__defaults__ = (1.0, 1.0, 0.1)
 
 
-QUIETED = {  # Ray Train's loggers (module, level) that --worker-output would show
-    "ray.train.v2._internal.execution.context": logging.WARNING,  # a line per report and rank
-    # the cleaner's stop, shortened above, logs a traceback for the 0.1 s it did not wait
-    "ray.train.v2._internal.callbacks.placement_group_callback": logging.CRITICAL}
-
-
 def quiet_ray_train() -> None:
-    """Ray Train's chatter off: its report lines in the workers (and torchrun), the cleaner's in
-    the controller."""
+    """Ray Train's chatter at WARNING, and the cleaner's stop, shortened above, silent: it logs a
+    traceback for the 0.1 s it did not wait (seen with --worker-output)."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)
-    for module, level in QUIETED.items():
-        if (logger := ray_internal(module, "logger")) is not None:
-            logger.setLevel(level)
+    cleaner = "ray.train.v2._internal.callbacks.placement_group_callback"
+    if (logger := ray_internal(cleaner, "logger")) is not None:
+        logger.setLevel(logging.CRITICAL)
 
 
 RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_ray_worker}
