@@ -866,10 +866,29 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     if cfg.dataset == "folder":  # normalised, the same files not listed again
         cfg = with_data_statistics(cfg, train_set)
         train_set.transform, test_set.transform = image_transforms(cfg)
-    classes = class_names(train_set) if classifies(train_set) else []
+    try:
+        classes = class_names(train_set) if classifies(train_set) else []
+    except DataError:
+        raise
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise DataError(f"--dataset {cfg.dataset}: a target is a class index or a tensor of "
+                        f"values: {first_line(exc)}") from None
+    check_sendable(cfg, (train_set, test_set))
     return cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set), classes,
                          not isinstance(train_set, TensorDataset), (train_set, test_set),
                          samples_fingerprint(train_set), outputs(train_set, classes))
+
+
+def check_sendable(cfg: Config, data: tuple) -> None:
+    """Your data sets reach the workers pickled: one that holds a connection cannot."""
+    import ray.cloudpickle
+    if is_code(cfg.dataset) and not isinstance(data[0], TensorDataset):
+        try:
+            ray.cloudpickle.dumps(data)
+        except Exception as exc:
+            raise DataError(f"--dataset {cfg.dataset}: its data sets cannot be sent to the "
+                            f"workers ({first_line(exc)}): open files and connections in "
+                            f"__getitem__, not __init__") from None
 
 
 def outputs(data, classes: list) -> int:
@@ -1198,6 +1217,7 @@ def user_code(spec: str, flag: str):
     if spec in CODE:
         return CODE[spec]
     where, _, name = spec.rpartition(":")
+    name = name.removesuffix("()")  # a loss instance ray_dp.train() took: its class
     try:
         module = load_module(where)
     except FileNotFoundError:
@@ -1210,6 +1230,8 @@ def user_code(spec: str, flag: str):
     if not hasattr(module, name):
         raise ConfigError(f"--{flag} {spec}: {where} has no {name}")
     CODE[spec] = getattr(module, name)
+    if (defined_in := sys.modules.get(getattr(CODE[spec], "__module__", None))) is not None:
+        travels(defined_in)  # re-exported: where it is defined travels too
     return CODE[spec]
 
 
@@ -1237,11 +1259,14 @@ def travels(module) -> None:
     """Your module's code goes to the workers by value (their nodes need no copy); an installed
     package's, and __main__'s (which cloudpickle ships anyway), by name."""
     import ray.cloudpickle
+    import site
     import sysconfig
-    installed = [sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")]
-    where = os.path.abspath(getattr(module, "__file__", None) or "/")
-    if module.__name__ not in ("__main__", __name__) and not any(where.startswith(path)
-                                                                 for path in installed):
+    installed = {os.path.realpath(path) for path in (
+        *site.getsitepackages(), site.getusersitepackages(),
+        *(sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")))}
+    where = getattr(module, "__file__", None)
+    if where and module.__name__ not in ("__main__", __name__) and not any(
+            os.path.commonpath([os.path.realpath(where), path]) == path for path in installed):
         ray.cloudpickle.register_pickle_by_value(module)
 
 
@@ -1249,14 +1274,25 @@ def as_spec(value, flag: str) -> str:
     if isinstance(value, str):
         return value
     named = value if hasattr(value, "__qualname__") else type(value)  # an instance: its class's
-    if named is not value and flag != "loss":
+    if named is not value and (flag != "loss" or not made_plainly(value)):
         raise ConfigError(f"{flag}= takes a class or a function that returns the {flag}, not "
-                          f"an instance of {type(value).__name__}")
+                          f"an instance of {type(value).__name__}"
+                          + (" made with arguments (a rerun could not)" if flag == "loss" else ""))
     spec = f"{named.__module__}:{named.__qualname__}" + ("()" if named is not value else "")
     CODE[spec] = value
     if (module := sys.modules.get(named.__module__)) is not None:
         travels(module)
     return spec
+
+
+def made_plainly(instance) -> bool:
+    """The instance is its class's with no arguments: what its spec, "module:Class()", rebuilds."""
+    def settings(module):
+        return repr({key: value for key, value in vars(module).items() if key[0] != "_"})
+    try:
+        return settings(type(instance)()) == settings(instance)
+    except Exception:
+        return False
 
 
 def takes_arguments(function, name: Optional[str] = None) -> bool:
@@ -1276,8 +1312,9 @@ def code_file(spec: str) -> Optional[dict]:
     return {"spec": spec, "file": path, "sha256": hashlib.sha256(text).hexdigest()[:16]}
 
 
-LOSSES = {"cross_entropy": lambda cfg: functools.partial(F.cross_entropy,
-                                                         label_smoothing=cfg.label_smoothing),
+LOSSES = {"cross_entropy": lambda cfg: lambda output, target: F.cross_entropy(
+              output, target if target.is_floating_point() else target.long(),
+              label_smoothing=cfg.label_smoothing),
           "mse": lambda cfg: lambda output, target: F.mse_loss(output.reshape(target.shape),
                                                                target)}
 
@@ -1341,11 +1378,14 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def from_rank_0(value, device: torch.device):
+    """Rank 0's object on every rank; your code's classes go by value (the other ranks have not
+    imported your file)."""
+    import ray.cloudpickle
     if rank_and_world()[1] == 1:
         return value
-    shared = [value]
+    shared = [ray.cloudpickle.dumps(value) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(shared, src=0, device=device)
-    return shared[0]
+    return ray.cloudpickle.loads(shared[0])
 
 
 def broadcast_from_rank_0(tensors: list) -> None:
@@ -1412,8 +1452,11 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked += 1
-                self.running_mean.lerp_(mean.detach(), self.momentum)
-                self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)
+                weight = (1 / self.num_batches_tracked.item() if self.momentum is None
+                          else self.momentum)  # None: torch's cumulative average
+                dtype = self.running_mean.dtype
+                self.running_mean.lerp_(mean.detach().to(dtype), weight)
+                self.running_var.lerp_((var.detach() * n / (n - 1)).to(dtype), weight)
         x_hat = (x32 - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             x_hat = x_hat * self.weight.view(shape) + self.bias.view(shape)
@@ -1432,12 +1475,13 @@ def convert_sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     for name, child in model.named_children():
-        if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(
-                child, (nn.SyncBatchNorm, SyncBatchNormCPU)):
+        if (isinstance(child, nn.modules.batchnorm._BatchNorm)
+                and not isinstance(child, SyncBatchNormCPU)):
             synced = SyncBatchNormCPU(child.num_features, child.eps, child.momentum, child.affine,
                                       child.track_running_stats)
-            synced.load_state_dict(child.state_dict())
-            setattr(model, name, synced)
+            for tensor in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+                setattr(synced, tensor, getattr(child, tensor))  # the very tensors, as torch's
+            setattr(model, name, synced.train(child.training))
         else:
             convert_sync_bn(child, device)
     return model
@@ -2208,7 +2252,7 @@ def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
     if "image_size" in typed and not is_image(data.sample_shape):
         raise ConfigError(f"--image-size is for images; {cfg.dataset}'s inputs have the shape "
                           f"{tuple(data.sample_shape)}: not applicable (drop it)")
-    if "augment" in typed and cfg.dataset != "folder":
+    if "augment" in typed and cfg.augment and cfg.dataset != "folder":
         raise ConfigError(f"--augment is for --dataset folder's images; {cfg.dataset} is not "
                           f"augmented by ray_dp: not applicable (drop it)")
     if cfg.mode == "scratch" and not (is_image(data.sample_shape) and not data.per_sample
@@ -2299,13 +2343,20 @@ def connect(cfg: Config) -> Config:
     return settle_device(cfg, cluster_of(cfg))
 
 
+RAY_STARTED: dict = {}  # the settings ray_dp last started Ray with
+
+
 def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = False) -> None:
     """A Ray of this machine's own (no address), or the cluster at address. The workers' output
     stays in Ray's logs unless worker_output: ray_dp's lines reach the console through the Board."""
     if ray.is_initialized():
+        if worker_output and not RAY_STARTED.get("worker_output"):
+            print("note: --worker-output applies where ray_dp starts Ray; this Ray was running "
+                  "already (ray.shutdown() first)", flush=True)
         return check_runtime_env()
     settings = dict(runtime_env=fresh_runtime_env(), logging_level=logging.ERROR,
                     log_to_driver=worker_output)
+    RAY_STARTED["worker_output"] = worker_output
     if not address:
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **settings)
         return
@@ -2365,14 +2416,15 @@ def switches(cfg: Config, data: DataInfo) -> list:
 
 def images(cfg: Config, data: DataInfo) -> str:
     size = data.sample_shape[-1]
+    kind = (plural(len(data.classes), "class") if data.classes
+            else f"a regression of {plural(data.outputs, 'value')} (loss alone)")
     if not is_image(data.sample_shape):
-        kind = (plural(len(data.classes), "class") if data.classes
-                else f"a regression of {plural(data.outputs, 'value')} (loss alone)")
         return f", inputs of shape {tuple(data.sample_shape)}, {kind}"
     if not data.per_sample:
-        return f", images resized to {size} x {size} px" if cfg.image_size else ""
+        resized = f", images resized to {size} x {size} px" if cfg.image_size else ""
+        return resized + ("" if data.classes else f", {kind}")
     if cfg.dataset != "folder":
-        return f", {len(data.classes)} classes, images {size} x {size} px"
+        return f", {kind}, images {size} x {size} px"
     augment = "augmented" if cfg.augment else "not augmented"
     mean, std = cfg.normalize or ([], [])
     return (f", {len(data.classes)} classes, images {size} x {size} px, {augment}, normalised with "
@@ -2452,7 +2504,8 @@ def parse_command(argv) -> tuple[str, Config, dict]:
         return "doctor", *doctor_config(args)
     untyped = argparse.Namespace(**dict.fromkeys(args, NOT_TYPED))  # what keeps it was not typed
     typed = {k for k, v in vars(parser.parse_args(flags, untyped)).items() if v is not NOT_TYPED}
-    options = {"scale_lr": args.pop("scale_lr")} if command == "compare" else {}
+    options = ({"scale_lr": args.pop("scale_lr"), "typed": tuple(sorted(typed))}
+               if command == "compare" else {})
     if args["model"] == "list":
         return "models", None, {}
     cfg = resolve(command, args, typed)
@@ -2763,7 +2816,8 @@ def same_setting(name: str, stored, now, code: Optional[dict] = None) -> bool:
     if name == "weights" and stored and now and os.path.exists(stored) and os.path.exists(now):
         return os.path.samefile(stored, now)
     if code and is_code(now) and stored.rpartition(":")[2] == now.rpartition(":")[2]:
-        return code.get("sha256") == (code_file(now) or {}).get("sha256")  # your file, moved
+        sha256 = code.get("sha256")  # your file, moved
+        return sha256 is not None and sha256 == (code_file(now) or {}).get("sha256")
     return False
 
 
@@ -3725,15 +3779,15 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
     if refused:
         are = "is a training flag and has" if len(refused) == 1 else "are training flags and have"
         raise ConfigError(f"{', '.join(refused)} {are} no effect with --eval-only")
+    code = checkpoint.get("code") or {}
     contradicting = [name for name in CONFIG_FIELDS if name in typed & EVAL_FIXED
-                     and not same_setting(name, trained[name], getattr(cfg, name))]
+                     and not same_setting(name, trained[name], getattr(cfg, name), code.get(name))]
     if contradicting:
         was = ", ".join(as_flag(name, trained[name]) for name in contradicting)
         says = ", ".join(as_flag(name, getattr(cfg, name)) for name in contradicting)
         raise ConfigError(f"the checkpoint holds a {trained['model']} trained on "
                           f"{trained['dataset']} with {was}; {says} contradicts it (drop it)")
-    taken = {name: trained[name] for name in EVAL_FROM_CHECKPOINT
-             if name in EVAL_FIXED or name not in typed}
+    taken = {name: trained[name] for name in EVAL_FROM_CHECKPOINT if name not in typed}
     note_code_changed(replace(cfg, **taken), checkpoint, f"{path} was saved")
     # a scratch checkpoint is a LeNet state_dict too: every checkpoint is evaluated the ddp way
     return replace(cfg, **taken, mode="ddp", eval_only=path), checkpoint
@@ -3901,7 +3955,7 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
     return configs
 
 
-def compare(base: Config, scale_lr: bool) -> list[dict]:
+def compare(base: Config, scale_lr: bool, typed=()) -> list[dict]:
     configs, resolved = compare_configs(base, scale_lr), []
     for cfg in configs:  # every row resolved and checked before any cluster starts
         cfg, resume = check_run_dir(cfg)
@@ -3910,7 +3964,7 @@ def compare(base: Config, scale_lr: bool) -> list[dict]:
             continue
         validate(cfg, resuming=resume.resumes)
         cfg, data = check_data(cfg)
-        check_images_only(cfg, data, ())
+        check_images_only(cfg, data, typed)
         check_model_fits(cfg, data)
         resolved.append((cfg, resume, data, None))
     if any(summary is None for *_, summary in resolved):

@@ -172,6 +172,36 @@ def test_convert_sync_bn_replaces_every_batchnorm_and_keeps_its_state():
     assert isinstance(table[1], ray_dp.SyncBatchNormCPU) and not table[1].affine  # a tabular model's, too
 
 
+def sync_bn_cumulative(x_full):
+    """Two training steps of a converted double-precision BatchNorm1d with momentum=None on this rank's share."""
+    model = ray_dp.convert_sync_bn(nn.Sequential(nn.BatchNorm1d(3, momentum=None)).double(), CPU)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(2):
+        model(x_full[step].chunk(world)[rank])
+    return {"running_mean": model[0].running_mean, "running_var": model[0].running_var}
+
+
+def test_cpu_sync_batchnorm_keeps_the_cumulative_average_and_the_dtype_of_the_batchnorm_it_replaces():
+    x_full = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3 + 2
+    ranks = run_distributed(sync_bn_cumulative, 2, x_full)
+    bn = nn.BatchNorm1d(3, momentum=None).double()
+    for step in range(2):
+        bn(x_full[step])
+    for r in ranks:
+        assert r["running_mean"].dtype == torch.float64
+        torch.testing.assert_close(r["running_mean"], bn.running_mean)
+        torch.testing.assert_close(r["running_var"], bn.running_var)
+
+
+def test_convert_sync_bn_keeps_the_very_tensors_frozen_layers_and_eval_mode_and_takes_torchs_syncbn_on_cpu():
+    frozen = nn.BatchNorm2d(4).eval()
+    frozen.weight.requires_grad_(False)
+    model = ray_dp.convert_sync_bn(nn.Sequential(frozen, nn.SyncBatchNorm(4)), CPU)
+    assert all(isinstance(m, ray_dp.SyncBatchNormCPU) for m in model)
+    assert model[0].weight is frozen.weight and model[0].running_mean is frozen.running_mean
+    assert not model[0].weight.requires_grad and not model[0].training and model[1].training
+
+
 def test_amp_bf16_step_is_close_to_the_fp32_step():
     fields = dict(model="lenet", batch_size=16, lr=0.1, momentum=0.0, seed=3)
     data = random_images(16)

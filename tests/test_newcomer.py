@@ -333,6 +333,7 @@ def test_ray_dp_trains_from_a_notebook_in_another_directory_locally_and_attached
     # A cluster of its own whose processes cannot import ray_dp from the repository (no PYTHONPATH).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["RAY_AUTH_MODE"] = "disabled"
+    env["RAY_DEDUP_LOGS"] = "0"  # each worker's line, not Ray's fold of alike lines
     head = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block", "--head",
                              "--node-ip-address", "127.0.0.5", "--port", "47379", "--num-cpus", "3",
                              "--include-dashboard", "false", "--disable-usage-stats", "--ray-client-server-port",

@@ -4,6 +4,7 @@ what a rerun says when the file changed. (That N workers train them as one proce
 they reach the workers of a cluster whose nodes lack the file: test_newcomer's notebook test.)"""
 import os
 import shutil
+import textwrap
 
 import pytest
 import torch
@@ -48,6 +49,10 @@ BAD = [
      "--augment is for --dataset folder's images; {tmp}/mine.py:wine is not augmented by ray_dp: not applicable"),
     (["--model", "mlp", "--dataset", "{tmp}/mine.py:dicts"], "--dataset {tmp}/mine.py:dicts: a sample is dict, not an "
                                                               "(input, target) pair"),
+    (["--model", "mlp", "--dataset", "{tmp}/mine.py:named_targets", "--batch-size", "2"],
+     "--dataset {tmp}/mine.py:named_targets: a target is a class index or a tensor of values: "),
+    (["--model", "mlp", "--dataset", "{tmp}/mine.py:holds_a_connection", "--batch-size", "2"],
+     "--dataset {tmp}/mine.py:holds_a_connection: its data sets cannot be sent to the workers (TypeError: cannot pickle "),
     (["--mode", "scratch", "--dataset", "digits", "--loss", "mse"], "--loss needs --mode ddp"),
     (["--mode", "scratch", "--dataset", "{tmp}/mine.py:wine"], "--mode scratch trains the lesson's LeNet on images"),
     (["--loss", "huber"], "--loss huber is not a loss of ray_dp.py (cross_entropy, mse, or your own: FILE.py:NAME)"),
@@ -139,6 +144,18 @@ def test_a_file_moved_with_its_text_unchanged_resumes_as_the_same_code(code, no_
     err = error_of(["--model", f"{code}/moved/mine.py:TabularMLP", "--dataset", f"{code}/moved/mine.py:wine",
                     "--batch-size", "16", "--name", "own", *runs(code)], capsys)
     assert "was trained with --model " in err and "rerun it with its values" in err
+    # --eval-only of the run, the file named where it is now: the same code, evaluated from there
+    (code / "moved" / "mine.py").write_text((code / "mine.py").read_text())
+    ray_dp.CODE.clear()
+    _, cfg, _ = ray_dp.parse_command(["--eval-only", str(code / "runs" / "own"), "--model",
+                                      f"{code}/moved/mine.py:TabularMLP", *runs(code)])
+    assert cfg.model == f"{code}/moved/mine.py:TabularMLP" and cfg.dataset == f"{code}/mine.py:wine"
+
+
+def test_a_module_spec_has_no_hash_to_vouch_for_another_module():
+    record = {"spec": "user_code:TabularMLP"}
+    assert not ray_dp.same_setting("model", "user_code:TabularMLP", "user_code_2:TabularMLP", record)
+    assert ray_dp.same_setting("model", "user_code:TabularMLP", "user_code:TabularMLP", record)
 
 
 def test_targets_of_any_integer_kind_are_classes_and_a_data_set_without_targets_still_names_its_labels():
@@ -152,10 +169,20 @@ def test_targets_of_any_integer_kind_are_classes_and_a_data_set_without_targets_
             return torch.zeros(3), np.int64(i % 2)
     assert ray_dp.classifies(Rows()) and ray_dp.labels_of(Rows()) == [0, 1, 0, 1]
     assert not ray_dp.classifies([(torch.zeros(3), 0.5)]) and ray_dp.classifies([(torch.zeros(3), True)])
+    loss = ray_dp.loss_function(ray_dp.Config())  # cross-entropy takes them all as class indices
+    logits = torch.randn(4, 3)
+    expected = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 2, 1, 1]))
+    for dtype in (torch.int32, torch.uint8, torch.int64):
+        assert torch.equal(loss(logits, torch.tensor([0, 2, 1, 1], dtype=dtype)), expected)
 
 
 def test_train_takes_a_loss_instance_but_not_a_model_instance():
-    assert ray_dp.as_spec(torch.nn.MSELoss(), "loss") == "torch.nn.modules.loss:MSELoss()"
+    spec = ray_dp.as_spec(torch.nn.MSELoss(), "loss")
+    assert spec == "torch.nn.modules.loss:MSELoss()"
+    ray_dp.CODE.clear()  # a rerun's process: the spec alone rebuilds it
+    assert ray_dp.user_code(spec, "loss") is torch.nn.MSELoss
+    with pytest.raises(ray_dp.ConfigError, match="not an instance of HuberLoss made with arguments"):
+        ray_dp.as_spec(torch.nn.HuberLoss(delta=2.0), "loss")  # a rerun would rebuild HuberLoss()
     with pytest.raises(ray_dp.ConfigError, match="model= takes a class or a function that returns the model, not an "
                                                  "instance of Linear"):
         ray_dp.as_spec(torch.nn.Linear(3, 2), "model")
@@ -174,3 +201,35 @@ def test_under_torchrun_every_rank_trains_rank_0s_own_data_set(code):
     cfg = ray_dp.Config(dataset=f"{code}/shuffled.py:load", model="mlp")
     zero, one = run_distributed(rank_0s_split, 2, cfg)
     assert torch.equal(zero, one)
+
+
+def rank_0s_samples(cfg):
+    train, _ = ray_dp.worker_data(cfg, ray_dp.LoopOptions(torchrun=True), here())
+    return type(train).__name__, [train[i][0].item() for i in range(len(train))]
+
+
+def test_under_torchrun_a_data_set_class_of_your_file_reaches_ranks_that_never_imported_it(code):
+    (code / "rows.py").write_text(textwrap.dedent("""
+        import torch
+
+
+        class Rows(torch.utils.data.Dataset):
+            classes = ["a", "b"]
+
+            def __init__(self, order):
+                self.order = order
+
+            def __len__(self):
+                return len(self.order)
+
+            def __getitem__(self, i):
+                return torch.tensor([float(self.order[i])]), i % 2
+
+
+        def load():
+            order = torch.randperm(40).tolist()
+            return Rows(order[:30]), Rows(order[30:])
+        """))
+    cfg = ray_dp.Config(dataset=f"{code}/rows.py:load", model="mlp")
+    zero, one = run_distributed(rank_0s_samples, 2, cfg)
+    assert zero == one and zero[0] == "Rows" and len(zero[1]) == 30

@@ -81,5 +81,28 @@ def not_a_pair():
     return [1, 2, 3]
 
 
+def named_targets():
+    return [(torch.zeros(3), "cat")] * 4, [(torch.zeros(3), "dog")] * 2
+
+
+class Rows(torch.utils.data.Dataset):
+    """Reads its rows from a database it holds open."""
+    classes = ["even", "odd"]
+
+    def __init__(self):
+        import sqlite3
+        self.connection = sqlite3.connect(":memory:")
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.zeros(3), i % 2
+
+
+def holds_a_connection():
+    return Rows(), Rows()
+
+
 def dicts():
     return [{"x": torch.zeros(3), "y": 0}] * 4, [{"x": torch.zeros(3), "y": 0}] * 2
