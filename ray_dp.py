@@ -1671,11 +1671,6 @@ def keep_freed_memory() -> None:
         memory_kept = True
 
 
-def worker_runtime_env(cfg: Config) -> dict:
-    """Ray's training workers' environment: one arena, Ray Train's knobs for them."""
-    return {"env_vars": {**one_arena(cfg).get("env_vars", {}), **WORKER_KNOBS}}
-
-
 def one_arena(cfg: Config) -> dict:
     """Ray's training workers' runtime environment: glibc's one arena, since a thread's own (Ray
     trains in one) serves blocks over 64 MiB from mmap whatever the thresholds say."""
@@ -2306,7 +2301,7 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=run_callbacks(cfg, logs, options, done, training),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            worker_runtime_env=worker_runtime_env(cfg)),
+            worker_runtime_env=one_arena(cfg)),
         torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)))
     # SIGTERM to the driver: rank 0 hears of it at its next beat (--mode ddp under Ray)
     stop = graceful_stop() if training and options.board and cfg.mode != "scratch" else None
@@ -4547,15 +4542,12 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
 #   1. Ray Train's torchrun test                  6. its checkpoint list's file and keys
 #   2. its controller hooks (RecoveryLog)         7. set_sigterm_handler (a worker's SIGTERM)
 #   3. its controller's state and error classes   8. canonicalize_bootstrap_address (auto)
-#   4. its worker group's accessors               9. its environment knobs (set_ray_train_knobs,
-#   5. its memory monitor's wording                  WORKER_KNOBS)
-#                                                10. its placement-group cleaner's waits and logger
+#   4. its worker group's accessors               9. its environment knobs (set_ray_train_knobs)
+#   5. its memory monitor's wording              10. its placement-group cleaner's waits and logger
 # ==================================================================================================
 
 RAY_CHECKED = "2.60.0"
 _noted = set()
-WORKER_KNOBS = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}  # a print once, not also logged: a Ray Train
-# worker's print goes to its log as well, and --worker-output would show both
 
 
 def ray_internal(module: str, name: Optional[str] = None):
@@ -4719,12 +4711,16 @@ def gcs_address(address: str) -> Optional[str]:
 
 
 def set_ray_train_knobs(cfg: Config) -> None:
-    """Ray Train's environment knobs, which it hands its controller: the controller collects each
-    report (and commits its checkpoint) once a poll, 2 s by default; --start-timeout."""
+    """Ray Train's environment knobs, which it hands its controller and workers: a report (and its
+    checkpoint) collected once a poll, 2 s by default; --start-timeout; a print printed once, not
+    logged too (--worker-output would show both); no preemption watcher (an actor ray_dp does not
+    use, 0.8 s of a 2-core start: bench/startup.md)."""
     if ray_internal(*SIGTERM_SETTER) is None:
         internal_note(".".join(SIGTERM_SETTER), SIGTERM_LOST)
     shorten_placement_group_cleaner_waits()
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)
 
 
