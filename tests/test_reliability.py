@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -182,10 +183,26 @@ def test_sigterm_to_the_driver_saves_within_the_epoch_however_long_the_steps_and
     # no log step in an epoch (179 steps), and 65 s into epoch 2 before the signal: rank 0 said nothing of its steps
     # for longer than the minute after which the driver once took it for not training, and let the signal kill it
     driver, _ = driver_past_epoch_1(tmp_path, "drained", subprocess.PIPE, "--log-every", "1000", slow=True)
+    printed = {"stdout": [], "stderr": []}
+    heard = threading.Event()  # the driver's board has the stop: rank 0 hears it at its next beat
+
+    def read(name):
+        for line in getattr(driver, name):
+            printed[name].append(line)
+            if line.startswith("ray-dp: SIGTERM: saving"):
+                heard.set()
+    readers = [threading.Thread(target=read, args=(name,), daemon=True) for name in printed]
+    for reader in readers:
+        reader.start()
     time.sleep(65)
     driver.send_signal(signal.SIGTERM)
+    assert heard.wait(30), "the driver never took the SIGTERM"
+    time.sleep(2 * ray_dp.DriverLink.BEAT_S)  # still in epoch 2 (0.6 s a step): a beat or its end
     (tmp_path / "fast").touch()
-    stdout, stderr = driver.communicate(timeout=120)
+    driver.wait(timeout=120)
+    for reader in readers:
+        reader.join(timeout=30)
+    stdout, stderr = "".join(printed["stdout"]), "".join(printed["stderr"])
     assert driver.returncode == 143 and "Traceback" not in stderr, stdout + stderr
     assert stderr.splitlines()[-1] == ("ray_dp.py: stopped at the end of epoch 2 (SIGTERM), its checkpoint saved: "
                                        "the same command resumes from there")
