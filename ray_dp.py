@@ -2386,8 +2386,8 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
                plural(cfg.workers, f"{kind} worker"))
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
     dropped = data.sizes[0] - samples_per_epoch(cfg, data.sizes[0])
-    left_out = (f" ({dropped} train samples left out per epoch: whole global batches only)"
-                if dropped else "")
+    left_out = (f" ({dropped} train sample{'s' * (dropped != 1)} left out per epoch: whole global "
+                "batches only)" if dropped else "")
     return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
             f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
