@@ -1739,7 +1739,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
         if (step + 1) % cfg.log_every == 0:
             loss_sums.log(epoch * guard.total + step + 1)  # 7. the loss all-reduced, for logging
         guard.stepped(step)  # a checkpoint within the epoch, or a stop, when one is due
-    # 7. the epoch's loss all-reduced: a mean over every worker's samples, not rank 0's
+    # the epoch's loss all-reduced the same way: a mean over every worker's samples
     return guard.finish(loss_sums.epoch_mean(), optimizer.param_groups[0]["lr"],
                         micro_batches.seconds)
 
@@ -2131,7 +2131,7 @@ def train_loop_per_worker(config: dict) -> dict:
     samples = samples_fingerprint(train_set)
 
     def checkpoint_of(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
-        # 9. the checkpoint holds the bare model (model.module), not DDP's wrapper
+        # the bare model (model.module), not DDP's wrapper: what 9. saves
         return checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(), epoch, cfg,
                                 history, classes, partial, samples)
     worker.marks["model"] = time.time()
