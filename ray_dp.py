@@ -4713,14 +4713,12 @@ def gcs_address(address: str) -> Optional[str]:
 def set_ray_train_knobs(cfg: Config) -> None:
     """Ray Train's environment knobs, which it hands its controller and workers: a report (and its
     checkpoint) collected once a poll, 2 s by default; --start-timeout; a print printed once, not
-    logged too (--worker-output would show both); no preemption watcher (an actor ray_dp does not
-    use, 0.8 s of a 2-core start: bench/startup.md)."""
+    logged too (--worker-output would show both)."""
     if ray_internal(*SIGTERM_SETTER) is None:
         internal_note(".".join(SIGTERM_SETTER), SIGTERM_LOST)
     shorten_placement_group_cleaner_waits()
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)
 
 

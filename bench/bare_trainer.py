@@ -41,8 +41,7 @@ def main():
     from ray.train.v2._internal.callbacks import placement_group_callback
     placement_group_callback.PlacementGroupCleanerCallback.__init__.__defaults__ = (1.0, 1.0, 0.1)
     ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-                                       "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}})
+             runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}})
     connected = time.time()
     with tempfile.TemporaryDirectory() as storage:
         trainer = TorchTrainer(
