@@ -92,17 +92,22 @@ def groups_nothing() -> bool:
     return major_minor("pytest") >= (9, 2) and major_minor("pytest-xdist") <= (3, 8)
 
 
+# Ray's tests in two groups of about equal time, one on each pytest-xdist worker, each with a Ray of its own:
+# these modules' Ray tests start clusters of their own (nodes, a head) or a Ray of the doctor's; the rest share one.
+RAY_GROUPS = dict.fromkeys(["test_multinode", "test_newcomer", "test_doctor", "test_object_storage"], "ray-b")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """pytest-xdist runs the tests on 2 processes (pytest.ini), and each of these groups on one of them: every Ray
-    test (one Ray instance for the session), and the other tests of a module that names its XDIST_GROUP (those that
+    """pytest-xdist runs the tests on 2 processes (pytest.ini), and each of these groups on one of them: each of
+    RAY_GROUPS' two groups of Ray tests (a Ray instance each), and the other tests of a module that names its XDIST_GROUP (those that
     share a module-scoped fixture). What the selected tests need starts now, while the first tests run: the S3
     server (seconds of imports), and the gloo tests' forkserver (helpers.fork_server_from_here: forked from here).
     Then this process is set up as a training process (keep_freed_memory) and its objects so far frozen."""
     global _s3_server
     for item in items:
         if item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUPS.get(item.module.__name__, "ray")))
         elif hasattr(item.module, "XDIST_GROUP"):
             item.add_marker(pytest.mark.xdist_group(item.module.XDIST_GROUP))
     if any("s3" in item.fixturenames for item in items):
@@ -150,7 +155,7 @@ def refusing_s3(monkeypatch):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray instance shared by every test that trains through Ray (start-up costs ~20 s)."""
+    """One local Ray instance shared by the Ray tests of a pytest-xdist worker (start-up costs ~20 s)."""
     import ray
 
     import ray_dp
