@@ -274,7 +274,7 @@ def without_any_ray_internal(cfg):
     from test_differential import Recorder
     ray_dp.ray_internal = lambda module, name=None: None
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):  # the bar: not on the terminal
         ray_dp.graceful_sigterm_in_ray_worker()
         recorder = Recorder()
         worker = ray_dp.Worker(ray_dp.dist.get_rank(), ray_dp.dist.get_world_size(), ray_dp.torch.device("cpu"))
