@@ -1721,7 +1721,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
     loss_sums = guard.start(epoch)  # [loss sum, samples] of this rank
     batches.sampler.set_epoch(epoch, guard.samples_done)  # 5. set_epoch: a new shuffle each epoch
     micro_batches = Waited(batches)
-    for step in guard.steps(len(batches) // cfg.accum_steps):
+    for step in guard.steps(len(batches) // cfg.accum_steps):  # ends early at an agreed stop
         # this rank's own dropout: a stream of (seed, rank, epoch, step), which a resume redraws
         seed_generators(stream_seed(cfg.seed, RANK_STREAM, worker.rank, epoch, step),
                         worker.device, every_gpu=cfg.mode == "dp")
