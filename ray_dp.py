@@ -15,8 +15,9 @@
 
 Part I, the lesson: Config, Data, Models, Distributed helpers, Train & evaluate, Teaching mode,
     The worker loop, The driver and main.
-Part II, operations: Run directory and resume, Mid-epoch saves and SIGTERM, Console and
-    monitoring, Inference, compare, Object storage, torchrun, Ray internals, doctor.
+Part II, operations: Pre-flight checks, Run directory and resume, Mid-epoch saves and SIGTERM,
+    Console and monitoring, Inference, compare, Object storage, Data on disk and on many nodes,
+    torchrun, The cluster, Ray internals, doctor.
 """
 from __future__ import annotations
 
@@ -95,7 +96,6 @@ CLOCK: dict = {}
 
 # ==================================================================================================
 # PART I: THE LESSON
-# ==================================================================================================
 # ==================================================================================================
 # Config: every field is a command-line flag (--field-name), declared with its help and its facts.
 # ==================================================================================================
@@ -284,182 +284,6 @@ def checkpoint_interval(every: str) -> Optional[tuple[int, float]]:
         return int(match[1]), 0.0
     if match := re.fullmatch(r"\s*(\d{1,6}(?:\.\d*)?|\.\d+)\s*m\s*", every):
         return (0, float(match[1]) * 60) if float(match[1]) > 0 else None
-    return None
-
-
-def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
-    """The first thing wrong with the final configuration, in one line. The doctor trains nothing;
-    a run that resumes starts from its checkpoint, not from --weights."""
-    if not doctor:
-        check_run_name(cfg)
-    cpus = cfg.cpus_per_worker
-    checks = [
-        (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
-        (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
-         f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {max(cfg.min_workers, 0)}:{cfg.workers}"),
-        (not (cfg.min_workers and cfg.mode == "dp"),
-         "--mode dp runs one worker; it cannot be elastic"),
-        (cpus is None or (math.isfinite(cpus) and cpus > 0),
-         f"--cpus-per-worker must be a positive number, got {cpus}"),
-        (all((cfg.storage_path, cfg.logdir, cfg.data_dir)),
-         "--storage-path, --logdir and --data-dir cannot be empty"),
-        (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
-        (0 <= cfg.seed <= MAX_SEED, f"--seed must be 0 to {MAX_SEED}, got {cfg.seed}"),
-        (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
-        (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
-        (math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}"),
-        (cfg.log_every >= 1, f"--log-every must be at least 1, got {cfg.log_every}"),
-        (cfg.max_failures >= -1,
-         f"--max-failures must be -1 (no limit) or more, got {cfg.max_failures}"),
-        (checkpoint_interval(cfg.checkpoint_every) is not None,
-         f"--checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' "
-         f"ends only), got {cfg.checkpoint_every}"),
-    ]
-    for ok, message in checks + mode_checks(cfg):
-        if not ok:
-            raise ConfigError(message)
-    validate_names_and_places(cfg, doctor, resuming)
-
-
-def mode_checks(cfg: Config) -> list:
-    """(ok, message) of what the modes (scratch, dp) and the other flags say together."""
-    scratch, lesson = cfg.mode == "scratch", "(scratch mode is the lesson's"
-    return [
-        (not (scratch and checkpoint_interval(cfg.checkpoint_every) not in (None, (0, 0.0))),
-         "--checkpoint-every needs --mode ddp (scratch mode saves at each epoch's end)"),
-        (math.isfinite(cfg.timeout) and cfg.timeout >= 1,
-         f"--timeout must be a number of seconds, at least 1, got {cfg.timeout}"),
-        (math.isfinite(cfg.start_timeout) and cfg.start_timeout >= 1,
-         f"--start-timeout must be a number of seconds, at least 1, got {cfg.start_timeout}"),
-        (0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
-        (not (scratch and cfg.model != "lenet"),
-         f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
-        (not (scratch and cfg.accum_steps > 1),
-         "--accum-steps needs --mode ddp (scratch mode has none)"),
-        (not (scratch and cfg.loss != "cross_entropy"),
-         f"--loss needs --mode ddp {lesson} cross-entropy)"),
-        (not (scratch and cfg.sync_bn),
-         "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
-        (not (scratch and (cfg.amp or cfg.compile)),
-         f"--amp and --compile need --mode ddp {lesson} plain fp32 code)"),
-        (cfg.loader_workers is None or cfg.loader_workers >= 0,
-         f"--loader-workers must be 0 (in memory) or more, got {cfg.loader_workers}"),
-        (not (scratch and cfg.loader_workers),
-         "--loader-workers needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
-        (not (scratch and cfg.dataset == "folder"),
-         "--dataset folder needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
-        (not (scratch and (cfg.optimizer != "sgd" or cfg.weight_decay or cfg.weights
-                           or cfg.clip_grad_norm or cfg.label_smoothing)),
-         f"--optimizer, --weight-decay, --weights, --clip-grad-norm and --label-smoothing need "
-         f"--mode ddp {lesson} plain SGD)"),
-        (not (scratch and cfg.image_size),
-         f"--image-size needs --mode ddp {lesson} LeNet on 28 x 28 images)"),
-        (cfg.image_size is None or cfg.image_size >= 1,
-         f"--image-size must be at least 1 pixel, got {cfg.image_size}"),
-        (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
-         f"--image-size {cfg.image_size} is too small for {cfg.model} (at least 14)"),
-        (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,
-         f"--weight-decay must be 0 or more, got {cfg.weight_decay}"),
-        (0 <= cfg.warmup_epochs < cfg.epochs,
-         f"--warmup-epochs must be 0 to --epochs - 1 = {cfg.epochs - 1}, got {cfg.warmup_epochs}"),
-        (math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm >= 0,
-         f"--clip-grad-norm must be 0 (off) or more, got {cfg.clip_grad_norm}"),
-        (0 <= cfg.label_smoothing < 1,
-         f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
-        (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
-        (not (cfg.mode == "dp" and cfg.sync_bn),
-         "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
-        (not (cfg.mode == "dp" and cfg.gpu is False),
-         f"{DP_NEEDS_GPUS}; drop --cpu, or use --mode ddp"),
-        (not cfg.predict_out or cfg.eval_only,
-         "--predict-out needs --eval-only PATH (predictions of a saved model)"),
-        (not cfg.predict_out or cfg.predict_out.lower().endswith(".csv"),
-         f"--predict-out must name a .csv file, got {cfg.predict_out}"),
-        (not os.path.isdir(cfg.predict_out),
-         f"--predict-out {cfg.predict_out} is a directory; name a .csv file"),
-        (not cfg.predict_out or cfg.predict_out != cfg.eval_only,
-         f"--predict-out {cfg.predict_out} is the checkpoint being evaluated"),
-    ]
-
-
-def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None:
-    """The model, the data set, the storage and the directories the configuration names."""
-    check_model_name(cfg.model)
-    if cfg.dataset not in DATASETS and not (is_code(cfg.dataset)
-                                            and user_code(cfg.dataset, "dataset")):
-        raise ConfigError(f"--dataset {cfg.dataset} is not a data set of this ray_dp.py "
-                          f"({', '.join(sorted(DATASETS))}, or your own: FILE.py:NAME)")
-    if cfg.loss not in LOSSES and not (is_code(cfg.loss) and user_code(cfg.loss, "loss")):
-        raise ConfigError(f"--loss {cfg.loss} is not a loss of ray_dp.py ({', '.join(LOSSES)}, "
-                          f"or your own: FILE.py:NAME)")
-    if cfg.sync_bn and not is_code(cfg.model) and not has_batchnorm(cfg.model):
-        raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
-                          f"{cfg.model} has none")
-    check_stores(cfg, doctor, resuming)
-    if cfg.weights and not resuming and stored_type(cfg.weights) != "file":
-        raise ConfigError(f"--weights {cfg.weights} is not a file")
-    directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
-                   "predict-out": cfg.predict_out}
-    for flag, typed in directories.items():
-        path = os.path.dirname(typed) if flag == "predict-out" else typed
-        if (doctor and flag != "data-dir") or not path or is_uri(path):
-            continue
-        if (blocker := not_a_directory(path)):
-            raise ConfigError(f"--{flag} {typed}: {blocker} is a file, not a directory")
-        if flag != "data-dir" and (blocker := not_writable(path)):
-            raise ConfigError(f"--{flag} {typed}: {blocker} is not writable")
-    if not doctor and not cfg.eval_only:
-        check_batch_split(cfg)
-
-
-def check_batch_split(cfg: Config) -> None:
-    """The global batch splits evenly at every size an elastic run may take."""
-    sizes = range(cfg.min_workers or cfg.workers, cfg.workers + 1)
-    step = math.lcm(*(workers * cfg.accum_steps for workers in sizes))
-    if not cfg.batch_size % step:
-        return
-    lower, upper = cfg.batch_size // step * step, (cfg.batch_size // step + 1) * step
-    near = f"e.g. {lower} or {upper}" if lower else f"e.g. {upper}"
-    if upper > 16 * cfg.batch_size:
-        near = f"narrow the range: no batch near {cfg.batch_size} divides by all of them"
-    if len(sizes) == 1:
-        raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = "
-                          f"{step} (the global batch is split evenly into per-worker "
-                          f"micro-batches; {near})")
-    each = ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
-    raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps at "
-                      f"every size --workers {sizes[0]}:{sizes[-1]} may take ({each} workers x "
-                      f"{cfg.accum_steps}: a multiple of {step}; {near})")
-
-
-def check_run_name(cfg: Config) -> None:
-    if not cfg.storage_path:
-        raise ConfigError("--storage-path, --logdir and --data-dir cannot be empty")
-    if not is_run_name(cfg.name):
-        raise ConfigError(f"--name must be one directory name (printable; no '/', '\\', '.' or "
-                          f"'..'; at most 255 bytes), got {cfg.name!r}")
-    if is_uri(cfg.storage_path) and (marks := sorted(set(cfg.name) & set("?#%"))):
-        raise ConfigError(f"--name {cfg.name}: '{marks[0]}' would change what the run's URI "
-                          f"({cfg.run_dir}) names; choose a name without '?', '#' or '%'")
-
-
-def is_run_name(name: str) -> bool:
-    """One path component: <storage-path>/<name> and <logdir>/<name> stay inside their roots."""
-    return (name not in (".", "..") and not any(sep in name for sep in ("/", "\\"))
-            and name.isprintable() and (not name or name.strip()) and len(name.encode()) <= 255)
-
-
-def not_a_directory(path: str) -> Optional[str]:
-    for part in [Path(path), *Path(path).parents]:
-        if part.exists():
-            return None if part.is_dir() else str(part)
-    return None
-
-
-def not_writable(path: str) -> Optional[str]:
-    for part in [Path(path), *Path(path).parents]:
-        if part.exists():
-            return None if os.access(part, os.W_OK | os.X_OK) else str(part)
     return None
 
 
@@ -687,54 +511,6 @@ def images_to_tensors(split) -> TensorDataset:
                         classes=class_names(split))
 
 
-def missing_dataset(dataset_class, root: str, download: bool, error: Exception) -> str:
-    reason = " ".join(str(error).split())
-    tried = (f" and could not be downloaded ({reason})" if "download=True" not in reason
-             else " and could not be downloaded") if download else " (--no-download)"
-    if hasattr(dataset_class, "resources"):
-        folder = os.path.join(root, dataset_class.__name__, "raw")
-        names = [os.path.splitext(os.path.basename(url))[0] for url, _ in dataset_class.resources]
-    else:
-        folder = os.path.join(root, dataset_class.base_folder)
-        names = ([name for name, _ in dataset_class.train_list + dataset_class.test_list]
-                 + [dataset_class.meta["filename"]])
-    return (f"{dataset_class.__name__} is not in {root}{tried}: put its files there ({folder}/ "
-            f"holding {', '.join(names)}) or --data-dir where they are, or use --dataset digits "
-            f"(offline)")
-
-
-def own_entries(dataset_class) -> tuple:
-    folder = (dataset_class.__name__ if hasattr(dataset_class, "resources")
-              else dataset_class.base_folder)
-    return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
-
-
-def remove_path(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-@contextlib.contextmanager
-def download_lock(root: str, name: str):
-    """Workers sharing a node would download and unpack the same files at once."""
-    from filelock import FileLock
-    try:
-        os.makedirs(root, exist_ok=True)
-        lock = FileLock(os.path.join(root, f".{name}.lock"))
-        lock.acquire()
-    except OSError as exc:
-        raise DataError(f"--data-dir {root}: cannot create the download's lock file there "
-                        f"({exc.strerror or exc}); use a writable --data-dir, or --no-download "
-                        f"where the files already are") from None
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 @dataset("folder")
 def load_folder(cfg: Config) -> tuple:
     """--data-dir PATH as torchvision's ImageFolder wants it: PATH/train/<class>/* and
@@ -854,41 +630,6 @@ class DataInfo:
     datasets: tuple = field(default=(), repr=False, compare=False)
     fingerprint: Optional[str] = None
     outputs: int = NUM_CLASSES  # the model's: the classes, or a regression's target values
-
-
-def check_data(cfg: Config) -> tuple[Config, DataInfo]:
-    """Load the data on the driver (a missing set fails before any worker starts); the config
-    with its normalisation, and what the driver learned."""
-    train_set, test_set = load_dataset(cfg)
-    if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
-                          f"training samples of {cfg.dataset} allow for one step")
-    if cfg.dataset == "folder":  # normalised, the same files not listed again
-        cfg = with_data_statistics(cfg, train_set)
-        train_set.transform, test_set.transform = image_transforms(cfg)
-    try:
-        classes = class_names(train_set) if classifies(train_set) else []
-    except DataError:
-        raise
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise DataError(f"--dataset {cfg.dataset}: a target is a class index or a tensor of "
-                        f"values: {first_line(exc)}") from None
-    check_sendable(cfg, (train_set, test_set))
-    return cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set), classes,
-                         not isinstance(train_set, TensorDataset), (train_set, test_set),
-                         samples_fingerprint(train_set), outputs(train_set, classes))
-
-
-def check_sendable(cfg: Config, data: tuple) -> None:
-    """Your data sets reach the workers pickled: one that holds a connection cannot."""
-    import ray.cloudpickle
-    if is_code(cfg.dataset) and not isinstance(data[0], TensorDataset):
-        try:
-            ray.cloudpickle.dumps(data)
-        except Exception as exc:
-            raise DataError(f"--dataset {cfg.dataset}: its data sets cannot be sent to the "
-                            f"workers ({first_line(exc)}): open files and connections in "
-                            f"__getitem__, not __init__") from None
 
 
 def outputs(data, classes: list) -> int:
@@ -1038,18 +779,6 @@ def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
     return net
 
 
-def check_model_name(name: str) -> None:
-    if name in MODELS or name.removeprefix(TORCHVISION) in torchvision_models():
-        return
-    if is_code(name):
-        return user_code(name, "model") and None
-    import difflib
-    close = difflib.get_close_matches(name, [*MODELS, *torchvision_names()], n=3, cutoff=0.5)
-    hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    raise ConfigError(f"--model {name} is not a model of ray_dp or torchvision{hint} "
-                      f"(--model list shows them)")
-
-
 def model_outline(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) -> nn.Module:
     """The model without its memory (meta device), for questions about its shape."""
     try:
@@ -1065,114 +794,6 @@ def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32),
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
 
 
-@functools.lru_cache(maxsize=64)
-def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Optional[str]:
-    try:
-        net = model_outline(name, sample_shape, num_classes).eval()
-        with torch.no_grad():
-            net(torch.zeros(2, *sample_shape, device=next(net.parameters()).device))
-    except Exception as exc:
-        return first_line(exc)
-    return None
-
-
-def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) -> Optional[int]:
-    """The smallest square size above `fails` the model takes (bisection up to 512 px)."""
-    def takes(size: int) -> bool:
-        return image_size_problem(name, (channels, size, size), num_classes) is None
-    low, high = fails, 512
-    if not takes(high):  # a model of one size only (ViTs: 224)
-        return next((size for size in (224, 299, 384) if size > fails and takes(size)), None)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if takes(middle) else (middle, high)
-    return high
-
-
-def check_model_fits(cfg: Config, data: DataInfo) -> None:
-    """The model takes the data's inputs, or one line names the size that works."""
-    shape = tuple(data.sample_shape)
-    if cfg.sync_bn and not has_batchnorm(cfg.model, shape, data.outputs):
-        raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
-                          f"{cfg.model} has none")
-    if is_code(cfg.model) or not is_image(shape):
-        return check_on_a_sample(cfg, data)
-    problem = image_size_problem(cfg.model, shape, data.outputs)
-    if problem is None:
-        check_single_sample_steps(cfg, shape, data.outputs)
-        return None if cfg.loss == "cross_entropy" else check_on_a_sample(cfg, data)
-    side = shape[-1]
-    size = smallest_image_size(cfg.model, shape[0], data.outputs, side)
-    what = f"{cfg.dataset}'s images as given ({side} x {side} px)"
-    if size is None:
-        raise ConfigError(f"--model {cfg.model} cannot take {what} nor any size up to 512 px: "
-                          f"{problem}")
-    raise ConfigError(f"--model {cfg.model} cannot take {what}: {problem}; the smallest size it "
-                      f"takes is {size} x {size} px: add --image-size {size}")
-
-
-def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
-    """Your model on two samples of the data, and the loss on its output: one line each for what
-    fails (the error, and the shapes)."""
-    x, y = (torch.stack([torch.as_tensor(t)] * 2) for t in data.datasets[0][0])
-    x = resized(x, cfg.image_size) if cfg.image_size else x
-    try:
-        output = build_model(cfg.model, data.sample_shape, data.outputs).eval()(x)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"--model {cfg.model} fails on two samples of {cfg.dataset} (inputs "
-                          f"{tuple(x.shape)}): {first_line(exc)}") from None
-    try:
-        loss = loss_function(cfg)(output, y)
-    except Exception as exc:
-        raise ConfigError(f"--loss {cfg.loss} fails on the model's outputs {tuple(output.shape)} "
-                          f"and targets {tuple(y.shape)}: {first_line(exc)}") from None
-    if not (torch.is_tensor(loss) and loss.ndim == 0):
-        raise ConfigError(f"--loss {cfg.loss} returned {getattr(loss, 'shape', type(loss))}, not a "
-                          f"scalar mean loss")
-
-
-def check_single_sample_steps(cfg: Config, shape: tuple, num_classes: int) -> None:
-    """BatchNorm cannot train on one value per channel, unless --sync-bn spans the workers."""
-    if cfg.eval_only or cfg.sync_bn or cfg.mode == "scratch" or cfg.micro_batch != 1:
-        return
-    net = model_outline(cfg.model, shape, num_classes).train()
-    try:
-        net(torch.zeros(1, *shape, device=next(net.parameters()).device))
-    except Exception as exc:
-        raise ConfigError(f"--model {cfg.model} cannot train on micro-batches of one image "
-                          f"({first_line(exc)}): raise --batch-size to 2 per worker or more, or "
-                          f"use --sync-bn") from None
-
-
-def read_weights(path: str) -> dict:
-    """A state_dict file (a ray-dp checkpoint's model too), loaded as data only."""
-    try:
-        source = io.BytesIO(read_stored(path)) if is_uri(path) else path
-        state = torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ConfigError(f"--weights {path} is not a state_dict torch can load safely "
-                          f"({first_words(exc, 160)})") from None
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(f"--weights {path} is not a state_dict (names to tensors)")
-    return state
-
-
-def check_state_fits(cfg: Config, data: DataInfo, state: dict) -> None:
-    """A checkpoint's weights fit the model its --model builds now (your file may have changed)."""
-    net = model_outline(cfg.model, data.sample_shape, data.outputs)
-    try:
-        net.load_state_dict(state["model"], assign=True)
-    except RuntimeError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        where = f" ({cfg.model.rpartition(':')[0]} as it is now)" if is_code(cfg.model) else ""
-        raise ConfigError(f"the checkpoint's weights do not fit --model {cfg.model}{where}: "
-                          f"{lines[-1][:200]}") from None
-
-
 def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
     own = net.state_dict()
     kept = [k for k, v in weights.items() if k in own and own[k].shape == v.shape]
@@ -1180,29 +801,9 @@ def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
     return kept, [k for k in own if k not in kept]
 
 
-def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
-    """--weights must fit the model; the header's note says what is kept and what is new."""
-    if not cfg.weights:
-        return None
-    weights = read_weights(cfg.weights)
-    kept, new = load_weights(build_model(cfg.model, info.sample_shape, info.outputs), weights)
-    if not kept:
-        twin = TORCHVISION + cfg.model
-        fits_twin = twin in torchvision_names() and load_weights(
-            build_model(twin, info.sample_shape, info.outputs), weights)[0]
-        hint = f"; they fit torchvision's {cfg.model}: use --model {twin}" if fits_twin else ""
-        raise ConfigError(f"--weights {cfg.weights} does not fit {cfg.model}: none of its "
-                          f"{len(weights)} tensors has the name and shape of one of the "
-                          f"model's{hint}")
-    listed = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
-    return (f"--weights {cfg.weights}: kept {len(kept)} of the model's {len(kept) + len(new)} "
-            f"tensors" + (f"; new (fine-tuned from scratch): {listed}" if new else ""))
-
-
 # ==================================================================================================
 # Your own model, data and loss: --model, --dataset and --loss take FILE.py:NAME or module:NAME;
-# ray_dp.train() takes the objects themselves. The driver loads them once and sends them to the
-# workers by value: a cluster's nodes need no copy of your file.
+# ray_dp.train() takes the objects. The driver sends them to the workers by value (no file there).
 # ==================================================================================================
 
 CODE: dict = {}  # spec -> your object, as the driver loaded it (and sent it to the workers)
@@ -1645,39 +1246,6 @@ def loader_workers(cfg: Config, data) -> int:
 
 def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
     return torch.arange(min(rank, n), n, world)
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-KEPT_FREED_BYTES = 1 << 30
-MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                   "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")  # a user's own, left as they are
-memory_kept = False
-
-
-def keep_freed_memory() -> None:
-    """--keep-freed-memory: glibc keeps what a step frees for the next, not zero-filled anew by the
-    kernel (bench/memory.md); before each fork the free pages go back to it."""
-    global memory_kept
-    if memory_kept or any(name in os.environ for name in MALLOC_SETTINGS):
-        return
-    try:
-        os.confstr("CS_GNU_LIBC_VERSION")
-        libc = ctypes.CDLL(None)
-        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
-    except (ValueError, OSError, AttributeError):
-        return
-    if mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES) and mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES):
-        os.register_at_fork(before=lambda: malloc_trim(0))
-        memory_kept = True
-
-
-def one_arena(cfg: Config) -> dict:
-    """Ray's training workers' runtime environment: glibc's one arena, since a thread's own (Ray
-    trains in one) serves blocks over 64 MiB from mmap whatever the thresholds say."""
-    if not cfg.keep_freed_memory or any(name in os.environ
-                                        for name in (*MALLOC_SETTINGS, "MALLOC_ARENA_MAX")):
-        return {}
-    return {"env_vars": {"MALLOC_ARENA_MAX": "1"}}
 
 
 # ==================================================================================================
@@ -2242,20 +1810,6 @@ def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=())
     return cfg, data, [note for check in checks if isinstance(note := check(), str)]
 
 
-def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
-    """Flags for images, typed for data that are none."""
-    if "image_size" in typed and not is_image(data.sample_shape):
-        raise ConfigError(f"--image-size is for images; {cfg.dataset}'s inputs have the shape "
-                          f"{tuple(data.sample_shape)}: not applicable (drop it)")
-    if "augment" in typed and cfg.augment and cfg.dataset != "folder":
-        raise ConfigError(f"--augment is for --dataset folder's images; {cfg.dataset} is not "
-                          f"augmented by ray_dp: not applicable (drop it)")
-    if cfg.mode == "scratch" and not (is_image(data.sample_shape) and not data.per_sample
-                                      and data.outputs == NUM_CLASSES):
-        raise ConfigError(f"--mode scratch trains the lesson's LeNet on images of 10 classes held "
-                          f"in memory; {cfg.dataset} has none (use --mode ddp)")
-
-
 def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) -> LoopOptions:
     """Through Ray's object store, once (no files needed on the workers' nodes): --weights, the
     data the driver decided, a checkpoint Ray never listed. torchrun's processes read them."""
@@ -2376,66 +1930,6 @@ def check_runtime_env() -> None:
         raise ConfigError("this Ray was started without ray_dp's runtime environment, so its "
                           "workers cannot import ray_dp: ray.shutdown(), then ray.init(runtime_env="
                           "ray_dp.RUNTIME_ENV) (or let ray_dp start Ray)")
-
-
-def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
-    """The run's header: what trains on what, and every switch that changes the maths or speed."""
-    kind = "GPU" if cfg.gpu else "CPU"
-    workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp" else
-               f"{cfg.min_workers}-{cfg.workers} {kind} workers (elastic)" if cfg.min_workers else
-               plural(cfg.workers, f"{kind} worker"))
-    extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
-    dropped = data.sizes[0] - samples_per_epoch(cfg, data.sizes[0])
-    left_out = (f" ({dropped} train sample{'s' * (dropped != 1)} left out per epoch: whole global "
-                "batches only)" if dropped else "")
-    return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
-            f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
-            f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
-            f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
-            f"lr {cfg.lr} ({cfg.lr_schedule}), {optimizer_name(cfg)}, "
-            f"{', '.join(switches(cfg, data))}, {plural(cfg.epochs, 'epoch')}, "
-            f"run dir {cfg.run_dir}")
-
-
-def switches(cfg: Config, data: DataInfo) -> list:
-    loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
-    said = [f"{plural(loaders, 'loader process')} per worker" if loaders
-            else "batches indexed in memory"]
-    if cfg.accum_steps > 1:
-        said.append(f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)")
-    if cfg.sync_bn:
-        said.append("SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)"))
-    said += ["bf16 autocast (--amp)"] * cfg.amp + ["torch.compile"] * cfg.compile
-    return said + [plural(cfg.threads, "thread") + " per worker"]
-
-
-def images(cfg: Config, data: DataInfo) -> str:
-    size = data.sample_shape[-1]
-    kind = (plural(len(data.classes), "class") if data.classes
-            else f"a regression of {plural(data.outputs, 'value')} (loss alone)")
-    if not is_image(data.sample_shape):
-        return f", inputs of shape {tuple(data.sample_shape)}, {kind}"
-    if not data.per_sample:
-        resized = f", images resized to {size} x {size} px" if cfg.image_size else ""
-        return resized + ("" if data.classes else f", {kind}")
-    if cfg.dataset != "folder":
-        return f", {kind}, images {size} x {size} px"
-    augment = "augmented" if cfg.augment else "not augmented"
-    mean, std = cfg.normalize or ([], [])
-    return (f", {len(data.classes)} classes, images {size} x {size} px, {augment}, normalised with "
-            f"mean {mean} std {std}")
-
-
-def optimizer_name(cfg: Config) -> str:
-    if cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum):
-        name = "plain SGD"
-    else:
-        name = "AdamW" if cfg.optimizer == "adamw" else f"SGD momentum {cfg.momentum}"
-    knobs = [(cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
-             (cfg.warmup_epochs, f"{plural(cfg.warmup_epochs, 'warm-up epoch')}"),
-             (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
-             (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}")]
-    return ", ".join([name, *(text for value, text in knobs if value)])
 
 
 DP_NOTE = ("nn.DataParallel normalised each GPU's 1/%d of the batch with its own BatchNorm "
@@ -2584,6 +2078,374 @@ def list_models(cfg: None) -> None:
 # ==================================================================================================
 # PART II: OPERATIONS
 # ==================================================================================================
+# Pre-flight checks: the configuration, the data and the model, before any cluster starts.
+# ==================================================================================================
+
+
+def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
+    """The first thing wrong with the final configuration, in one line. The doctor trains nothing;
+    a run that resumes starts from its checkpoint, not from --weights."""
+    if not doctor:
+        check_run_name(cfg)
+    cpus = cfg.cpus_per_worker
+    checks = [
+        (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
+        (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
+         f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {max(cfg.min_workers, 0)}:{cfg.workers}"),
+        (not (cfg.min_workers and cfg.mode == "dp"),
+         "--mode dp runs one worker; it cannot be elastic"),
+        (cpus is None or (math.isfinite(cpus) and cpus > 0),
+         f"--cpus-per-worker must be a positive number, got {cpus}"),
+        (all((cfg.storage_path, cfg.logdir, cfg.data_dir)),
+         "--storage-path, --logdir and --data-dir cannot be empty"),
+        (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
+        (0 <= cfg.seed <= MAX_SEED, f"--seed must be 0 to {MAX_SEED}, got {cfg.seed}"),
+        (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
+        (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
+        (math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}"),
+        (cfg.log_every >= 1, f"--log-every must be at least 1, got {cfg.log_every}"),
+        (cfg.max_failures >= -1,
+         f"--max-failures must be -1 (no limit) or more, got {cfg.max_failures}"),
+        (checkpoint_interval(cfg.checkpoint_every) is not None,
+         f"--checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' "
+         f"ends only), got {cfg.checkpoint_every}"),
+    ]
+    for ok, message in checks + mode_checks(cfg):
+        if not ok:
+            raise ConfigError(message)
+    validate_names_and_places(cfg, doctor, resuming)
+
+
+def mode_checks(cfg: Config) -> list:
+    """(ok, message) of what the modes (scratch, dp) and the other flags say together."""
+    scratch, lesson = cfg.mode == "scratch", "(scratch mode is the lesson's"
+    return [
+        (not (scratch and checkpoint_interval(cfg.checkpoint_every) not in (None, (0, 0.0))),
+         "--checkpoint-every needs --mode ddp (scratch mode saves at each epoch's end)"),
+        (math.isfinite(cfg.timeout) and cfg.timeout >= 1,
+         f"--timeout must be a number of seconds, at least 1, got {cfg.timeout}"),
+        (math.isfinite(cfg.start_timeout) and cfg.start_timeout >= 1,
+         f"--start-timeout must be a number of seconds, at least 1, got {cfg.start_timeout}"),
+        (0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
+        (not (scratch and cfg.model != "lenet"),
+         f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
+        (not (scratch and cfg.accum_steps > 1),
+         "--accum-steps needs --mode ddp (scratch mode has none)"),
+        (not (scratch and cfg.loss != "cross_entropy"),
+         f"--loss needs --mode ddp {lesson} cross-entropy)"),
+        (not (scratch and cfg.sync_bn),
+         "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
+        (not (scratch and (cfg.amp or cfg.compile)),
+         f"--amp and --compile need --mode ddp {lesson} plain fp32 code)"),
+        (cfg.loader_workers is None or cfg.loader_workers >= 0,
+         f"--loader-workers must be 0 (in memory) or more, got {cfg.loader_workers}"),
+        (not (scratch and cfg.loader_workers),
+         "--loader-workers needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
+        (not (scratch and cfg.dataset == "folder"),
+         "--dataset folder needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
+        (not (scratch and (cfg.optimizer != "sgd" or cfg.weight_decay or cfg.weights
+                           or cfg.clip_grad_norm or cfg.label_smoothing)),
+         f"--optimizer, --weight-decay, --weights, --clip-grad-norm and --label-smoothing need "
+         f"--mode ddp {lesson} plain SGD)"),
+        (not (scratch and cfg.image_size),
+         f"--image-size needs --mode ddp {lesson} LeNet on 28 x 28 images)"),
+        (cfg.image_size is None or cfg.image_size >= 1,
+         f"--image-size must be at least 1 pixel, got {cfg.image_size}"),
+        (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
+         f"--image-size {cfg.image_size} is too small for {cfg.model} (at least 14)"),
+        (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,
+         f"--weight-decay must be 0 or more, got {cfg.weight_decay}"),
+        (0 <= cfg.warmup_epochs < cfg.epochs,
+         f"--warmup-epochs must be 0 to --epochs - 1 = {cfg.epochs - 1}, got {cfg.warmup_epochs}"),
+        (math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm >= 0,
+         f"--clip-grad-norm must be 0 (off) or more, got {cfg.clip_grad_norm}"),
+        (0 <= cfg.label_smoothing < 1,
+         f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
+        (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
+        (not (cfg.mode == "dp" and cfg.sync_bn),
+         "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
+        (not (cfg.mode == "dp" and cfg.gpu is False),
+         f"{DP_NEEDS_GPUS}; drop --cpu, or use --mode ddp"),
+        (not cfg.predict_out or cfg.eval_only,
+         "--predict-out needs --eval-only PATH (predictions of a saved model)"),
+        (not cfg.predict_out or cfg.predict_out.lower().endswith(".csv"),
+         f"--predict-out must name a .csv file, got {cfg.predict_out}"),
+        (not os.path.isdir(cfg.predict_out),
+         f"--predict-out {cfg.predict_out} is a directory; name a .csv file"),
+        (not cfg.predict_out or cfg.predict_out != cfg.eval_only,
+         f"--predict-out {cfg.predict_out} is the checkpoint being evaluated"),
+    ]
+
+
+def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None:
+    """The model, the data set, the storage and the directories the configuration names."""
+    check_model_name(cfg.model)
+    if cfg.dataset not in DATASETS and not (is_code(cfg.dataset)
+                                            and user_code(cfg.dataset, "dataset")):
+        raise ConfigError(f"--dataset {cfg.dataset} is not a data set of this ray_dp.py "
+                          f"({', '.join(sorted(DATASETS))}, or your own: FILE.py:NAME)")
+    if cfg.loss not in LOSSES and not (is_code(cfg.loss) and user_code(cfg.loss, "loss")):
+        raise ConfigError(f"--loss {cfg.loss} is not a loss of ray_dp.py ({', '.join(LOSSES)}, "
+                          f"or your own: FILE.py:NAME)")
+    if cfg.sync_bn and not is_code(cfg.model) and not has_batchnorm(cfg.model):
+        raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
+                          f"{cfg.model} has none")
+    check_stores(cfg, doctor, resuming)
+    if cfg.weights and not resuming and stored_type(cfg.weights) != "file":
+        raise ConfigError(f"--weights {cfg.weights} is not a file")
+    directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
+                   "predict-out": cfg.predict_out}
+    for flag, typed in directories.items():
+        path = os.path.dirname(typed) if flag == "predict-out" else typed
+        if (doctor and flag != "data-dir") or not path or is_uri(path):
+            continue
+        if (blocker := not_a_directory(path)):
+            raise ConfigError(f"--{flag} {typed}: {blocker} is a file, not a directory")
+        if flag != "data-dir" and (blocker := not_writable(path)):
+            raise ConfigError(f"--{flag} {typed}: {blocker} is not writable")
+    if not doctor and not cfg.eval_only:
+        check_batch_split(cfg)
+
+
+def check_batch_split(cfg: Config) -> None:
+    """The global batch splits evenly at every size an elastic run may take."""
+    sizes = range(cfg.min_workers or cfg.workers, cfg.workers + 1)
+    step = math.lcm(*(workers * cfg.accum_steps for workers in sizes))
+    if not cfg.batch_size % step:
+        return
+    lower, upper = cfg.batch_size // step * step, (cfg.batch_size // step + 1) * step
+    near = f"e.g. {lower} or {upper}" if lower else f"e.g. {upper}"
+    if upper > 16 * cfg.batch_size:
+        near = f"narrow the range: no batch near {cfg.batch_size} divides by all of them"
+    if len(sizes) == 1:
+        raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = "
+                          f"{step} (the global batch is split evenly into per-worker "
+                          f"micro-batches; {near})")
+    each = ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
+    raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps at "
+                      f"every size --workers {sizes[0]}:{sizes[-1]} may take ({each} workers x "
+                      f"{cfg.accum_steps}: a multiple of {step}; {near})")
+
+
+def check_run_name(cfg: Config) -> None:
+    if not cfg.storage_path:
+        raise ConfigError("--storage-path, --logdir and --data-dir cannot be empty")
+    if not is_run_name(cfg.name):
+        raise ConfigError(f"--name must be one directory name (printable; no '/', '\\', '.' or "
+                          f"'..'; at most 255 bytes), got {cfg.name!r}")
+    if is_uri(cfg.storage_path) and (marks := sorted(set(cfg.name) & set("?#%"))):
+        raise ConfigError(f"--name {cfg.name}: '{marks[0]}' would change what the run's URI "
+                          f"({cfg.run_dir}) names; choose a name without '?', '#' or '%'")
+
+
+def is_run_name(name: str) -> bool:
+    """One path component: <storage-path>/<name> and <logdir>/<name> stay inside their roots."""
+    return (name not in (".", "..") and not any(sep in name for sep in ("/", "\\"))
+            and name.isprintable() and (not name or name.strip()) and len(name.encode()) <= 255)
+
+
+def not_a_directory(path: str) -> Optional[str]:
+    for part in [Path(path), *Path(path).parents]:
+        if part.exists():
+            return None if part.is_dir() else str(part)
+    return None
+
+
+def not_writable(path: str) -> Optional[str]:
+    for part in [Path(path), *Path(path).parents]:
+        if part.exists():
+            return None if os.access(part, os.W_OK | os.X_OK) else str(part)
+    return None
+
+
+def check_data(cfg: Config) -> tuple[Config, DataInfo]:
+    """Load the data on the driver (a missing set fails before any worker starts); the config
+    with its normalisation, and what the driver learned."""
+    train_set, test_set = load_dataset(cfg)
+    if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
+                          f"training samples of {cfg.dataset} allow for one step")
+    if cfg.dataset == "folder":  # normalised, the same files not listed again
+        cfg = with_data_statistics(cfg, train_set)
+        train_set.transform, test_set.transform = image_transforms(cfg)
+    try:
+        classes = class_names(train_set) if classifies(train_set) else []
+    except DataError:
+        raise
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise DataError(f"--dataset {cfg.dataset}: a target is a class index or a tensor of "
+                        f"values: {first_line(exc)}") from None
+    check_sendable(cfg, (train_set, test_set))
+    return cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set), classes,
+                         not isinstance(train_set, TensorDataset), (train_set, test_set),
+                         samples_fingerprint(train_set), outputs(train_set, classes))
+
+
+def check_sendable(cfg: Config, data: tuple) -> None:
+    """Your data sets reach the workers pickled: one that holds a connection cannot."""
+    import ray.cloudpickle
+    if is_code(cfg.dataset) and not isinstance(data[0], TensorDataset):
+        try:
+            ray.cloudpickle.dumps(data)
+        except Exception as exc:
+            raise DataError(f"--dataset {cfg.dataset}: its data sets cannot be sent to the "
+                            f"workers ({first_line(exc)}): open files and connections in "
+                            f"__getitem__, not __init__") from None
+
+
+def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
+    """Flags for images, typed for data that are none."""
+    if "image_size" in typed and not is_image(data.sample_shape):
+        raise ConfigError(f"--image-size is for images; {cfg.dataset}'s inputs have the shape "
+                          f"{tuple(data.sample_shape)}: not applicable (drop it)")
+    if "augment" in typed and cfg.augment and cfg.dataset != "folder":
+        raise ConfigError(f"--augment is for --dataset folder's images; {cfg.dataset} is not "
+                          f"augmented by ray_dp: not applicable (drop it)")
+    if cfg.mode == "scratch" and not (is_image(data.sample_shape) and not data.per_sample
+                                      and data.outputs == NUM_CLASSES):
+        raise ConfigError(f"--mode scratch trains the lesson's LeNet on images of 10 classes held "
+                          f"in memory; {cfg.dataset} has none (use --mode ddp)")
+
+
+def check_model_name(name: str) -> None:
+    if name in MODELS or name.removeprefix(TORCHVISION) in torchvision_models():
+        return
+    if is_code(name):
+        return user_code(name, "model") and None
+    import difflib
+    close = difflib.get_close_matches(name, [*MODELS, *torchvision_names()], n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise ConfigError(f"--model {name} is not a model of ray_dp or torchvision{hint} "
+                      f"(--model list shows them)")
+
+
+@functools.lru_cache(maxsize=64)
+def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Optional[str]:
+    try:
+        net = model_outline(name, sample_shape, num_classes).eval()
+        with torch.no_grad():
+            net(torch.zeros(2, *sample_shape, device=next(net.parameters()).device))
+    except Exception as exc:
+        return first_line(exc)
+    return None
+
+
+def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) -> Optional[int]:
+    """The smallest square size above `fails` the model takes (bisection up to 512 px)."""
+    def takes(size: int) -> bool:
+        return image_size_problem(name, (channels, size, size), num_classes) is None
+    low, high = fails, 512
+    if not takes(high):  # a model of one size only (ViTs: 224)
+        return next((size for size in (224, 299, 384) if size > fails and takes(size)), None)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if takes(middle) else (middle, high)
+    return high
+
+
+def check_model_fits(cfg: Config, data: DataInfo) -> None:
+    """The model takes the data's inputs, or one line names the size that works."""
+    shape = tuple(data.sample_shape)
+    if cfg.sync_bn and not has_batchnorm(cfg.model, shape, data.outputs):
+        raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
+                          f"{cfg.model} has none")
+    if is_code(cfg.model) or not is_image(shape):
+        return check_on_a_sample(cfg, data)
+    problem = image_size_problem(cfg.model, shape, data.outputs)
+    if problem is None:
+        check_single_sample_steps(cfg, shape, data.outputs)
+        return None if cfg.loss == "cross_entropy" else check_on_a_sample(cfg, data)
+    side = shape[-1]
+    size = smallest_image_size(cfg.model, shape[0], data.outputs, side)
+    what = f"{cfg.dataset}'s images as given ({side} x {side} px)"
+    if size is None:
+        raise ConfigError(f"--model {cfg.model} cannot take {what} nor any size up to 512 px: "
+                          f"{problem}")
+    raise ConfigError(f"--model {cfg.model} cannot take {what}: {problem}; the smallest size it "
+                      f"takes is {size} x {size} px: add --image-size {size}")
+
+
+def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
+    """Your model on two samples of the data, and the loss on its output: one line each for what
+    fails (the error, and the shapes)."""
+    x, y = (torch.stack([torch.as_tensor(t)] * 2) for t in data.datasets[0][0])
+    x = resized(x, cfg.image_size) if cfg.image_size else x
+    try:
+        output = build_model(cfg.model, data.sample_shape, data.outputs).eval()(x)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"--model {cfg.model} fails on two samples of {cfg.dataset} (inputs "
+                          f"{tuple(x.shape)}): {first_line(exc)}") from None
+    try:
+        loss = loss_function(cfg)(output, y)
+    except Exception as exc:
+        raise ConfigError(f"--loss {cfg.loss} fails on the model's outputs {tuple(output.shape)} "
+                          f"and targets {tuple(y.shape)}: {first_line(exc)}") from None
+    if not (torch.is_tensor(loss) and loss.ndim == 0):
+        raise ConfigError(f"--loss {cfg.loss} returned {getattr(loss, 'shape', type(loss))}, not a "
+                          f"scalar mean loss")
+
+
+def check_single_sample_steps(cfg: Config, shape: tuple, num_classes: int) -> None:
+    """BatchNorm cannot train on one value per channel, unless --sync-bn spans the workers."""
+    if cfg.eval_only or cfg.sync_bn or cfg.mode == "scratch" or cfg.micro_batch != 1:
+        return
+    net = model_outline(cfg.model, shape, num_classes).train()
+    try:
+        net(torch.zeros(1, *shape, device=next(net.parameters()).device))
+    except Exception as exc:
+        raise ConfigError(f"--model {cfg.model} cannot train on micro-batches of one image "
+                          f"({first_line(exc)}): raise --batch-size to 2 per worker or more, or "
+                          f"use --sync-bn") from None
+
+
+def read_weights(path: str) -> dict:
+    """A state_dict file (a ray-dp checkpoint's model too), loaded as data only."""
+    try:
+        source = io.BytesIO(read_stored(path)) if is_uri(path) else path
+        state = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError(f"--weights {path} is not a state_dict torch can load safely "
+                          f"({first_words(exc, 160)})") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"--weights {path} is not a state_dict (names to tensors)")
+    return state
+
+
+def check_state_fits(cfg: Config, data: DataInfo, state: dict) -> None:
+    """A checkpoint's weights fit the model its --model builds now (your file may have changed)."""
+    net = model_outline(cfg.model, data.sample_shape, data.outputs)
+    try:
+        net.load_state_dict(state["model"], assign=True)
+    except RuntimeError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        where = f" ({cfg.model.rpartition(':')[0]} as it is now)" if is_code(cfg.model) else ""
+        raise ConfigError(f"the checkpoint's weights do not fit --model {cfg.model}{where}: "
+                          f"{lines[-1][:200]}") from None
+
+
+def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
+    """--weights must fit the model; the header's note says what is kept and what is new."""
+    if not cfg.weights:
+        return None
+    weights = read_weights(cfg.weights)
+    kept, new = load_weights(build_model(cfg.model, info.sample_shape, info.outputs), weights)
+    if not kept:
+        twin = TORCHVISION + cfg.model
+        fits_twin = twin in torchvision_names() and load_weights(
+            build_model(twin, info.sample_shape, info.outputs), weights)[0]
+        hint = f"; they fit torchvision's {cfg.model}: use --model {twin}" if fits_twin else ""
+        raise ConfigError(f"--weights {cfg.weights} does not fit {cfg.model}: none of its "
+                          f"{len(weights)} tensors has the name and shape of one of the "
+                          f"model's{hint}")
+    listed = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
+    return (f"--weights {cfg.weights}: kept {len(kept)} of the model's {len(kept) + len(new)} "
+            f"tensors" + (f"; new (fine-tuned from scratch): {listed}" if new else ""))
+
+
 # ==================================================================================================
 # Run directory and resume: checkpoints, what a rerun may change, --fresh, result.json.
 # ==================================================================================================
@@ -3380,8 +3242,7 @@ class DriverLink:
 
 
 # ==================================================================================================
-# Console and monitoring: rank 0's lines and progress bar by way of the driver's Board, TensorBoard,
-# the recovery record (recovery.json) and the start-up breakdown.
+# Console and monitoring: rank 0's lines and bar (the driver's Board), TensorBoard, recovery.json.
 # ==================================================================================================
 
 
@@ -3756,6 +3617,66 @@ def format_startup(phases: dict) -> str:
                       if name != "total")
     total = f": {phases['total']:.1f} s to the first step" if "total" in phases else ""
     return f"start-up: {parts}{total}"
+
+
+def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
+    """The run's header: what trains on what, and every switch that changes the maths or speed."""
+    kind = "GPU" if cfg.gpu else "CPU"
+    workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp" else
+               f"{cfg.min_workers}-{cfg.workers} {kind} workers (elastic)" if cfg.min_workers else
+               plural(cfg.workers, f"{kind} worker"))
+    extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
+    dropped = data.sizes[0] - samples_per_epoch(cfg, data.sizes[0])
+    left_out = (f" ({dropped} train sample{'s' * (dropped != 1)} left out per epoch: whole global "
+                "batches only)" if dropped else "")
+    return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
+            f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
+            f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
+            f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
+            f"lr {cfg.lr} ({cfg.lr_schedule}), {optimizer_name(cfg)}, "
+            f"{', '.join(switches(cfg, data))}, {plural(cfg.epochs, 'epoch')}, "
+            f"run dir {cfg.run_dir}")
+
+
+def switches(cfg: Config, data: DataInfo) -> list:
+    loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
+    said = [f"{plural(loaders, 'loader process')} per worker" if loaders
+            else "batches indexed in memory"]
+    if cfg.accum_steps > 1:
+        said.append(f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)")
+    if cfg.sync_bn:
+        said.append("SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)"))
+    said += ["bf16 autocast (--amp)"] * cfg.amp + ["torch.compile"] * cfg.compile
+    return said + [plural(cfg.threads, "thread") + " per worker"]
+
+
+def images(cfg: Config, data: DataInfo) -> str:
+    size = data.sample_shape[-1]
+    kind = (plural(len(data.classes), "class") if data.classes
+            else f"a regression of {plural(data.outputs, 'value')} (loss alone)")
+    if not is_image(data.sample_shape):
+        return f", inputs of shape {tuple(data.sample_shape)}, {kind}"
+    if not data.per_sample:
+        resized = f", images resized to {size} x {size} px" if cfg.image_size else ""
+        return resized + ("" if data.classes else f", {kind}")
+    if cfg.dataset != "folder":
+        return f", {kind}, images {size} x {size} px"
+    augment = "augmented" if cfg.augment else "not augmented"
+    mean, std = cfg.normalize or ([], [])
+    return (f", {len(data.classes)} classes, images {size} x {size} px, {augment}, normalised with "
+            f"mean {mean} std {std}")
+
+
+def optimizer_name(cfg: Config) -> str:
+    if cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum):
+        name = "plain SGD"
+    else:
+        name = "AdamW" if cfg.optimizer == "adamw" else f"SGD momentum {cfg.momentum}"
+    knobs = [(cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
+             (cfg.warmup_epochs, f"{plural(cfg.warmup_epochs, 'warm-up epoch')}"),
+             (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
+             (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}")]
+    return ", ".join([name, *(text for value, text in knobs if value)])
 
 
 # ==================================================================================================
@@ -4235,8 +4156,56 @@ def stored_image(uri: str, data_dir: str) -> bytes:
 
 
 # ==================================================================================================
-# Data on many nodes: one list of samples for the run, and each node checked against it.
+# Data on disk and on many nodes: downloads, one list of samples for the run, each node checked.
 # ==================================================================================================
+
+
+def missing_dataset(dataset_class, root: str, download: bool, error: Exception) -> str:
+    reason = " ".join(str(error).split())
+    tried = (f" and could not be downloaded ({reason})" if "download=True" not in reason
+             else " and could not be downloaded") if download else " (--no-download)"
+    if hasattr(dataset_class, "resources"):
+        folder = os.path.join(root, dataset_class.__name__, "raw")
+        names = [os.path.splitext(os.path.basename(url))[0] for url, _ in dataset_class.resources]
+    else:
+        folder = os.path.join(root, dataset_class.base_folder)
+        names = ([name for name, _ in dataset_class.train_list + dataset_class.test_list]
+                 + [dataset_class.meta["filename"]])
+    return (f"{dataset_class.__name__} is not in {root}{tried}: put its files there ({folder}/ "
+            f"holding {', '.join(names)}) or --data-dir where they are, or use --dataset digits "
+            f"(offline)")
+
+
+def own_entries(dataset_class) -> tuple:
+    folder = (dataset_class.__name__ if hasattr(dataset_class, "resources")
+              else dataset_class.base_folder)
+    return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
+
+
+def remove_path(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+@contextlib.contextmanager
+def download_lock(root: str, name: str):
+    """Workers sharing a node would download and unpack the same files at once."""
+    from filelock import FileLock
+    try:
+        os.makedirs(root, exist_ok=True)
+        lock = FileLock(os.path.join(root, f".{name}.lock"))
+        lock.acquire()
+    except OSError as exc:
+        raise DataError(f"--data-dir {root}: cannot create the download's lock file there "
+                        f"({exc.strerror or exc}); use a writable --data-dir, or --no-download "
+                        f"where the files already are") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console") -> None:
@@ -4398,7 +4367,7 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
 
 
 # ==================================================================================================
-# The cluster: GPU or CPU workers, and whether they fit now or once an autoscaler adds nodes.
+# The cluster: GPU or CPU workers, whether they fit (now or once an autoscaler adds nodes).
 # ==================================================================================================
 
 
@@ -4534,6 +4503,39 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
         raise ConfigError(f"no Ray cluster answers at {resolved}{found}: start one "
                           f"(ray start --head, or ray up cluster.yaml), or drop --address to run "
                           f"on this machine") from None
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEPT_FREED_BYTES = 1 << 30
+MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                   "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")  # a user's own, left as they are
+memory_kept = False
+
+
+def keep_freed_memory() -> None:
+    """--keep-freed-memory: glibc keeps what a step frees for the next, not zero-filled anew by the
+    kernel (bench/memory.md); before each fork the free pages go back to it."""
+    global memory_kept
+    if memory_kept or any(name in os.environ for name in MALLOC_SETTINGS):
+        return
+    try:
+        os.confstr("CS_GNU_LIBC_VERSION")
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (ValueError, OSError, AttributeError):
+        return
+    if mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES) and mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES):
+        os.register_at_fork(before=lambda: malloc_trim(0))
+        memory_kept = True
+
+
+def one_arena(cfg: Config) -> dict:
+    """Ray's training workers' runtime environment: glibc's one arena, since a thread's own (Ray
+    trains in one) serves blocks over 64 MiB from mmap whatever the thresholds say."""
+    if not cfg.keep_freed_memory or any(name in os.environ
+                                        for name in (*MALLOC_SETTINGS, "MALLOC_ARENA_MAX")):
+        return {}
+    return {"env_vars": {"MALLOC_ARENA_MAX": "1"}}
 
 
 # ==================================================================================================
@@ -4845,7 +4847,6 @@ class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
                 self.say(f"ray-dp: cannot write {self.logs}/recovery.json ({exc}); training goes "
                          f"on without it")
             self.save_failed = True
-
 
 
 # ==================================================================================================
