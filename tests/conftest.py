@@ -100,10 +100,11 @@ RAY_GROUPS = dict.fromkeys(["test_multinode", "test_newcomer", "test_doctor", "t
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """pytest-xdist runs the tests on 2 processes (pytest.ini), and each of these groups on one of them: each of
-    RAY_GROUPS' two groups of Ray tests (a Ray instance each), and the other tests of a module that names its XDIST_GROUP (those that
-    share a module-scoped fixture). What the selected tests need starts now, while the first tests run: the S3
-    server (seconds of imports), and the gloo tests' forkserver (helpers.fork_server_from_here: forked from here).
-    Then this process is set up as a training process (keep_freed_memory) and its objects so far frozen."""
+    RAY_GROUPS' two groups of Ray tests (a Ray instance each), and the other tests of a module that names its
+    XDIST_GROUP (those that share a module-scoped fixture). What the selected tests need starts now, while the first
+    tests run: the S3 server (seconds of imports), and the gloo tests' forkserver (helpers.fork_server_from_here:
+    forked from here). Then this process is set up as a training process (keep_freed_memory) and its objects so far
+    frozen."""
     global _s3_server
     for item in items:
         if item.get_closest_marker("ray"):
