@@ -13,11 +13,11 @@
     torchrun --nproc_per_node 4 ray_dp.py ...             # the tutorial's launcher, same flags
     tensorboard --logdir runs/tensorboard
 
-Part I, the lesson: Config, Data, Models, Distributed helpers, Train & evaluate, Teaching mode,
-    The worker loop, The driver and main.
+Part I, the lesson: Config, Data, Models, Your own code, Distributed helpers, Train & evaluate,
+    Teaching mode, The worker loop, The driver and main.
 Part II, operations: Pre-flight checks, Run directory and resume, Mid-epoch saves and SIGTERM,
     Console and monitoring, Inference, compare, Object storage, Data on disk and on many nodes,
-    torchrun, The cluster, Ray internals, doctor.
+    Launchers and torchrun, The cluster, Ray internals, doctor.
 """
 from __future__ import annotations
 
@@ -104,8 +104,6 @@ MODES = ("ddp", "scratch", "dp")
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "library")
 NUM_CLASSES = 10
 MODEL_IMAGE_SIZE = {"lenet": 28, "mlp": 28, "resnet18": 32}  # a folder's default --image-size
-DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
-MAX_SEED = 2 ** 32 - 1
 NO_LESSON = object()
 
 
@@ -2080,6 +2078,8 @@ def list_models(cfg: None) -> None:
 # ==================================================================================================
 # Pre-flight checks: the configuration, the data and the model, before any cluster starts.
 # ==================================================================================================
+DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
+MAX_SEED = 2 ** 32 - 1
 
 
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
@@ -3242,7 +3242,7 @@ class DriverLink:
 
 
 # ==================================================================================================
-# Console and monitoring: rank 0's lines and bar (the driver's Board), TensorBoard, recovery.json.
+# Console and monitoring: the header, rank 0's lines (a Board), TensorBoard, recovery.json, start-up
 # ==================================================================================================
 
 
@@ -4367,7 +4367,7 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
 
 
 # ==================================================================================================
-# The cluster: GPU or CPU workers, whether they fit (now or once an autoscaler adds nodes).
+# The cluster: GPU or CPU workers, whether they fit (now or once autoscaled), their memory setting.
 # ==================================================================================================
 
 

@@ -81,7 +81,8 @@ def pytest_configure(config):
         torch.set_num_threads(1)
     elif config.getoption("numprocesses", 0) and config.getoption("dist", "no") == "loadgroup" and groups_nothing():
         raise pytest.UsageError(f"pytest-xdist {version('pytest-xdist')} groups no test on pytest {pytest.__version__} "
-                                "(xdist #1386): Ray's tests would start a Ray instance on each worker; install "
+                                "(xdist #1386): the tests of a group would spread over the workers (more Rays than "
+                                "two, module fixtures made twice); install "
                                 "requirements.txt (pytest 9.1), or run with -n 0")
 
 
@@ -92,8 +93,8 @@ def groups_nothing() -> bool:
     return major_minor("pytest") >= (9, 2) and major_minor("pytest-xdist") <= (3, 8)
 
 
-# Ray's tests in two groups of about equal time, one on each pytest-xdist worker, each with a Ray of its own:
-# these modules' Ray tests start clusters of their own (nodes, a head) or a Ray of the doctor's; the rest share one.
+# Ray's tests in two groups of about equal time, each with a Ray of its own (ray_cluster): pytest-xdist hands a group
+# to a worker as it runs short of tests, so they run side by side on most runs (one after the other otherwise).
 RAY_GROUPS = dict.fromkeys(["test_multinode", "test_newcomer", "test_doctor", "test_object_storage"], "ray-b")
 
 

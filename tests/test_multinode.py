@@ -78,7 +78,7 @@ def stop_node(process):
 
 def node_ports(base):
     # below the ephemeral ports (32768 on): another test's sockets, run meanwhile on the other pytest-xdist worker,
-    # cannot hold them; above Ray's default worker ports (10002-19999: the session's Ray instance)
+    # cannot hold them; above Ray's default worker ports (10002-19999: each pytest worker's Ray instance)
     names = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"]
     return [arg for i, name in enumerate(names) for arg in (name, str(base + i))] + [

@@ -335,15 +335,15 @@ def test_ray_dp_trains_from_a_notebook_in_another_directory_locally_and_attached
     env["RAY_AUTH_MODE"] = "disabled"
     env["RAY_DEDUP_LOGS"] = "0"  # each worker's line, not Ray's fold of alike lines
     head = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block", "--head",
-                             "--node-ip-address", "127.0.0.5", "--port", "47379", "--num-cpus", "3",
+                             "--node-ip-address", "127.0.0.5", "--port", "29379", "--num-cpus", "3",
                              "--include-dashboard", "false", "--disable-usage-stats", "--ray-client-server-port",
-                             "47380", *node_ports(45000)], env=env, cwd=tmp_path,
+                             "29380", *node_ports(30000)], env=env, cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     # a data set of the notebook's own in a file that is gone once the driver has read it: the workers get it whole
     (tmp_path / "my_data.py").write_text(open(os.path.join(REPO, "tests", "user_code.py")).read()
                                          + "\nimport os\nos.remove(__file__)\n")
     try:
-        script = NOTEBOOK.format(repo=REPO, address="127.0.0.5:47379")
+        script = NOTEBOOK.format(repo=REPO, address="127.0.0.5:29379")
         done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=360)
     finally:
