@@ -1277,17 +1277,17 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: int,
-                guard: Optional["EpochGuard"] = None) -> dict:
+                checkpointer: "Checkpointer") -> dict:
     """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint); its
     metrics, the train loss averaged over every worker's samples."""
-    guard, criterion = guard or EpochGuard(cfg, worker, saves_within=False), loss_function(cfg)
+    criterion, tic = loss_function(cfg), time.perf_counter()
     model.train()
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(cfg, epoch)
-    loss_sums = guard.start(epoch)  # [loss sum, samples] of this rank
-    batches.sampler.set_epoch(epoch, guard.samples_done)  # 5. set_epoch: a new shuffle each epoch
-    micro_batches = Waited(batches)
-    for step in guard.steps(len(batches) // cfg.accum_steps):  # ends early at an agreed stop
+    first, losses = checkpointer.epoch_start(epoch)  # step 0, or where a mid-epoch save left it
+    batches.sampler.set_epoch(epoch, losses.done)  # 5. set_epoch: a new shuffle each epoch
+    steps, micro_batches = first + len(batches) // cfg.accum_steps, Waited(batches)
+    for step in range(first, steps):
         # this rank's own dropout: a stream of (seed, rank, epoch, step), which a resume redraws
         seed_generators(stream_seed(cfg.seed, RANK_STREAM, worker.rank, epoch, step),
                         worker.device, every_gpu=cfg.mode == "dp")
@@ -1297,17 +1297,21 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
             with no_sync(model, skip=micro < cfg.accum_steps - 1), autocast(cfg, worker.device):
                 loss = criterion(model(resized(x, cfg.image_size)), y)
                 (loss / cfg.accum_steps).backward()  # K micro-batches: one mean over the step
-            loss_sums.add(loss.detach() * len(y), len(y))
+            losses.add(loss.detach() * len(y), len(y))
         if cfg.clip_grad_norm:  # after the all-reduce: every rank clips the same gradients
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if (step + 1) % cfg.log_every == 0:
-            loss_sums.log(epoch * guard.total + step + 1)  # 7. the loss all-reduced, for logging
-        guard.stepped(step)  # a checkpoint within the epoch, or a stop, when one is due
-    # the epoch's loss all-reduced the same way: a mean over every worker's samples
-    return guard.finish(loss_sums.epoch_mean(), optimizer.param_groups[0]["lr"],
-                        micro_batches.seconds)
+        if checkpointer.after_step(epoch, step, steps, losses):  # saved, and every rank stops
+            break
+    # 7. the loss all-reduced, for logging: a mean over every worker's samples of the epoch
+    loss_sum, samples = all_reduce_sum(losses.sums.clone()).tolist()
+    seconds = time.perf_counter() - tic
+    return {"train_loss": loss_sum / samples, "lr": optimizer.param_groups[0]["lr"],
+            "train_samples": int(samples), "epoch_seconds": seconds,
+            "samples_per_second": (samples - losses.done) / seconds,
+            "data_seconds": micro_batches.seconds, "step_log": losses.logged,
+            **({"resumed_at_step": first} if first else {})}
 
 
 class Waited:
@@ -1322,40 +1326,23 @@ class Waited:
         return batch
 
 
-class StepLoss:
-    """An epoch's train loss: this rank's [sum, samples], all-reduced at log steps and at the end;
-    a mid-epoch checkpoint's sums so far (`partial`) count once, on rank 0."""
+class EpochLoss:
+    """This rank's [loss sum, samples] of an epoch, and since the last logged point (`window`); a
+    mid-epoch checkpoint's totals of every rank so far count once, on rank 0."""
 
     def __init__(self, device: torch.device, partial: Optional[dict] = None, main: bool = True):
         partial = partial or {}
-        self.before = (partial.get("loss_sum", 0.0), partial.get("samples", 0))
-        self.entries = [list(entry) for entry in partial.get("step_log", [])]
-        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
-        self.window = torch.tensor(partial.get("pending", [0.0, 0.0]) if main else [0.0, 0.0],
-                                   dtype=torch.float64, device=device)
+        self.done = partial.get("samples", 0)  # every rank's samples before a resume
+        self.logged = [list(entry) for entry in partial.get("step_log", [])]  # [step, loss]
+        sums, window = [partial.get("loss_sum", 0.0), self.done], partial.get("pending", [0, 0])
+        self.sums = torch.tensor(sums if main else [0, 0], dtype=torch.float64, device=device)
+        self.window = torch.tensor(window if main else [0, 0], dtype=torch.float64, device=device)
 
     def add(self, loss_sum: torch.Tensor, samples: int) -> None:
         added = torch.stack([loss_sum.double(), torch.tensor(
             samples, dtype=torch.float64, device=loss_sum.device)])
         self.sums += added
         self.window += added
-
-    def log(self, global_step: int) -> None:
-        total = all_reduce_sum(self.window.clone()).tolist()
-        self.entries.append([global_step, total[0] / total[1]])
-        self.window.zero_()
-
-    def so_far(self) -> dict:
-        total = all_reduce_sum(torch.cat([self.sums, self.window])).tolist()
-        return {"loss_sum": self.before[0] + total[0], "samples": self.before[1] + int(total[1]),
-                "step_log": [list(entry) for entry in self.entries], "pending": total[2:]}
-
-    def epoch_mean(self) -> tuple[float, int, int]:
-        """(mean loss over every worker's samples of the epoch, those samples, of them trained
-        now)."""
-        total = all_reduce_sum(self.sums.clone()).tolist()
-        samples = self.before[1] + int(total[1])
-        return (self.before[0] + total[0]) / samples, samples, int(total[1])
 
 
 @torch.no_grad()
@@ -1556,36 +1543,29 @@ def synchronize(device: torch.device) -> None:
 
 
 def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker, epoch: int,
-                        console: Optional["Console"] = None) -> dict:
+                        checkpointer: "Checkpointer") -> dict:
     images, labels = data.tensors
     # every worker draws the same global batches (same seed, same order) and keeps its slice
     order = torch.randperm(len(labels),
                            generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
     steps, lr = len(labels) // cfg.batch_size, learning_rate(cfg, epoch)
-    losses, comm_seconds, nbytes = StepLoss(worker.device), 0.0, 0
-    start = tic = time.perf_counter()
-    for step in range(steps):
+    (first, losses), comm_seconds, nbytes = checkpointer.epoch_start(epoch), 0.0, 0
+    tic = time.perf_counter()
+    for step in range(first, steps):
         index = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         loss, seconds, nbytes = train_batch(images[index], labels[index], params, lr,
                                             cfg.allreduce, worker)
         comm_seconds += seconds
         losses.add(torch.tensor(loss, device=worker.device), cfg.batch_size // worker.world)
-        if (step + 1) % cfg.log_every == 0:
-            losses.log(epoch * steps + step + 1)
-        if console:
-            loss = losses.entries[-1][1] if losses.entries else None
-            rate = (step + 1) * cfg.batch_size / (time.perf_counter() - tic)
-            console.progress((epoch, step + 1, steps, loss, rate, cfg.epochs))
-    loss, samples, _ = losses.epoch_mean()
-    if console:
-        console.progress(None)
-    per_step = comm_seconds / max(steps, 1)
+        if checkpointer.after_step(epoch, step, steps, losses):
+            break
+    loss_sum, samples = all_reduce_sum(losses.sums.clone()).tolist()
+    per_step, seconds = comm_seconds / max(steps, 1), time.perf_counter() - tic
     # NCCL-tests' bus bandwidth: what each link carried, comparable across worker counts
     busbw = 2 * (worker.world - 1) / worker.world * nbytes / per_step / 1e9 if nbytes else 0.0
-    seconds = time.perf_counter() - start
-    return {"train_loss": loss, "lr": lr, "train_samples": samples, "epoch_seconds": seconds,
-            "samples_per_second": samples / seconds, "data_seconds": 0.0,
-            "step_log": losses.entries, "allreduce_seconds_per_step": per_step,
+    return {"train_loss": loss_sum / samples, "lr": lr, "train_samples": int(samples),
+            "epoch_seconds": seconds, "samples_per_second": samples / seconds,
+            "data_seconds": 0.0, "step_log": losses.logged, "allreduce_seconds_per_step": per_step,
             "allreduce_bytes": nbytes, "allreduce_busbw_gbps": busbw}
 
 
@@ -1618,15 +1598,19 @@ def scratch_loop_per_worker(config: dict) -> dict:
     shape = train_set.tensors[0].shape
     params = get_params(init_lenet_params(cfg.seed, shape[1], shape[-1]) if state is None
                         else state_dict_to_params(state["model"]), worker.device)
-    guard = EpochGuard(cfg, worker, launcher, options, state, saves_within=False)
-    for epoch in range(guard.first_epoch, cfg.epochs):
-        metrics = scratch_train_epoch(params, train_set, cfg, worker, epoch, guard.console)
-        metrics = guard.end_epoch(epoch, metrics, evaluate(lambda X: lenet(X, params), test_set,
-                                                           worker.device))
-        launcher.report(metrics, checkpoint_state(
-            params_to_state_dict(params), {}, epoch + 1, cfg, guard.history,
-            class_names(train_set)) if worker.is_main else None, epoch + 1)
-    return guard.result()
+    checkpointer = Checkpointer(cfg, worker, launcher, options)
+    history = checkpointer.resumed(state)
+    with checkpointer:
+        for epoch in range(checkpointer.first_epoch, cfg.epochs):
+            trained = scratch_train_epoch(params, train_set, cfg, worker, epoch, checkpointer)
+            scores = evaluate(lambda X: lenet(X, params), test_set, worker.device)
+            history.append({"epoch": epoch + 1, **trained, **scores})
+            checkpointer.save(history, checkpoint_state(
+                params_to_state_dict(params), {}, epoch + 1, cfg, history,
+                class_names(train_set)) if worker.is_main else None)
+            if checkpointer.stopped:
+                break
+    return checkpointer.result(history)
 
 # ==================================================================================================
 # The worker loop: what every worker runs, whoever started it (Ray, torchrun, a test's processes).
@@ -1700,21 +1684,22 @@ def train_loop_per_worker(config: dict) -> dict:
         # the bare model (model.module), not DDP's wrapper: what 9. saves
         return checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(), epoch, cfg,
                                 history, classes, partial, samples)
-    worker.marks["model"] = time.time()
-    with EpochGuard(cfg, worker, launcher, options, state, checkpoint_of) as guard:
-        for epoch in range(guard.first_epoch, cfg.epochs):
-            trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, guard)
-            if guard.stopped:
+    checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of)
+    history = checkpointer.resumed(state)
+    with checkpointer:
+        for epoch in range(checkpointer.first_epoch, cfg.epochs):
+            trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, checkpointer)
+            if checkpointer.stopped:  # within the epoch, its checkpoint saved
                 break
             # 8. exact evaluation: each test sample scored once over all ranks
             scores = evaluate_as_saved(model, test_set, cfg, worker.device, len(classes))
-            metrics = guard.end_epoch(epoch, trained, scores)
+            history.append({"epoch": epoch + 1, **trained, **scores})
             # 9. every rank reports; rank 0 alone hands its checkpoint over, to be saved once
-            state = checkpoint_of(epoch + 1, guard.history) if worker.is_main else None
-            launcher.report(metrics, state, epoch + 1)
-            if guard.stopped:
+            checkpointer.save(history, checkpoint_of(epoch + 1, history) if worker.is_main
+                              else None)
+            if checkpointer.stopped:
                 break
-    return guard.result()
+    return checkpointer.result(history)
 
 
 def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
@@ -1856,7 +1841,7 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
             worker_runtime_env=one_arena(cfg)),
         torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)))
     # SIGTERM to the driver: rank 0 hears of it at its next beat (--mode ddp under Ray)
-    stop = graceful_stop() if training and options.board and cfg.mode != "scratch" else None
+    stop = graceful_stop() if training and options.board else None
     if stop is not None:
         stop.on_ask = functools.partial(board_heard, options.board)
     quiet = contextlib.redirect_stdout(io.StringIO()) if follower else contextlib.nullcontext()
@@ -2977,7 +2962,7 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
 
 
 # ==================================================================================================
-# Mid-epoch saves and SIGTERM: one object the loop calls once per step (EpochGuard).
+# Mid-epoch saves and SIGTERM: the Checkpointer, which the loop asks once a step.
 # ==================================================================================================
 
 SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE = "sigterm", "driver", "due"
@@ -2986,32 +2971,33 @@ STOP_VOTES = {SIGTERM_VOTE, DRIVER_VOTE}
 SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
-class EpochGuard:
-    """Around the lesson's steps: where the loop starts, checkpoints within an epoch, a graceful
-    stop (SIGTERM, or the driver's), rank 0's console; saves and stops are voted in an all-reduce
-    of their own at log steps, so that every rank takes them at the same step."""
+class Checkpointer:
+    """What the loop asks after each step: save now? stop now? Saves within an epoch
+    (--checkpoint-every) and stops (SIGTERM, the driver's) are agreed by every rank in one small
+    all-reduce, about once a second of training and at log steps (the logged loss rides on it);
+    rank 0's progress, epoch lines and reports."""
 
-    def __init__(self, cfg: Config, worker: Worker, launcher=None, options: LoopOptions = None,
-                 state: Optional[dict] = None, checkpoint_of=None, saves_within: bool = True):
+    AGREE_S = 1.0  # seconds of training between two agreements (each step, if steps are slower)
+
+    def __init__(self, cfg: Config, worker: Worker, launcher=None,
+                 options: Optional[LoopOptions] = None, checkpoint_of=None):
         options = options or LoopOptions()
         self.cfg, self.worker, self.launcher = cfg, worker, launcher
-        self.checkpoint_of = checkpoint_of
-        self.torchrun, self.console = options.torchrun, Console.of(options, worker)
-        self.first_epoch = state["epoch"] if state else 0
-        self.history = list(state["history"]) if state else []
-        self.resumed = (state or {}).get("partial")
+        self.checkpoint_of, self.torchrun = checkpoint_of, options.torchrun
+        self.console = Console.of(options, worker)
         self.every_steps, self.every_seconds = (checkpoint_interval(cfg.checkpoint_every)
-                                                if saves_within else (0, 0.0))
+                                                if checkpoint_of else (0, 0.0))
         board = options.board if worker.is_main and told(options.board, "restarted") else None
-        self.link = DriverLink(board) if board is not None and saves_within else None
-        self.stop = graceful_stop() if saves_within else None
-        self.stopped, self.last_save, self.since = None, time.monotonic(), 0
-        if worker.is_main and self.first_epoch >= cfg.epochs:
-            self.console.say(f"ray-dp: {finished_run(cfg, self.first_epoch)}")
-        elif worker.is_main and (self.first_epoch or self.resumed):
-            self.console.say(f"ray-dp: {self.describe_start()}")
+        self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
+        self.first_epoch, self.resumed_at, self.history = 0, {}, []
+        self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
+        self.steps_done, self.next_agreement, self.agreed_steps, self.since_save = 0, 1, 0, 0
+        self.tic = self.agreed_at = time.perf_counter()
+        self.first_step, self.saves, self.save_seconds = 0, 0, 0.0
+        self.last_save = time.monotonic()
+        worker.marks["model"] = time.time()
 
-    def __enter__(self) -> "EpochGuard":
+    def __enter__(self) -> "Checkpointer":
         if self.stop is not None:
             self.stop.training, self.stop.asked = True, False
         if self.link is not None:
@@ -3024,119 +3010,128 @@ class EpochGuard:
         if self.link is not None:
             self.link.__exit__()
 
+    def resumed(self, state: Optional[dict]) -> list:
+        """The run's history so far (the loop appends to it): the checkpoint's, whose weights the
+        loop has loaded, and where the run goes on; rank 0 says so."""
+        if state is not None:
+            self.first_epoch, self.resumed_at = state["epoch"], state.get("partial") or {}
+            self.history = list(state["history"])
+            done = self.first_epoch >= self.cfg.epochs
+            self.console.say("ray-dp: " + (finished_run(self.cfg, self.first_epoch) if done
+                                           else self.describe_start()))
+        return self.history
+
     def describe_start(self) -> str:
-        workers = plural(self.worker.world, "worker")
-        if not self.resumed:
-            return (f"resuming at epoch {self.first_epoch + 1} of {self.cfg.epochs} with "
-                    f"{workers}, from the checkpoint of epoch {self.first_epoch}")
-        step = self.resumed["step"]
-        return (f"resuming at epoch {self.first_epoch + 1} of {self.cfg.epochs}, step {step + 1} "
-                f"of {self.resumed['steps']}, with {workers}, from the checkpoint at epoch "
-                f"{self.first_epoch + 1}, step {step}")
+        workers, epoch = plural(self.worker.world, "worker"), self.first_epoch + 1
+        if not self.resumed_at:
+            return (f"resuming at epoch {epoch} of {self.cfg.epochs} with {workers}, from the "
+                    f"checkpoint of epoch {self.first_epoch}")
+        step = self.resumed_at["step"]
+        return (f"resuming at epoch {epoch} of {self.cfg.epochs}, step {step + 1} of "
+                f"{self.resumed_at['steps']}, with {workers}, from the checkpoint at epoch "
+                f"{epoch}, step {step}")
 
-    def start(self, epoch: int) -> StepLoss:
-        partial = self.resumed if epoch == self.first_epoch else None
-        self.epoch, self.first_step = epoch, (partial or {}).get("step", 0)
-        self.samples_done = (partial or {}).get("samples_done", 0)
-        self.saves, self.save_seconds, self.tic = 0, 0.0, time.perf_counter()
-        self.loss_sums = StepLoss(self.worker.device, partial, self.worker.is_main)
-        return self.loss_sums
+    def epoch_start(self, epoch: int) -> tuple[int, EpochLoss]:
+        """The epoch's first step and its loss so far: 0 and none, or a mid-epoch save's."""
+        partial = self.resumed_at if epoch == self.first_epoch else {}
+        self.tic, self.first_step = time.perf_counter(), partial.get("step", 0)
+        self.saves, self.save_seconds = 0, 0.0
+        return self.first_step, EpochLoss(self.worker.device, partial, self.worker.is_main)
 
-    def steps(self, remaining: int):
-        self.total, self.stopped_at = self.first_step + remaining, None
-        for step in range(self.first_step, self.total):
-            yield step
-            if self.stopped_at is not None:
-                if self.stopped_at < self.total:
-                    self.stopped = {"epoch": self.epoch + 1, "step": self.stopped_at,
-                                    "steps": self.total, "by": self.stopped_by}
-                return
-
-    def stepped(self, step: int) -> None:
+    def after_step(self, epoch: int, step: int, steps: int, losses: EpochLoss) -> bool:
+        """True once every rank has agreed to stop after this step (its checkpoint saved)."""
         self.worker.marks.setdefault("first_step", time.time())
-        self.since += 1
-        logged = (step + 1) % self.cfg.log_every == 0
-        agreed = self.vote() if logged else set()
-        if logged and self.link is not None:  # what a failure now would redo
-            self.link.board.stepped.remote(self.since)
-        rate = ((step + 1 - self.first_step) * self.cfg.batch_size
-                / (time.perf_counter() - self.tic))
-        loss = self.loss_sums.entries[-1][1] if self.loss_sums.entries else None
-        self.console.progress((self.epoch, step + 1, self.total, loss, rate, self.cfg.epochs))
-        if step + 1 < self.total and (self.due_at(step + 1) or agreed):
-            self.save_within(step + 1)
-        if agreed & STOP_VOTES:
-            self.stopped_at, self.stopped_by = step + 1, sorted(agreed & STOP_VOTES)
+        self.steps_done, self.since_save = self.steps_done + 1, self.since_save + 1
+        done, last = epoch * steps + step + 1, step + 1 == steps  # the run's step; the epoch's end
+        logged = done % self.cfg.log_every == 0
+        due = bool(self.every_steps) and (step + 1) % self.every_steps == 0 and not last
+        votes = (self.agree(losses, done if logged else 0, last)
+                 if logged or due or last or self.steps_done >= self.next_agreement else set())
+        self.progress(epoch, step + 1, steps, losses)
+        stop = votes & STOP_VOTES
+        if (due or votes) and not last and self.checkpoint_of is not None:
+            self.save_within(epoch, step + 1, steps, losses)
+            if stop:
+                self.stopped = {"epoch": epoch + 1, "step": step + 1, "steps": steps,
+                                "by": sorted(stop)}
+                self.console.progress(None)
+                return True
+        self.stop_votes |= stop  # at the epoch's end, with its checkpoint
+        return False
 
-    def due_at(self, step: int) -> bool:
-        return bool(self.every_steps) and step % self.every_steps == 0
-
-    def vote(self, epoch_end: bool = False) -> set:
-        """What the ranks agree on now: a stop (SIGTERM here, or the driver's), a save due by rank
-        0's clock. At the epoch's end rank 0 asks the driver once more and waits."""
+    def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool) -> set:
+        """One all-reduce: each rank's votes (a stop; a save due by rank 0's clock), rank 0's steps
+        to the next agreement (about AGREE_S of training), the loss since the last log step and
+        the epoch's so far. At the epoch's end rank 0 asks the driver once more and waits."""
         mine = {SIGTERM_VOTE} if self.stop is not None and self.stop.asked else set()
         if self.link is not None:
             if epoch_end:
                 self.link.beat(timeout=10)
             mine |= {DRIVER_VOTE} if self.link.asked else set()
-        if (self.worker.is_main and self.every_seconds
-                and time.monotonic() - self.last_save >= self.every_seconds):
+            self.link.board.stepped.remote(self.since_save)  # what a failure now would redo
+        main, now = self.worker.is_main, time.perf_counter()
+        if main and self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds:
             mine.add(DUE_VOTE)
-        votes = torch.tensor([vote in mine for vote in VOTES], dtype=torch.float64,
+        step_seconds = (now - self.agreed_at) / max(self.steps_done - self.agreed_steps, 1)
+        ahead = min(max(int(self.AGREE_S / step_seconds), 1), 10_000) if main else 0
+        flags = torch.tensor([vote in mine for vote in VOTES] + [ahead], dtype=torch.float64,
                              device=self.worker.device)
-        return {vote for vote, count in zip(VOTES, all_reduce_sum(votes).tolist()) if count}
+        totals = all_reduce_sum(torch.cat([flags, losses.window, losses.sums])).tolist()
+        self.next_agreement = self.steps_done + int(totals[3])
+        self.agreed_at, self.agreed_steps = time.perf_counter(), self.steps_done
+        self.totals, self.pending = totals[6:8], [0, 0] if logged_step else totals[4:6]
+        if logged_step:
+            losses.logged.append([logged_step, totals[4] / totals[5]])
+            losses.window.zero_()
+        return {vote for vote, count in zip(VOTES, totals) if count}
 
-    def save_within(self, step: int) -> None:
+    def progress(self, epoch: int, done: int, steps: int, losses: EpochLoss) -> None:
+        rate = (done - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
+        loss = losses.logged[-1][1] if losses.logged else None
+        self.console.progress((epoch, done, steps, loss, rate, self.cfg.epochs))
+
+    def save_within(self, epoch: int, step: int, steps: int, losses: EpochLoss) -> None:
         """Every rank, at the same step: rank 0's checkpoint of the epoch so far."""
         tic = time.perf_counter()
-        global_batch = self.cfg.micro_batch * self.cfg.accum_steps * self.worker.world
-        partial = {"epoch": self.epoch, "step": step, "steps": self.total,
-                   "samples_done": self.samples_done + (step - self.first_step) * global_batch,
-                   **self.loss_sums.so_far()}
-        metrics = {"epoch": self.epoch + 1, "step": step, "steps": self.total,
-                   "keep": keep_score(self.epoch + 1, step, self.total)}
-        state = (self.checkpoint_of(self.epoch, self.history, partial) if self.worker.is_main
+        partial = {"epoch": epoch, "step": step, "steps": steps, "samples": int(self.totals[1]),
+                   "loss_sum": self.totals[0], "step_log": [list(e) for e in losses.logged],
+                   "pending": self.pending}
+        metrics = {"epoch": epoch + 1, "step": step, "steps": steps,
+                   "keep": keep_score(epoch + 1, step, steps)}
+        state = (self.checkpoint_of(epoch, self.history, partial) if self.worker.is_main
                  else None)
-        self.launcher.report(metrics, state, self.epoch + 1, step)
+        self.launcher.report(metrics, state, epoch + 1, step)
         self.saves += 1
         self.save_seconds += time.perf_counter() - tic
-        self.after_save()
+        self.saved()
 
-    def after_save(self) -> None:
-        self.last_save, self.since = time.monotonic(), 0
+    def saved(self) -> None:
+        self.last_save, self.since_save = time.monotonic(), 0
         if self.link is not None:
             self.link.board.stepped.remote(0)
 
-    def finish(self, loss: tuple, lr: float, data_seconds: float) -> dict:
-        """The epoch's metrics; a stop asked for in an epoch without a log step is voted on here."""
-        if self.stopped_at is None and (agreed := self.vote(epoch_end=True) & STOP_VOTES):
-            self.stopped_at, self.stopped_by = self.total, sorted(agreed)
-        mean, samples, trained = loss
-        seconds = time.perf_counter() - self.tic
+    def save(self, history: list, state: Optional[dict]) -> None:
+        """An epoch's end on every rank: its line, its report with rank 0's checkpoint; a stop
+        agreed on during the epoch takes effect here."""
+        metrics, marks = history[-1], self.worker.marks
+        metrics.update(checkpoints_within=self.saves, checkpoint_seconds=self.save_seconds,
+                       first_step_at=marks.get("first_step"), ended_at=time.time())
+        if metrics["epoch"] == self.first_epoch + 1:
+            metrics["startup"] = dict(marks)
         self.console.progress(None)
-        return {"train_loss": mean, "lr": lr, "train_samples": samples, "epoch_seconds": seconds,
-                "samples_per_second": trained / seconds, "data_seconds": data_seconds,
-                "first_step_at": self.worker.marks.get("first_step"),
-                "step_log": self.loss_sums.entries, "checkpoints_within": self.saves,
-                "checkpoint_seconds": self.save_seconds,
-                **({"resumed_at_step": self.first_step} if self.first_step else {})}
-
-    def end_epoch(self, epoch: int, trained: dict, scores: dict) -> dict:
-        metrics = {"epoch": epoch + 1, **trained, **scores, "ended_at": time.time()}
-        if epoch == self.first_epoch:
-            metrics["startup"] = dict(self.worker.marks)
-        self.history.append(metrics)
         self.console.say(format_epoch(metrics, self.cfg.epochs))
-        self.after_save()
-        if getattr(self, "stopped_at", None) is not None and epoch + 1 < self.cfg.epochs:
-            self.stopped = {"epoch": epoch + 2, "step": 0, "steps": None, "by": self.stopped_by}
-        return {**metrics, "keep": keep_score(epoch + 1)}
+        self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"])}, state,
+                             metrics["epoch"])
+        self.saved()
+        if self.stop_votes and metrics["epoch"] < self.cfg.epochs:
+            self.stopped = {"epoch": metrics["epoch"] + 1, "step": 0, "steps": None,
+                            "by": sorted(self.stop_votes)}
 
-    def result(self) -> dict:
+    def result(self, history: list) -> dict:
         """What the loop returns (rank 0's is the Result's); a worker's SIGTERM under Ray with
         --max-failures is an error, for Ray to restart the workers from the checkpoint."""
         marks = self.worker.marks
-        out = {"history": self.history, "world_size": self.worker.world,
+        out = {"history": history, "world_size": self.worker.world,
                "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
                "first_step_at": marks.get("first_step"), "startup": marks,
                "node_ranks": node_ranks(self.worker), "stopped": self.stopped}
@@ -3166,7 +3161,7 @@ def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
 
 class GracefulStop:
     """SIGTERM while this process trains (a reclaimed spot node's, a drained one's): the run saves
-    at the next log step and stops. Otherwise, or at a second SIGTERM, what it did before."""
+    within seconds of training and stops. Otherwise, or at a second SIGTERM, what it did before."""
 
     def __init__(self, before):
         self.before, self.asked, self.training = before, False, False
@@ -3175,9 +3170,9 @@ class GracefulStop:
     def __call__(self, signum, frame) -> None:
         if self.training and not self.asked and (self.on_ask is None or self.on_ask()):
             self.asked = True
-            os.write(sys.__stdout__.fileno(), b"ray-dp: SIGTERM: saving a checkpoint at the next "
-                     b"log step (--log-every) or the epoch's end, then stopping (a second SIGTERM "
-                     b"stops at once)\n")  # not print(): the signal may have come inside one
+            # not print(): the signal may have come inside one
+            os.write(sys.__stdout__.fileno(), b"ray-dp: SIGTERM: saving a checkpoint within "
+                     b"seconds of training, then stopping (a second SIGTERM stops at once)\n")
             return
         if callable(self.before):
             self.before(signum, frame)

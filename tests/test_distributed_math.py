@@ -27,7 +27,7 @@ def ddp_epochs(cfg_fields, data, epochs=1):
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     batches = ray_dp.train_batches(data, cfg, rank, world, CPU)
     for epoch in range(epochs):
-        stats = ray_dp.train_epoch(model, optimizer, batches, cfg, here(), epoch)
+        stats = ray_dp.train_epoch(model, optimizer, batches, cfg, here(), epoch, ray_dp.Checkpointer(cfg, here()))
     return {"params": [p.detach().clone() for p in ray_dp.unwrap(model).parameters()], "stats": stats}
 
 
@@ -82,6 +82,25 @@ def test_training_loss_is_averaged_over_all_workers():
     expected = F.cross_entropy(model(images), labels).item()
     assert results[0]["stats"]["train_loss"] == results[1]["stats"]["train_loss"]
     assert results[0]["stats"]["train_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def step_logs_of_epochs(fields, data, epochs):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = ray_dp.Config(**fields, workers=world)
+    model, _ = new_model_and_optimizer(cfg)
+    model = ray_dp.wrap_model(model, CPU)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    batches, checkpointer = ray_dp.train_batches(data, cfg, rank, world, CPU), ray_dp.Checkpointer(cfg, here())
+    return [ray_dp.train_epoch(model, optimizer, batches, cfg, here(), epoch, checkpointer)["step_log"]
+            for epoch in range(epochs)]
+
+
+def test_an_epoch_shorter_than_log_every_still_logs_every_log_every_steps_of_the_run():
+    # 40 samples, global batch 8: 5 steps an epoch, fewer than --log-every 4... twice over 3 epochs
+    fields = dict(model="mlp", batch_size=8, lr=0.01, seed=0, log_every=4)
+    zero, one = run_distributed(step_logs_of_epochs, 2, fields, random_images(40), 3)
+    assert [[step for step, _ in log] for log in zero] == [[4], [8], [12]]
+    assert zero == one and all(0 < loss < 10 for log in zero for _, loss in log)
 
 
 def evaluate_on_rank(data):
@@ -286,7 +305,8 @@ def bn_model_trained_then_evaluated(data, test):
     torch.manual_seed(0)
     model = ray_dp.wrap_model(ray_dp.build_model("resnet18", (1, 8, 8)), CPU)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    ray_dp.train_epoch(model, optimizer, ray_dp.train_batches(data, cfg, rank, world, CPU), cfg, here(), 0)
+    ray_dp.train_epoch(model, optimizer, ray_dp.train_batches(data, cfg, rank, world, CPU), cfg, here(), 0,
+                       ray_dp.Checkpointer(cfg, here()))
     drifted = ray_dp.unwrap(model).state_dict()["1.running_mean"].clone()
     broadcast, dtypes = dist.broadcast, []
     dist.broadcast = lambda tensor, src: dtypes.append(tensor.dtype) or broadcast(tensor, src)
@@ -331,7 +351,8 @@ def all_reduces_per_epoch(compiled):
     ddp.register_comm_hook(None, counting_allreduce)
     wrapped = torch.compile(ddp, backend="eager") if compiled else ddp  # eager: the wrapper without inductor
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr)
-    ray_dp.train_epoch(wrapped, optimizer, ray_dp.train_batches(random_images(32), cfg, rank, world, CPU), cfg, here(), 0)
+    ray_dp.train_epoch(wrapped, optimizer, ray_dp.train_batches(random_images(32), cfg, rank, world, CPU), cfg, here(), 0,
+                       ray_dp.Checkpointer(cfg, here()))
     return len(calls)
 
 

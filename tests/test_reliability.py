@@ -1,6 +1,7 @@
 """Reliability: a dead worker, a killed driver, a corrupt checkpoint; bitwise-reproducible runs."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -83,17 +84,18 @@ def test_a_second_run_with_the_same_seed_ends_identical_even_through_dataloader_
 def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_within_the_epoch_and_ends_identical(
         tmp_path, monkeypatch, capsys, reference):
     marker = tmp_path / "crashed"
-    monkeypatch.setattr(ray_dp, "train_loop_per_worker",  # epoch 3, step 51, once Ray has committed step 40's
-                        crash_once(str(marker), 2, 50, once_committed=(str(tmp_path / "crash"),
+    monkeypatch.setattr(ray_dp, "train_loop_per_worker",  # epoch 3, step 53, once Ray has committed step 40's
+                        crash_once(str(marker), 2, 52, once_committed=(str(tmp_path / "crash"),
                                                                       "checkpoint_epoch_003_step_000040")))
     result = train(tmp_path, "crash", "--max-failures", "1", "--checkpoint-every", "20")
     assert marker.exists()  # it did die
     out = capsys.readouterr().out
     # as Ray reports an exit (its error lists the OOM killer among possible causes of every one): not out of memory
     assert "(its process or node died) during epoch 3; failure 1 (--max-failures: 1 allowed)" in out
-    # the restarted group resumed from the checkpoint after step 40 of epoch 3: steps 41 to 50 are trained twice
+    # the restarted group resumed from the checkpoint after step 40 of epoch 3: steps 41 to 52 are trained twice (step
+    # 52 is the run's step 410, a log step, at which the ranks agreed, and rank 0 told the driver)
     assert "resuming at epoch 3 of 3, step 41 of 179, with 2 workers, from the checkpoint at epoch 3, step 40" in out
-    assert result["started_at_epoch"] == 3 and result["recovery"]["steps_redone"] == 10
+    assert result["started_at_epoch"] == 3 and result["recovery"]["steps_redone"] == 12
     assert [m["epoch"] for m in result["epochs"]] == [1, 2, 3] and result["epochs"][-1]["train_samples"] == 1432
     assert_bitwise_equal(final_weights(result), reference)
     # the epochs' checkpoints, and of the mid-epoch ones what room --epochs + 1 leaves: the latest
@@ -125,12 +127,13 @@ def test_sigterm_to_a_worker_saves_at_the_next_log_step_and_ray_restarts_from_th
     monkeypatch.setattr(ray_dp, "train_loop_per_worker", crash_once(str(tmp_path / "signalled"), 1, 33, sigterm=True))
     result = train(tmp_path, "spot", "--max-failures", "1", "--checkpoint-every", "0")
     out = capsys.readouterr().out
-    assert ("ray-dp: SIGTERM: saving a checkpoint at the next log step (--log-every) or the epoch's end, then "
-            "stopping") in out
-    # signalled in step 34 of epoch 2: saved after step 40 (--log-every 10), where the restarted workers go on
-    assert ("ray-dp: a worker got SIGTERM; saved epoch 2, step 40 of 179 and stopped during epoch 2; failure 1 "
-            "(--max-failures: 1 allowed): restarting the workers from the last checkpoint") in out
-    assert "from the checkpoint at epoch 2, step 40" in out
+    assert "ray-dp: SIGTERM: saving a checkpoint within seconds of training, then stopping" in out
+    # signalled in step 34 of epoch 2: saved at the ranks' next agreement, at the latest the next log step (step 41,
+    # the run's 220th), where the restarted workers go on
+    saved = re.search(r"ray-dp: a worker got SIGTERM; saved epoch 2, step (\d+) of 179 and stopped during epoch 2; "
+                      r"failure 1 \(--max-failures: 1 allowed\): restarting the workers from the last checkpoint", out)
+    assert saved and 34 <= int(saved[1]) <= 41, out
+    assert f"from the checkpoint at epoch 2, step {saved[1]}" in out
     assert result["recovery"]["steps_redone"] == 0 and result["recovery"]["failures"] == 1
     assert_bitwise_equal(final_weights(result), reference)
 
@@ -178,10 +181,11 @@ def driver_past_epoch_1(tmp_path, name, stdout, *flags, slow=False):
     return driver, snapshot
 
 
-def test_sigterm_to_the_driver_saves_within_the_epoch_however_long_the_steps_and_the_same_command_resumes_identically(
+def test_sigterm_to_the_driver_saves_within_seconds_however_long_the_steps_and_the_same_command_resumes_identically(
         tmp_path, reference):
     # no log step in an epoch (179 steps), and 65 s into epoch 2 before the signal: rank 0 said nothing of its steps
-    # for longer than the minute after which the driver once took it for not training, and let the signal kill it
+    # for longer than the minute after which the driver once took it for not training, and let the signal kill it; the
+    # stop is agreed within seconds of training (rank 0's next beat, then the ranks' next agreement), not at a log step
     driver, _ = driver_past_epoch_1(tmp_path, "drained", subprocess.PIPE, "--log-every", "1000", slow=True)
     printed = {"stdout": [], "stderr": []}
     heard = threading.Event()  # the driver's board has the stop: rank 0 hears it at its next beat
@@ -196,20 +200,26 @@ def test_sigterm_to_the_driver_saves_within_the_epoch_however_long_the_steps_and
         reader.start()
     time.sleep(65)
     driver.send_signal(signal.SIGTERM)
+    signalled = time.time()
     assert heard.wait(30), "the driver never took the SIGTERM"
-    time.sleep(2 * ray_dp.DriverLink.BEAT_S)  # still in epoch 2 (0.6 s a step): a beat or its end
+    time.sleep(4 * ray_dp.DriverLink.BEAT_S)  # still in epoch 2 (0.6 s a step): a beat, an agreement, the save
     (tmp_path / "fast").touch()
     driver.wait(timeout=120)
     for reader in readers:
         reader.join(timeout=30)
     stdout, stderr = "".join(printed["stdout"]), "".join(printed["stderr"])
     assert driver.returncode == 143 and "Traceback" not in stderr, stdout + stderr
-    assert stderr.splitlines()[-1] == ("ray_dp.py: stopped at the end of epoch 2 (SIGTERM), its checkpoint saved: "
-                                       "the same command resumes from there")
-    assert "ray-dp: SIGTERM: saving a checkpoint at the next log step" in stdout
+    stopped = re.fullmatch(r"ray_dp.py: stopped at epoch 2, step (\d+) of 179 \(SIGTERM\), its checkpoint saved: the "
+                           r"same command resumes from there", stderr.splitlines()[-1])
+    assert stopped, stderr
+    # 0.6 s a step from the start of epoch 2 until the signal (65 s), and at most 4 beats' time after it
+    assert 65 / 0.6 - 10 <= int(stopped[1]) <= (65 + 4 * ray_dp.DriverLink.BEAT_S) / 0.6 + 5
+    assert "ray-dp: SIGTERM: saving a checkpoint within seconds of training" in stdout
+    assert time.time() - signalled < 120
 
-    result = train(tmp_path, "drained")  # the same command, in this process
-    assert result["started_at_epoch"] == 3 and result["recovery"]["steps_redone"] == 0
+    result = train(tmp_path, "drained")  # the same command, in this process: the rest of epoch 2, then epoch 3
+    assert result["started_at_epoch"] == 2 and result["epochs"][1].get("resumed_at_step") == int(stopped[1])
+    assert result["recovery"]["steps_redone"] == 0
     assert_bitwise_equal(final_weights(result), reference)
 
 

@@ -144,7 +144,7 @@ def test_every_step_and_every_2_steps_are_saved_and_named_by_epoch_and_step(runs
                                                                                       (2, 2), (2, 4), (2, 0)]
     assert ray_dp.checkpoint_dir_name(2, 4) == "checkpoint_epoch_002_step_000004"
     state = dict(runs["in-memory-accum-2"]["whole"])[(2, 3)]
-    assert (state["epoch"], state["partial"]["step"], state["partial"]["samples_done"]) == (1, 3, 36)
+    assert (state["epoch"], state["partial"]["step"], state["partial"]["samples"]) == (1, 3, 36)
 
 
 @pytest.mark.parametrize("name", ["in-memory-accum-2", "folder-augment-loader-process", "dropout-adamw"])
@@ -168,8 +168,8 @@ def test_a_resumed_epoch_reports_every_sample_of_it_and_the_same_losses(runs):
     assert resumed[0]["resumed_at_step"] == 2 and "resumed_at_step" not in whole[1]
     assert " s (from step 3), " in ray_dp.format_epoch(resumed[0], 2)  # its seconds are those of 3 steps
     assert resumed[0]["train_loss"] == pytest.approx(whole[1]["train_loss"], rel=1e-12)
-    # TensorBoard's per-step curve (every 2 steps), the resume in between two of its points (after step 2... 3)
-    assert [s for s, _ in resumed[0]["step_log"]] == [s for s, _ in whole[1]["step_log"]] == [7, 9]
+    # TensorBoard's per-step curve (every 2 steps of the run), the resume in between two of its points (after 7)
+    assert [s for s, _ in resumed[0]["step_log"]] == [s for s, _ in whole[1]["step_log"]] == [6, 8, 10]
     assert [loss for _, loss in resumed[0]["step_log"]] == pytest.approx([loss for _, loss in whole[1]["step_log"]],
                                                                          rel=1e-12)
 
@@ -341,7 +341,7 @@ def resumed_on(cfg, state):
 def test_an_elastic_resize_mid_epoch_spreads_the_rest_of_the_epoch_over_the_new_workers(tmp_path):
     cfg = config(tmp_path, checkpoint_every="1", min_workers=1)  # --workers 1:3 (elastic), started on 2
     state = run_distributed(saved_at, 2, cfg, (1, 2))[0]  # 2 of the 5 steps of epoch 1: its first 24 samples
-    assert state["partial"]["samples_done"] == 24
+    assert state["partial"]["samples"] == 24
     epochs = run_distributed(resumed_on, 3, cfg, state)[0]  # the rest of it on 3 workers: 36 samples, 4 each a step
     assert [m["epoch"] for m in epochs] == [1, 2]
     assert epochs[0]["train_samples"] == 60 and epochs[1]["train_samples"] == 60
@@ -424,27 +424,29 @@ class FakeBoard:
         self.restarted = self.Method(lambda: None)
 
 
-def test_rank_0_tells_the_board_at_log_steps_and_hears_the_drivers_stop_from_its_heartbeat(monkeypatch):
+def test_rank_0_tells_the_board_at_agreements_and_hears_the_drivers_stop_from_its_heartbeat(monkeypatch):
     monkeypatch.setattr(ray_dp.ray, "get", lambda ref, timeout=None: ref)
     monkeypatch.setattr(ray_dp.DriverLink, "BEAT_S", 0.01)
     monkeypatch.setattr(ray_dp, "graceful_stop", lambda: None)  # this process's SIGTERM stays pytest's
     board = FakeBoard()
-    guard = ray_dp.EpochGuard(ray_dp.Config(checkpoint_every="0", log_every=2), here(), None,
-                              ray_dp.LoopOptions(board=board), None)
-    guard.start(0)
-    for step in guard.steps(3):
-        guard.stepped(step)
-    assert board.stepped.calls == [(2,)] and guard.vote() == set()  # told at the log step only; nothing asked yet
-    with guard:  # beats from a thread of its own: no step needs to come for the driver to know rank 0 trains
+    checkpointer = ray_dp.Checkpointer(ray_dp.Config(checkpoint_every="0", log_every=2), here(), None,
+                                       ray_dp.LoopOptions(board=board))
+    _, losses = checkpointer.epoch_start(0)
+    for step in range(3):
+        losses.add(torch.tensor(1.0), 1)
+        assert not checkpointer.after_step(0, step, 10, losses)
+    # told at the first step (the first agreement, which times the steps) and at the log step; nothing asked yet
+    assert board.stepped.calls == [(1,), (2,)] and checkpointer.agree(losses, 0, False) == set()
+    with checkpointer:  # beats from a thread of its own: no step needs to come for the driver to know rank 0 trains
         deadline = time.time() + 10
         while len(board.beat.calls) < 3 and time.time() < deadline:
             time.sleep(0.01)
         board.stop = True
-        while not guard.link.asked and time.time() < deadline:
+        while not checkpointer.link.asked and time.time() < deadline:
             time.sleep(0.01)
-    assert len(board.beat.calls) >= 3 and guard.vote() == {ray_dp.DRIVER_VOTE}  # heard between two steps
+    assert len(board.beat.calls) >= 3 and checkpointer.agree(losses, 0, False) == {ray_dp.DRIVER_VOTE}
     board.stop = False
-    assert guard.vote(epoch_end=True) == {ray_dp.DRIVER_VOTE}  # asked stays asked
+    assert checkpointer.agree(losses, 0, True) == {ray_dp.DRIVER_VOTE}  # asked stays asked
 
 
 def test_a_resumed_epochs_progress_bar_starts_at_its_steps_so_far():
