@@ -211,6 +211,10 @@ class Config:
     checkpoint_every: str = option(
         "10m", "also checkpoint within an epoch every STEPS steps or Nm minutes (0: at epochs' "
         "ends only; scratch: 0)", metavar="STEPS|Nm", rerun="free", lesson="0")
+    check_replicas: str = option(
+        "auto", "compare the workers' replicas (every parameter and buffer) at each save and every "
+        "STEPS steps (auto: as often as costs 1%% of training; off: never)",
+        metavar="off|auto|STEPS", rerun="free", evaluation="free")
     timeout: float = option(1800.0, "seconds a collective waits for the slowest worker",
                             metavar="SECONDS", rerun="free", evaluation="free")
     start_timeout: float = option(60.0, "seconds to wait for the workers to start",
@@ -1450,9 +1454,9 @@ def lenet(X: torch.Tensor, params: list) -> torch.Tensor:
 def get_params(params: list, device: torch.device) -> list:
     """The parameters on this worker's device, tracking gradients (convolutions NHWC on a CPU, as
     on_device places ray-dp's LeNet: compare's rows differ by the lesson's code, not layout)."""
-    nhwc = device.type == "cpu"
-    return [p.clone().to(device, memory_format=torch.channels_last if nhwc and p.ndim == 4
-                         else torch.preserve_format).requires_grad_() for p in params]
+    nhwc = device.type == "cpu"  # a restored classifier (a transposed view) made contiguous too
+    return [p.to(device).clone(memory_format=torch.channels_last if nhwc and p.ndim == 4
+                               else torch.contiguous_format).requires_grad_() for p in params]
 
 
 def split_batch(X: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> tuple:
@@ -1598,16 +1602,21 @@ def scratch_loop_per_worker(config: dict) -> dict:
     shape = train_set.tensors[0].shape
     params = get_params(init_lenet_params(cfg.seed, shape[1], shape[-1]) if state is None
                         else state_dict_to_params(state["model"]), worker.device)
-    checkpointer = Checkpointer(cfg, worker, launcher, options)
+
+    def checkpoint_of(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
+        return checkpoint_state(params_to_state_dict(params), {}, epoch, cfg, history,
+                                class_names(train_set), partial)
+    checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, params)
     history = checkpointer.resumed(state)
     with checkpointer:
         for epoch in range(checkpointer.first_epoch, cfg.epochs):
             trained = scratch_train_epoch(params, train_set, cfg, worker, epoch, checkpointer)
+            if checkpointer.stopped:
+                break
             scores = evaluate(lambda X: lenet(X, params), test_set, worker.device)
             history.append({"epoch": epoch + 1, **trained, **scores})
-            checkpointer.save(history, checkpoint_state(
-                params_to_state_dict(params), {}, epoch + 1, cfg, history,
-                class_names(train_set)) if worker.is_main else None)
+            checkpointer.save(history, checkpoint_of(epoch + 1, history) if worker.is_main
+                              else None)
             if checkpointer.stopped:
                 break
     return checkpointer.result(history)
@@ -1684,7 +1693,7 @@ def train_loop_per_worker(config: dict) -> dict:
         # the bare model (model.module), not DDP's wrapper: what 9. saves
         return checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(), epoch, cfg,
                                 history, classes, partial, samples)
-    checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of)
+    checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, model, optimizer)
     history = checkpointer.resumed(state)
     with checkpointer:
         for epoch in range(checkpointer.first_epoch, cfg.epochs):
@@ -1738,14 +1747,16 @@ def run(cfg: Config, resume: "Resume" = None, data: Optional[DataInfo] = None,
     rank 0 alone checks, speaks and writes, and its loop decides for all."""
     resume = resume or Resume()
     torchrun, follower = under_torchrun(), torchrun_follower()
-    if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts at fit
+    if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts here
         CLOCK.clear()
+        CLOCK["imported"] = time.time()
     if not follower:
         cfg, data, notes = preflight(cfg, resume, data, typed)
         CLOCK["checked"] = time.time()
         cfg = cfg if torchrun else connect(cfg)
         CLOCK["connected"] = time.time()
         start_fresh(cfg)  # under torchrun before rank 0's loop looks for checkpoints
+        remove_stored(f"{cfg.run_dir}/hang")  # an earlier command's record of a hang
         print(describe(cfg, data, torchrun), *notes, sep="\nnote: ", flush=True)
     options = loop_options(cfg, data, resume, torchrun)
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
@@ -1753,7 +1764,7 @@ def run(cfg: Config, resume: "Resume" = None, data: Optional[DataInfo] = None,
         result = fit(cfg, loop, options, resume.done)
     except ray.train.TrainingFailedError as exc:
         raise RunFailed(describe_training_error(exc, {}) if follower
-                        else record_failure(cfg, exc)) from None
+                        else record_failure(cfg, exc, options.board)) from None
     except OSError as exc:  # torchrun: rank 0's own write
         raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
     return None if follower else summary_of(cfg, result, options.board, torchrun)
@@ -1763,7 +1774,10 @@ def summary_of(cfg: Config, result: ray.train.Result, board, torchrun: bool) -> 
     """A finished run's result.json and last lines; a run that stopped, one line."""
     if "data_error" in result.return_value:
         raise DataError(result.return_value["data_error"])
-    if stopped := result.return_value["stopped"]:
+    if (stopped := result.return_value["stopped"]) and stopped.get("error"):
+        raise RunFailed(stopped["error"])
+    if stopped:
+        record_ledger(cfg, result.return_value, board)  # this command's time counts in the run's
         raise RunStopped(f"stopped at {position_of(stopped)} (SIGTERM), its checkpoint saved: "
                          f"the same command resumes from there")
     try:
@@ -1771,7 +1785,9 @@ def summary_of(cfg: Config, result: ray.train.Result, board, torchrun: bool) -> 
     except OSError as exc:
         raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
     print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
-    for note in (near_chance(cfg, summary), cfg.mode == "dp" and DP_NOTE % cfg.workers):
+    print(f"ray-dp: {format_ledger(summary['ledger'])}", flush=True)
+    for note in (near_chance(cfg, summary), cfg.mode == "dp" and DP_NOTE % cfg.workers,
+                 checkpoint_advice(cfg, summary)):
         if note:
             print(f"note: {note}", flush=True)
     print(wrote_run(cfg, summary), flush=True)
@@ -1838,7 +1854,7 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=run_callbacks(cfg, logs, options, done, training),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            worker_runtime_env=one_arena(cfg)),
+            worker_runtime_env=worker_env(cfg)),
         torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)))
     # SIGTERM to the driver: rank 0 hears of it at its next beat (--mode ddp under Ray)
     stop = graceful_stop() if training and options.board else None
@@ -1846,11 +1862,16 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
         stop.on_ask = functools.partial(board_heard, options.board)
     quiet = contextlib.redirect_stdout(io.StringIO()) if follower else contextlib.nullcontext()
     relay = Relay(options.board, options.progress) if options.board else contextlib.nullcontext()
+    if options.torchrun:  # torchrun's process group is this very process's
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", worker_env(cfg)["env_vars"].get(
+            "TORCH_FR_BUFFER_SIZE", "2000"))
     try:
-        with quiet, training_now(stop), relay:
+        with quiet, training_now(stop), relay, dumps_asked(options.board):
             return trainer.fit()
     except SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, exits
         raise KeyboardInterrupt from None
+    finally:
+        CLOCK["fitted"] = time.time()
 
 
 def scaling_config(cfg: Config, workers) -> ScalingConfig:
@@ -2091,6 +2112,9 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (cfg.log_every >= 1, f"--log-every must be at least 1, got {cfg.log_every}"),
         (cfg.max_failures >= -1,
          f"--max-failures must be -1 (no limit) or more, got {cfg.max_failures}"),
+        (cfg.check_replicas in ("off", "auto") or (cfg.check_replicas.isdigit()
+                                                   and int(cfg.check_replicas) >= 1),
+         f"--check-replicas must be off, auto or a number of steps, got {cfg.check_replicas}"),
         (checkpoint_interval(cfg.checkpoint_every) is not None,
          f"--checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' "
          f"ends only), got {cfg.checkpoint_every}"),
@@ -2105,8 +2129,6 @@ def mode_checks(cfg: Config) -> list:
     """(ok, message) of what the modes (scratch, dp) and the other flags say together."""
     scratch, lesson = cfg.mode == "scratch", "(scratch mode is the lesson's"
     return [
-        (not (scratch and checkpoint_interval(cfg.checkpoint_every) not in (None, (0, 0.0))),
-         "--checkpoint-every needs --mode ddp (scratch mode saves at each epoch's end)"),
         (math.isfinite(cfg.timeout) and cfg.timeout >= 1,
          f"--timeout must be a number of seconds, at least 1, got {cfg.timeout}"),
         (math.isfinite(cfg.start_timeout) and cfg.start_timeout >= 1,
@@ -2459,8 +2481,9 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
                      samples: Optional[str] = None) -> dict:
     """A checkpoint after `epoch` epochs (and `partial`: the steps of the next one): the bare
     model's weights made contiguous, the names of its outputs, the list of samples' fingerprint."""
-    return {"model": {key: value.contiguous() for key, value in model_state.items()},
-            "optimizer": optimizer_state, "epoch": epoch,
+    model_state = {key: value.contiguous() for key, value in model_state.items()}
+    return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch,
+            "certificate": certificate(model_state, optimizer_state, cfg.seed, epoch, partial),
             "config": asdict(cfg), "history": list(history), "classes": list(classes),
             "format": CHECKPOINT_FORMAT, **({"partial": partial} if partial else {}),
             **({"samples": samples} if samples else {}), "code": code_record(cfg)}
@@ -2590,6 +2613,11 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
     stored = stored_config(state)
     cfg = follow_stored(cfg, stored, typed)
     check_same_training(cfg, stored, state.get("code"))
+    if (differ := uncertified(state)):
+        raise ConfigError(f"run '{cfg.name}' cannot resume: its checkpoint {latest} holds another "
+                          f"{' and '.join(differ)} than it certifies (it was altered since it was "
+                          f"saved): rerun with --fresh to start over, or --eval-only an earlier "
+                          f"checkpoint_epoch_* directory")
     note_code_changed(cfg, state, f"run '{cfg.name}' saved its checkpoint")
     done = state["epoch"]
     if cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs and done < cfg.epochs:
@@ -2804,12 +2832,15 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     if recovery and board is not None:
         recovery["steps_redone"] = ray.get(board.steps_redone.remote())
     startup = [e["seconds"] for e in recovery.get("events", []) if e["event"] == "startup"]
+    ledger = record_ledger(cfg, out, board, recovery)
+    write_ledger_events(cfg, ledger, history[-1]["epoch"])
     summary = run_record(
         cfg, history[-1], out, last_checkpoint(cfg, history[-1]["epoch"]), epochs=history,
         sec_per_epoch=statistics.median(m["epoch_seconds"] for m in whole),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
         started_at_epoch=out["started_at_epoch"], node_ranks=out["node_ranks"],
-        first_step_at=out["first_step_at"], recovery=recovery,
+        first_step_at=out["first_step_at"], recovery=recovery, resumed=out["resumed"],
+        ledger=ledger,
         startup=startup[0] if startup else startup_breakdown(CLOCK, {}, out["startup"]))
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
@@ -2865,8 +2896,9 @@ class RunFailed(RuntimeError):
     """Training failed for good: one line."""
 
 
-def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
-    """result.json and ray.log of a run that failed; the one-line reason."""
+def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None) -> str:
+    """result.json, ray.log and the ledger of a run that failed; the one-line reason (a hang's:
+    the rank its records name)."""
     logs = local_run_dir(cfg)
     recovery = recovery_summary(os.path.join(logs, "recovery.json"))
     failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
@@ -2875,8 +2907,9 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError) -> str:
         reason = storage_full(cfg, error)
     else:
         append_log(logs, str(error))
-        reason = (f"{describe_training_error(error, node_ips)}; the full errors are in "
-                  f"{os.path.join(logs, 'ray.log')}")
+        reason = (f"{hang_report(cfg) or describe_training_error(error, node_ips)}; the full "
+                  f"errors are in {os.path.join(logs, 'ray.log')}")
+    record_ledger(cfg, None, board, recovery)
     try:
         write_json(os.path.join(cfg.run_dir, "result.json"),
                    run_record(cfg, None, {}, None, error=reason, recovery=recovery))
@@ -2974,13 +3007,15 @@ SIGTERM_STOPPED = "a worker got SIGTERM"
 class Checkpointer:
     """What the loop asks after each step: save now? stop now? Saves within an epoch
     (--checkpoint-every) and stops (SIGTERM, the driver's) are agreed by every rank in one small
-    all-reduce, about once a second of training and at log steps (the logged loss rides on it);
-    rank 0's progress, epoch lines and reports."""
+    all-reduce, about once a second of training and at log steps; on it ride the logged loss, the
+    replicas' digests (--check-replicas) and each rank's forward time. Rank 0's progress, epoch
+    lines, reports and ledger of time; each rank's watchdog."""
 
     AGREE_S = 1.0  # seconds of training between two agreements (each step, if steps are slower)
 
     def __init__(self, cfg: Config, worker: Worker, launcher=None,
-                 options: Optional[LoopOptions] = None, checkpoint_of=None):
+                 options: Optional[LoopOptions] = None, checkpoint_of=None, model=None,
+                 optimizer=None):
         options = options or LoopOptions()
         self.cfg, self.worker, self.launcher = cfg, worker, launcher
         self.checkpoint_of, self.torchrun = checkpoint_of, options.torchrun
@@ -2989,19 +3024,34 @@ class Checkpointer:
                                                 if checkpoint_of else (0, 0.0))
         board = options.board if worker.is_main and told(options.board, "restarted") else None
         self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
-        self.first_epoch, self.resumed_at, self.history = 0, {}, []
+        self.watchdog = Watchdog(cfg, worker, options.board)
+        self.model = unwrap(model) if isinstance(model, nn.Module) else model  # scratch: params
+        self.optimizer = optimizer
+        self.forward = (ForwardClock(self.model, worker.device)
+                        if isinstance(self.model, nn.Module) and not cfg.compile else None)
+        self.check_every = 0 if model is None else (
+            {"off": 0, "auto": 1}.get(cfg.check_replicas) or int(cfg.check_replicas))
+        self.check_seconds, self.last_check, self.slow, self.noted = 0.0, 0, [], False
+        self.first_epoch, self.resumed_at, self.history, self.resume_record = 0, {}, [], None
         self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
         self.steps_done, self.next_agreement, self.agreed_steps, self.since_save = 0, 1, 0, 0
         self.tic = self.agreed_at = time.perf_counter()
-        self.first_step, self.saves, self.save_seconds = 0, 0, 0.0
+        self.first_step, self.saves, self.save_seconds, self.lost = 0, 0, 0.0, 0.0
+        self.saved_count = 0
         self.last_save = time.monotonic()
-        worker.marks["model"] = time.time()
+        marks = worker.marks
+        marks["model"] = time.time()
+        restored = getattr(launcher, "restore_seconds", 0.0)  # a test's launcher may not time it
+        self.ledger = Ledger(data=marks["data"] - marks["loop"] if "data" in marks else 0.0,
+                             model=marks["model"] - marks.get("data", marks["model"]) - restored,
+                             restores=restored)
 
     def __enter__(self) -> "Checkpointer":
         if self.stop is not None:
             self.stop.training, self.stop.asked = True, False
         if self.link is not None:
             self.link.__enter__()
+        self.watchdog.__enter__()
         return self
 
     def __exit__(self, *error) -> None:
@@ -3009,81 +3059,157 @@ class Checkpointer:
             self.stop.training = False
         if self.link is not None:
             self.link.__exit__()
+        self.watchdog.__exit__()
 
     def resumed(self, state: Optional[dict]) -> list:
         """The run's history so far (the loop appends to it): the checkpoint's, whose weights the
-        loop has loaded, and where the run goes on; rank 0 says so."""
+        loop has loaded, checked against its certificate, and where the run goes on."""
         if state is not None:
             self.first_epoch, self.resumed_at = state["epoch"], state.get("partial") or {}
             self.history = list(state["history"])
             done = self.first_epoch >= self.cfg.epochs
             self.console.say("ray-dp: " + (finished_run(self.cfg, self.first_epoch) if done
-                                           else self.describe_start()))
+                                           else self.describe_start(state)))
+            self.ledger.charge("restores")
         return self.history
 
-    def describe_start(self) -> str:
-        workers, epoch = plural(self.worker.world, "worker"), self.first_epoch + 1
-        if not self.resumed_at:
-            return (f"resuming at epoch {epoch} of {self.cfg.epochs} with {workers}, from the "
-                    f"checkpoint of epoch {self.first_epoch}")
-        step = self.resumed_at["step"]
-        return (f"resuming at epoch {epoch} of {self.cfg.epochs}, step {step + 1} of "
-                f"{self.resumed_at['steps']}, with {workers}, from the checkpoint at epoch "
-                f"{epoch}, step {step}")
+    def describe_start(self, state: dict) -> str:
+        workers, epoch, step = plural(self.worker.world, "worker"), state["epoch"] + 1, 0
+        at = f"epoch {epoch} of {self.cfg.epochs}"
+        if self.resumed_at:
+            step = self.resumed_at["step"]
+            at += f", step {step + 1} of {self.resumed_at['steps']}"
+        since = f"epoch {epoch}, step {step}" if step else f"epoch {epoch - 1}"
+        line = f"resuming at {at} with {workers}, from the checkpoint at {since}"
+        self.resume_record = {"from": since, "certified": False}
+        if "certificate" not in state or self.checkpoint_of is None:
+            return line
+        now = self.checkpoint_of(state["epoch"], self.history, self.resumed_at or None)
+        differ = [part for part, value in now["certificate"].items()
+                  if state["certificate"].get(part) != value]
+        if differ:  # the file was certified on the driver: this ray_dp restores it otherwise
+            raise RuntimeError(f"the checkpoint at {since} did not restore as saved: "
+                               f"{', '.join(differ)} differ from what it certifies")
+        self.resume_record["certified"] = True
+        return f"{line}: the same model, optimizer, data position and random streams as saved"
 
     def epoch_start(self, epoch: int) -> tuple[int, EpochLoss]:
         """The epoch's first step and its loss so far: 0 and none, or a mid-epoch save's."""
         partial = self.resumed_at if epoch == self.first_epoch else {}
         self.tic, self.first_step = time.perf_counter(), partial.get("step", 0)
         self.saves, self.save_seconds = 0, 0.0
+        self.agreed_at = self.agreed_at if self.steps_done else self.tic  # time the first step
+        self.ledger.charge("training steps")
         return self.first_step, EpochLoss(self.worker.device, partial, self.worker.is_main)
 
     def after_step(self, epoch: int, step: int, steps: int, losses: EpochLoss) -> bool:
         """True once every rank has agreed to stop after this step (its checkpoint saved)."""
         self.worker.marks.setdefault("first_step", time.time())
+        self.lost += self.ledger.charge("training steps")
         self.steps_done, self.since_save = self.steps_done + 1, self.since_save + 1
         done, last = epoch * steps + step + 1, step + 1 == steps  # the run's step; the epoch's end
+        self.watchdog.progress(f"after step {step + 1} of epoch {epoch + 1} (the run's {done})")
         logged = done % self.cfg.log_every == 0
         due = bool(self.every_steps) and (step + 1) % self.every_steps == 0 and not last
-        votes = (self.agree(losses, done if logged else 0, last)
-                 if logged or due or last or self.steps_done >= self.next_agreement else set())
+        check = self.check_every and self.steps_done - self.last_check >= self.check_every
+        votes = (self.agree(losses, done if logged else 0, last, check, (epoch, step + 1, done))
+                 if logged or due or last or check or self.steps_done >= self.next_agreement
+                 else set())
+        self.lost += self.ledger.charge("training steps")
         self.progress(epoch, step + 1, steps, losses)
         stop = votes & STOP_VOTES
-        if (due or votes) and not last and self.checkpoint_of is not None:
+        if stop:
+            self.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
+        if self.stopped is None and (due or votes) and not last and self.checkpoint_of:
             self.save_within(epoch, step + 1, steps, losses)
             if stop:
                 self.stopped = {"epoch": epoch + 1, "step": step + 1, "steps": steps,
                                 "by": sorted(stop)}
-                self.console.progress(None)
-                return True
         self.stop_votes |= stop  # at the epoch's end, with its checkpoint
-        return False
+        if self.stopped is not None:
+            self.console.progress(None)
+        return self.stopped is not None
 
-    def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool) -> set:
-        """One all-reduce: each rank's votes (a stop; a save due by rank 0's clock), rank 0's steps
-        to the next agreement (about AGREE_S of training), the loss since the last log step and
-        the epoch's so far. At the epoch's end rank 0 asks the driver once more and waits."""
+    def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool, check: bool,
+              where: tuple) -> set:
+        """One all-reduce: each rank's votes (a stop; a save due by rank 0's clock), rank 0's
+        steps to the next agreement (about AGREE_S of training) and to the next check of the
+        replicas, the loss since the last log step and the epoch's so far, each rank's forward
+        seconds a step and, at a check, its replicas' digest."""
         mine = {SIGTERM_VOTE} if self.stop is not None and self.stop.asked else set()
+        main, world, device = self.worker.is_main, self.worker.world, self.worker.device
         if self.link is not None:
             if epoch_end:
                 self.link.beat(timeout=10)
             mine |= {DRIVER_VOTE} if self.link.asked else set()
-            self.link.board.stepped.remote(self.since_save)  # what a failure now would redo
-        main, now = self.worker.is_main, time.perf_counter()
+            self.link.board.stepped.remote(self.since_save, self.snapshot())  # what a failure
         if main and self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds:
             mine.add(DUE_VOTE)
-        step_seconds = (now - self.agreed_at) / max(self.steps_done - self.agreed_steps, 1)
+        steps = max(self.steps_done - self.agreed_steps, 1)
+        step_seconds = (time.perf_counter() - self.agreed_at) / steps
         ahead = min(max(int(self.AGREE_S / step_seconds), 1), 10_000) if main else 0
-        flags = torch.tensor([vote in mine for vote in VOTES] + [ahead], dtype=torch.float64,
-                             device=self.worker.device)
-        totals = all_reduce_sum(torch.cat([flags, losses.window, losses.sums])).tolist()
-        self.next_agreement = self.steps_done + int(totals[3])
-        self.agreed_at, self.agreed_steps = time.perf_counter(), self.steps_done
-        self.totals, self.pending = totals[6:8], [0, 0] if logged_step else totals[4:6]
+        checks = (max(math.ceil(self.check_seconds / (CHECK_SHARE * step_seconds)), 1)
+                  if self.cfg.check_replicas == "auto" else self.check_every) if main else 0
+        own = torch.zeros(3 * world, dtype=torch.float64, device=device)  # forward s, digests
+        own[self.worker.rank] = self.forward.take() / steps if self.forward else 0.0
+        named, hashes = self.digest_into(own[world:], "step") if check else (None, None)
+        flags = torch.tensor([vote in mine for vote in VOTES] + [ahead, checks],
+                             dtype=torch.float64, device=device)
+        totals = all_reduce_sum(torch.cat([flags, losses.window, losses.sums, own]))
+        totals = totals.tolist()
+        self.next_agreement, self.agreed_steps = self.steps_done + int(totals[3]), self.steps_done
+        self.check_every = int(totals[4]) if self.check_every else 0
+        self.totals, self.pending = totals[7:9], [0, 0] if logged_step else totals[5:7]
         if logged_step:
-            losses.logged.append([logged_step, totals[4] / totals[5]])
+            losses.logged.append([logged_step, totals[5] / totals[6]])
             losses.window.zero_()
+        self.note_stragglers(totals[9:9 + world])
+        if check:
+            self.last_check = self.steps_done
+            epoch, step, done = where
+            self.compared(named, hashes, totals[9 + world:],
+                          f"after step {step} of epoch {epoch + 1} (the run's step {done})")
+        self.agreed_at = time.perf_counter()
         return {vote for vote, count in zip(VOTES, totals) if count}
+
+    def digest_into(self, slots: torch.Tensor, stage: str) -> tuple:
+        """This rank's digest of its replica state into its two slots (of 2 x world); rank 0
+        times it, for --check-replicas auto."""
+        synchronize(self.worker.device)
+        tic = time.perf_counter()
+        named = replica_state(self.model, self.optimizer, self.cfg.sync_bn, stage)
+        hashes = tensor_hashes(named, self.worker.device)
+        rank = self.worker.rank
+        slots[2 * rank:2 * rank + 2] = torch.tensor(halves(digest(hashes)), dtype=torch.float64)
+        self.check_seconds = time.perf_counter() - tic
+        return named, hashes
+
+    def compared(self, named: list, hashes: torch.Tensor, prints: list, where: str) -> bool:
+        """Whether every rank's digest is the same; else the run stops here, nothing saved."""
+        try:
+            compare_replicas(named, hashes, [prints[i:i + 2] for i in range(0, len(prints), 2)],
+                             self.worker, where)
+        except ReplicasDiffer as exc:
+            self.stopped = {"epoch": None, "step": None, "steps": None, "by": ["replicas"],
+                            "error": str(exc)}
+            return False
+        return True
+
+    def replicas_agree(self, stage: str, where: str) -> bool:
+        """At a save, before rank 0 writes: every rank's replicas, their optimizer's state too."""
+        if not self.check_every or self.model is None:
+            return True
+        prints = torch.zeros(2 * self.worker.world, dtype=torch.float64, device=self.worker.device)
+        named, hashes = self.digest_into(prints, stage)
+        return self.compared(named, hashes, all_reduce_sum(prints).tolist(), where)
+
+    def note_stragglers(self, forward: list) -> None:
+        if not self.forward or self.noted or self.worker.world == 1 or not all(forward):
+            return
+        self.slow = [*self.slow[-4:], forward]
+        if len(self.slow) == 5 and (note := straggler_note(self.slow, self.worker.world)):
+            self.noted = True
+            self.console.say(f"ray-dp: note: {note}")
 
     def progress(self, epoch: int, done: int, steps: int, losses: EpochLoss) -> None:
         rate = (done - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
@@ -3092,6 +3218,8 @@ class Checkpointer:
 
     def save_within(self, epoch: int, step: int, steps: int, losses: EpochLoss) -> None:
         """Every rank, at the same step: rank 0's checkpoint of the epoch so far."""
+        if not self.replicas_agree("save", f"at the save after step {step} of epoch {epoch + 1}"):
+            return
         tic = time.perf_counter()
         partial = {"epoch": epoch, "step": step, "steps": steps, "samples": int(self.totals[1]),
                    "loss_sum": self.totals[0], "step_log": [list(e) for e in losses.logged],
@@ -3106,20 +3234,36 @@ class Checkpointer:
         self.saved()
 
     def saved(self) -> None:
-        self.last_save, self.since_save = time.monotonic(), 0
+        self.ledger.charge("saves")
+        self.saved_count += 1
+        self.last_save, self.since_save, self.lost = time.monotonic(), 0, 0.0
         if self.link is not None:
-            self.link.board.stepped.remote(0)
+            self.link.board.stepped.remote(0, self.snapshot())
+
+    def snapshot(self) -> dict:
+        """What the driver's ledger takes from this attempt: rank 0's seconds, when it began and
+        trained first, the training since the last save (a failure's loss)."""
+        marks = self.worker.marks
+        return {"seconds": dict(self.ledger.seconds), "began": marks.get("loop", 0.0),
+                "first_step": marks.get("first_step"), "at": time.time(),
+                "since_save": self.lost, "saves": self.saved_count}
 
     def save(self, history: list, state: Optional[dict]) -> None:
         """An epoch's end on every rank: its line, its report with rank 0's checkpoint; a stop
         agreed on during the epoch takes effect here."""
+        self.ledger.charge("evaluation")
         metrics, marks = history[-1], self.worker.marks
+        self.watchdog.progress(f"at the end of epoch {metrics['epoch']}")
+        self.ledger.seconds["training steps"] -= metrics["data_seconds"]
+        self.ledger.charge("waits for data", metrics["data_seconds"])
         metrics.update(checkpoints_within=self.saves, checkpoint_seconds=self.save_seconds,
                        first_step_at=marks.get("first_step"), ended_at=time.time())
         if metrics["epoch"] == self.first_epoch + 1:
             metrics["startup"] = dict(marks)
         self.console.progress(None)
         self.console.say(format_epoch(metrics, self.cfg.epochs))
+        if not self.replicas_agree("epoch", f"at the end of epoch {metrics['epoch']}"):
+            return
         self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"])}, state,
                              metrics["epoch"])
         self.saved()
@@ -3134,7 +3278,9 @@ class Checkpointer:
         out = {"history": history, "world_size": self.worker.world,
                "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
                "first_step_at": marks.get("first_step"), "startup": marks,
-               "node_ranks": node_ranks(self.worker), "stopped": self.stopped}
+               "node_ranks": node_ranks(self.worker), "stopped": self.stopped,
+               "resumed": self.resume_record,
+               "ledger": {**self.snapshot(), "ended": time.time()}}
         self.console.flush()
         if (self.stopped and self.stopped["by"] == [SIGTERM_VOTE] and not self.torchrun
                 and self.cfg.max_failures):
@@ -3195,6 +3341,19 @@ def graceful_stop() -> Optional[GracefulStop]:
 
 
 @contextlib.contextmanager
+def dumps_asked(board):
+    """SIGUSR1 to the driver while it trains: every rank writes its stacks (Watchdog)."""
+    if board is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGUSR1, lambda *_: board.ask_dump.remote())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+@contextlib.contextmanager
 def training_now(stop: Optional[GracefulStop]):
     if stop is None:
         yield
@@ -3237,6 +3396,349 @@ class DriverLink:
 
 
 # ==================================================================================================
+# Health: replicas that agree, a certified resume, where the time went, a record of a hang.
+# ==================================================================================================
+
+CHECK_SHARE = 0.01  # --check-replicas auto: its checks cost at most this share of training
+STRAGGLER = 1.5  # a rank whose forward passes take this much of the ranks' median, or more
+
+
+class ReplicasDiffer(RuntimeError):
+    """Ranks that hold other values than the rest: one line."""
+
+
+def as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+    if flat.is_floating_point():
+        return flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[
+            flat.element_size()])
+    return flat
+
+
+def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
+    """Each tensor's (torch.hash_tensor: the xor of its elements' bits; the sum of those bits as
+    integers, which sees a change to equal values that an xor cancels): int64 (n, 2), computed
+    where each tensor is."""
+    rows = [torch.stack([torch.hash_tensor(bits).view(torch.int64), bits.sum(dtype=torch.int64)])
+            if bits.numel() else torch.zeros(2, dtype=torch.int64, device=bits.device)
+            for bits in (as_bits(tensor) for _, tensor in named)]
+    return (torch.stack([row.to(device) for row in rows]) if rows
+            else torch.zeros(0, 2, dtype=torch.int64, device=device))
+
+
+def digest(hashes: torch.Tensor, extra: str = "") -> bytes:
+    import hashlib
+    return hashlib.blake2b(hashes.cpu().numpy().tobytes() + extra.encode(), digest_size=12).digest()
+
+
+def halves(folded: bytes) -> list:
+    """A digest as two 48-bit integers: exact in the float64 of the agreement's all-reduce."""
+    return [int.from_bytes(folded[:6], "big"), int.from_bytes(folded[6:], "big")]
+
+
+def replica_state(model: nn.Module, optimizer, synced_buffers: bool, stage: str) -> list:
+    """(name, tensor) of what every replica must hold alike: the parameters, the buffers (without
+    --sync-bn BatchNorm's running statistics differ between epochs' ends, where rank 0's are
+    broadcast), and at saves the optimizer's state. stage: "step", "save" or "epoch"."""
+    if isinstance(model, list):  # scratch mode's parameters
+        return list(zip(LENET_KEYS, model))
+    unsynced = set() if synced_buffers or stage == "epoch" else {
+        id(stat) for module in model.modules()
+        if isinstance(module, nn.modules.batchnorm._BatchNorm)
+        for stat in (module.running_mean, module.running_var) if stat is not None}
+    named = [*model.named_parameters(),
+             *((name, b) for name, b in model.named_buffers() if id(b) not in unsynced)]
+    if stage != "step" and optimizer is not None:
+        named += [(f"optimizer state {key} of parameter {index}", value)
+                  for index, state in optimizer.state_dict()["state"].items()
+                  for key, value in state.items() if torch.is_tensor(value)]
+    return named
+
+
+def compare_replicas(named: list, hashes: torch.Tensor, prints: list, worker: Worker,
+                     where: str) -> None:
+    """Each rank's digest (prints) against the most common one; for ranks that differ, a second
+    all-reduce of every tensor's hashes names the first tensor that does."""
+    prints = [tuple(p) for p in prints]
+    if len(set(prints)) == 1:
+        return
+    common = max(prints, key=lambda p: (prints.count(p), p == prints[0]))
+    odd, reference = [r for r, p in enumerate(prints) if p != common], prints.index(common)
+    rows = torch.zeros(worker.world, *hashes.shape, dtype=torch.int64, device=worker.device)
+    rows[worker.rank] = hashes
+    rows = all_reduce_sum(rows)
+    first = next((name for (name, _), mine, theirs in zip(named, rows[odd[0]], rows[reference])
+                  if not torch.equal(mine, theirs)), "a tensor")
+    ranks = f"rank{'s' * (len(odd) > 1)} {', '.join(map(str, odd))}"
+    raise ReplicasDiffer(f"the replicas differ {where}: {ranks} of {worker.world} hold other "
+                         f"values than rank {reference}, first in {first}; nothing is saved from "
+                         f"them, and the same command resumes from the last checkpoint")
+
+
+def certificate(model_state: dict, optimizer_state: dict, seed: int, epoch: int,
+                partial: Optional[dict]) -> dict:
+    """What a checkpoint holds, each part a digest: the model, the optimizer, the position in the
+    data (epoch, step, samples, --seed) and the random streams the next step draws from."""
+    def of(state) -> str:
+        tensors, values = [], []
+        for key, value in sorted(flat_items(state), key=lambda item: item[0]):
+            (tensors if torch.is_tensor(value) else values).append((key, value))
+        return digest(tensor_hashes(tensors, torch.device("cpu")), repr(values)).hex()
+    step = (partial or {}).get("step", 0)
+    position = {"epoch": epoch, "step": step, "samples": (partial or {}).get("samples", 0),
+                "seed": seed}
+    streams = [stream_seed(seed, RANK_STREAM, 0, epoch, step),
+               stream_seed(seed, AUGMENTATION_STREAM, epoch, 0)]
+    return {"model": of(model_state), "optimizer": of(optimizer_state),
+            "data position": of(position), "random streams": of(streams)}
+
+
+def flat_items(tree, prefix: str = "") -> list:
+    if isinstance(tree, dict):
+        return [item for key, value in tree.items()
+                for item in flat_items(value, f"{prefix}/{key}")]
+    if isinstance(tree, (list, tuple)):
+        return [item for i, value in enumerate(tree) for item in flat_items(value, f"{prefix}/{i}")]
+    return [(prefix, tree)]
+
+
+def uncertified(state: dict) -> list:
+    """The parts of a checkpoint that are not what its certificate says (none without one)."""
+    saved = state.get("certificate")
+    if not isinstance(saved, dict):
+        return []
+    now = certificate(state["model"], state.get("optimizer") or {}, state["config"].get("seed", 0),
+                      state["epoch"], state.get("partial"))
+    return [part for part in now if saved.get(part) != now[part]]
+
+
+class ForwardClock:
+    """This rank's seconds in its model's forward passes (CUDA events on a GPU): a straggler's
+    are longer, where whole steps are not (DDP waits for the slowest)."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.cuda, self.spans, self.seconds, self.begun = device.type == "cuda", [], 0.0, None
+        model.register_forward_pre_hook(lambda *_: self.mark(True))
+        model.register_forward_hook(lambda *_: self.mark(False))
+
+    def mark(self, begin: bool) -> None:
+        now = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+        if self.cuda:
+            now.record()
+        if begin:
+            self.begun = now
+        elif self.begun is not None:
+            self.spans.append((self.begun, now))
+
+    def take(self) -> float:
+        """Seconds since the last take."""
+        seconds = sum(end - begin if not self.cuda else begin.elapsed_time(end) / 1e3
+                      for begin, end in self.spans)
+        self.spans = []
+        return seconds
+
+
+def straggler_note(window: list, worker_ranks: int) -> Optional[str]:
+    """window: the last agreements' per-rank forward seconds a step; a rank slower than the
+    median by STRAGGLER in each, named once."""
+    means = [statistics.mean(times[r] for times in window) for r in range(worker_ranks)]
+    median = statistics.median(means)
+    slow = [r for r in range(worker_ranks) if median and all(
+        times[r] > STRAGGLER * statistics.median(times) for times in window)]
+    if not slow:
+        return None
+    return (f"rank {slow[0]} is a straggler: its forward passes take {means[slow[0]]:.3g} s a "
+            f"step, the ranks' median {median:.3g} s (a slower device, or one shared with other "
+            f"work): every step waits for it")
+
+
+LEDGER = ("driver", "cluster", "data", "model", "restores", "training steps", "waits for data",
+          "evaluation", "saves", "failures", "other")
+
+
+class Ledger:
+    """Rank 0's seconds by what they went to, each span charged from the last mark to now."""
+
+    def __init__(self, **seconds):
+        self.seconds, self.mark = dict(seconds), time.perf_counter()
+
+    def charge(self, what: str, moved: float = 0.0) -> float:
+        now = time.perf_counter()
+        spent, self.mark = now - self.mark, now
+        self.seconds[what] = self.seconds.get(what, 0.0) + spent + moved
+        return spent
+
+
+def run_ledger(clock: dict, attempts: list, failed_at: list, ended: float,
+               before: Optional[dict] = None) -> dict:
+    """The run's wall clock, from the driver's start to its end, as seconds in LEDGER's categories
+    (what no clock accounts for: "other"), over every attempt (a failure's restart) and, with
+    `before`, every earlier command of the same run; goodput: training steps / wall clock."""
+    begun, fitted = clock.get("started") or clock["imported"], clock.get("fitted", ended)
+    seconds = dict.fromkeys(LEDGER, 0.0)
+    seconds["driver"] = clock["checked"] - begun + ended - fitted  # imports, checks, summary
+    if attempts:  # Ray's start, its worker group and process group; at the end, its stop
+        seconds["cluster"] = attempts[0]["began"] - clock["checked"]
+        seconds["cluster"] += fitted - attempts[-1].get("ended", fitted)
+    for i, attempt in enumerate(attempts):
+        for what, spent in attempt["seconds"].items():
+            seconds[what] += spent
+        if i + 1 < len(attempts):  # it failed: from its last word to the next's first step
+            after, died = attempts[i + 1], failed_at[i] if i < len(failed_at) else attempt["at"]
+            setup = {what: after["seconds"].get(what, 0.0) for what in ("data", "model",
+                                                                        "restores")}
+            seconds["training steps"] -= attempt["since_save"]
+            seconds["failures"] += (attempt["since_save"] + died - attempt["at"]
+                                    + after["began"] - died + sum(setup.values()))
+            for what, spent in setup.items():
+                seconds[what] -= spent
+    wall, before = ended - begun, before or {}
+    seconds["other"] = wall - sum(seconds.values())
+    totals = {what: seconds[what] + before.get(what, 0.0) for what in LEDGER}
+    wall += before.get("wall", 0.0)
+    return {**{what: round(spent, 3) for what, spent in totals.items()}, "wall": round(wall, 3),
+            "goodput": round(totals["training steps"] / wall, 4) if wall else 0.0,
+            "failed": len(failed_at) + before.get("failed", 0),
+            "saved": sum(attempt.get("saves", 0) for attempt in attempts) + before.get("saved", 0)}
+
+
+def format_ledger(ledger: dict) -> str:
+    parts = ", ".join(f"{what} {ledger[what]:.1f} s" for what in LEDGER[2:]
+                      if what != "training steps" and ledger[what] >= 0.05)
+    return (f"time: {ledger['wall']:.1f} s, {ledger['training steps']:.1f} s of it training steps "
+            f"(goodput {ledger['goodput']:.0%}); driver {ledger['driver']:.1f} s, cluster "
+            f"{ledger['cluster']:.1f} s" + (f", {parts}" if parts else ""))
+
+
+def checkpoint_advice(cfg: Config, summary: dict) -> Optional[str]:
+    """Young/Daly: checkpoints every sqrt(2 x save cost x mean time between failures) lose the
+    least; a note when the run's saves come more than twice as often, or half as often."""
+    ledger = summary["ledger"]
+    if not (ledger["failed"] and ledger["saved"] and ledger["saves"]):
+        return None
+    cost, between = ledger["saves"] / ledger["saved"], ledger["wall"] / ledger["failed"]
+    best, epoch = math.sqrt(2 * cost * between), summary["sec_per_epoch"]
+    steps, seconds = checkpoint_interval(cfg.checkpoint_every)
+    now = min(steps * epoch * cfg.batch_size / summary["final"]["train_samples"] if steps
+              else seconds or epoch, epoch)
+    if 0.5 <= now / best <= 2:
+        return None
+    return (f"saves cost {cost:.2g} s and a failure came every {between / 60:.3g} min: checkpoints "
+            f"every {best / 60:.2g} min would lose the least (Young/Daly), not every "
+            f"{now / 60:.2g} min: --checkpoint-every {max(best / 60, 0.1):.1f}m")
+
+
+def record_ledger(cfg: Config, out: Optional[dict], board, recovery: Optional[dict] = None) -> dict:
+    """This command's ledger, added to the run's earlier commands' (ledger.json in the run
+    directory, written back): what result.json holds."""
+    recovery = recovery if recovery is not None else recovery_summary(
+        os.path.join(local_run_dir(cfg), "recovery.json"))
+    attempts = []
+    if board is not None:
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            attempts = ray.get(board.ledgers.remote(), timeout=30)
+    if out is not None:
+        attempts = [*attempts[:-1], out["ledger"]]
+    failed_at = [event["at"] for event in recovery.get("events", []) if event["event"] == "failed"]
+    path = os.path.join(cfg.run_dir, "ledger.json")
+    try:
+        before = json.loads(read_stored(path))
+    except (OSError, ValueError):
+        before = None
+    ledger = run_ledger(CLOCK, attempts, failed_at, time.time(), before)
+    with contextlib.suppress(OSError):
+        write_json(path, ledger)
+    return ledger
+
+
+def write_ledger_events(cfg: Config, ledger: dict, epoch: int) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+    with SummaryWriter(os.path.join(cfg.logdir, cfg.name)) as writer:
+        for what in LEDGER:
+            writer.add_scalar(f"time/{what.replace(' ', '_')}_seconds", ledger[what], epoch)
+        writer.add_scalar("time/goodput", ledger["goodput"], epoch)
+
+
+class Watchdog:
+    """A thread of each rank's: when the loop makes no progress for --timeout / 2 seconds, when
+    the driver asks (SIGUSR1) or a stop is agreed, this rank's Python stacks go to
+    <run dir>/hang/rank<N>.txt and torch's flight recorder to rank<N>.json."""
+
+    def __init__(self, cfg: Config, worker: Worker, board=None):
+        self.cfg, self.worker, self.board, self.asked, self.answered = cfg, worker, board, False, 0
+        self.alive, self.where, self.dumped = time.monotonic(), "starting", False
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.watching, daemon=True, name="ray-dp watchdog")
+
+    def __enter__(self) -> "Watchdog":
+        if threading.current_thread() is threading.main_thread():  # torchrun's: SIGUSR1 to it
+            signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "asked", True))
+        self.thread.start()
+        return self
+
+    def __exit__(self, *error) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def progress(self, where: str) -> None:
+        self.alive, self.where, self.dumped = time.monotonic(), where, False
+
+    def watching(self) -> None:
+        asked_at = 0.0
+        while not self.done.wait(1.0):
+            if not self.dumped and time.monotonic() - self.alive > self.cfg.timeout / 2:
+                self.dump(f"no progress for {self.cfg.timeout / 2:g} s (--timeout / 2)")
+            if self.asked or (self.board is not None and time.monotonic() - asked_at > 2):
+                asked_at = time.monotonic()
+                with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                    asks = ray.get(self.board.dumps_asked.remote(), timeout=5) if self.board else 0
+                if self.asked or asks > self.answered:
+                    self.asked, self.answered = False, max(asks, self.answered)
+                    self.dump("asked (SIGUSR1)")
+
+    def dump(self, why: str) -> None:
+        self.dumped = True
+        import faulthandler
+        with tempfile.TemporaryFile("w+") as stacks:
+            faulthandler.dump_traceback(stacks, all_threads=True)
+            stacks.seek(0)
+            text = (f"rank {self.worker.rank} of {self.worker.world} on {node_name()}, process "
+                    f"{os.getpid()}: {why}; its last progress: {self.where}\n\n{stacks.read()}")
+        folder = f"{self.cfg.run_dir}/hang"
+        with contextlib.suppress(OSError):
+            write_stored(f"{folder}/rank{self.worker.rank}.txt", text.encode())
+            if (recorded := flight_recorder()) is not None:
+                write_stored(f"{folder}/rank{self.worker.rank}.json", recorded)
+
+
+def flight_recorder() -> Optional[bytes]:
+    """torch's flight recorder of this process's collectives (TORCH_FR_BUFFER_SIZE), as JSON."""
+    try:
+        return importlib.import_module("torch._C._distributed_c10d")._dump_fr_trace_json(
+            True, False)
+    except (AttributeError, RuntimeError, ImportError):
+        return None
+
+
+def hang_report(cfg: Config) -> Optional[str]:
+    """The ranks a hang's records say did not come to the collective the others waited in."""
+    folder = f"{cfg.run_dir}/hang"
+    reached = {}
+    for rank in range(cfg.workers):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            status = json.loads(read_stored(f"{folder}/rank{rank}.json"))["pg_status"]
+            reached[rank] = int(status["0"]["last_enqueued_collective"])
+    if len(reached) < 2 or len(set(reached.values())) == 1:
+        return None
+    behind = [rank for rank, count in reached.items() if count == min(reached.values())]
+    return (f"rank {', '.join(map(str, behind))} did not come to collective "
+            f"{min(reached.values()) + 1}, which the other ranks waited in for --timeout "
+            f"{cfg.timeout:g} s: its stacks are in {folder}/rank{behind[0]}.txt (every rank's "
+            f"beside it, and torch's flight recorder in rank<N>.json)")
+
+
+# ==================================================================================================
 # Console and monitoring: the header, rank 0's lines (a Board), TensorBoard, recovery.json, start-up
 # ==================================================================================================
 
@@ -3248,7 +3750,7 @@ class Board:
     HEARD_WITHIN = 10.0  # seconds without a beat after which no worker trains
 
     def __init__(self):
-        self.lines, self.said, self.bar = [], set(), None
+        self.lines, self.said, self.bar, self.attempts, self.dumps = [], set(), None, [], 0
         self.since, self.redone, self.stop, self.heard_at = 0, 0, False, 0.0
 
     def say(self, line: str) -> None:
@@ -3264,8 +3766,10 @@ class Board:
         lines, self.lines = self.lines, []
         return lines, self.bar
 
-    def stepped(self, since: int) -> None:
+    def stepped(self, since: int, snapshot: Optional[dict] = None) -> None:
         self.since = since
+        if snapshot is not None and self.attempts:
+            self.attempts[-1] = snapshot  # rank 0's ledger of this attempt so far
 
     def beat(self) -> bool:
         self.heard_at = time.time()
@@ -3273,6 +3777,16 @@ class Board:
 
     def restarted(self) -> None:
         self.redone, self.since = self.redone + self.since, 0
+        self.attempts.append(None)
+
+    def ledgers(self) -> list:
+        return [attempt for attempt in self.attempts if attempt]
+
+    def ask_dump(self) -> None:
+        self.dumps += 1
+
+    def dumps_asked(self) -> int:
+        return self.dumps
 
     def ask_stop(self) -> bool:
         """The driver's SIGTERM; whether rank 0 will hear of it (it beat lately)."""
@@ -3684,6 +4198,9 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
     training flag, or a value that contradicts it, is refused rather than ignored."""
     path = checkpoint_file(cfg.eval_only)
     checkpoint = load_checkpoint(path)
+    if "model" in uncertified(checkpoint):
+        raise ConfigError(f"--eval-only {path}: its weights are not those its certificate says "
+                          f"(the file was altered since it was saved)")
     trained = stored_config(checkpoint)
     refused = [f"--{name.replace('_', '-')}" for name in CONFIG_FIELDS
                if name in typed & EVAL_REFUSES]
@@ -4177,6 +4694,14 @@ def own_entries(dataset_class) -> tuple:
     return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
 
 
+def remove_stored(path: str) -> None:
+    """A directory, local or in object storage, if it is there."""
+    from pyarrow import fs
+    storage, where = files_at(path)
+    if storage.get_file_info(where).type == fs.FileType.Directory:
+        storage.delete_dir(where)
+
+
 def remove_path(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -4264,14 +4789,17 @@ class RayLauncher:
     and writes the TensorBoard events (TensorBoardLogger)."""
 
     def __init__(self, resume_from: Optional[object] = None):
-        self.resume_from = resume_from
+        self.resume_from, self.restore_seconds = resume_from, 0.0
 
     def latest_checkpoint(self) -> Optional[dict]:
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            return ray.get(self.resume_from) if self.resume_from is not None else None
-        with checkpoint.as_directory() as directory:
-            return load_checkpoint(os.path.join(directory, CHECKPOINT_FILE))
+        tic, checkpoint = time.perf_counter(), ray.train.get_checkpoint()
+        try:
+            if checkpoint is None:
+                return ray.get(self.resume_from) if self.resume_from is not None else None
+            with checkpoint.as_directory() as directory:
+                return load_checkpoint(os.path.join(directory, CHECKPOINT_FILE))
+        finally:
+            self.restore_seconds = time.perf_counter() - tic
 
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
         dir_name = checkpoint_dir_name(epoch, step)
@@ -4288,15 +4816,17 @@ class TorchrunLauncher:
     checkpoints where Ray would have and writes the TensorBoard events."""
 
     def __init__(self, cfg: Config, worker: Worker):
-        self.cfg, self.worker = cfg, worker
+        self.cfg, self.worker, self.restore_seconds = cfg, worker, 0.0
         self.tensorboard = TensorBoardWriter(cfg) if worker.is_main else None
 
     def latest_checkpoint(self) -> Optional[dict]:
-        state = None
+        tic, state = time.perf_counter(), None
         if self.worker.is_main:
             latest = latest_committed(self.cfg.run_dir)
             state = load_checkpoint(latest) if latest else None
-        return from_rank_0(state, self.worker.device)
+        state = from_rank_0(state, self.worker.device)
+        self.restore_seconds = time.perf_counter() - tic
+        return state
 
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
         if state is not None:
@@ -4524,13 +5054,14 @@ def keep_freed_memory() -> None:
         memory_kept = True
 
 
-def one_arena(cfg: Config) -> dict:
-    """Ray's training workers' runtime environment: glibc's one arena, since a thread's own (Ray
-    trains in one) serves blocks over 64 MiB from mmap whatever the thresholds say."""
-    if not cfg.keep_freed_memory or any(name in os.environ
-                                        for name in (*MALLOC_SETTINGS, "MALLOC_ARENA_MAX")):
-        return {}
-    return {"env_vars": {"MALLOC_ARENA_MAX": "1"}}
+def worker_env(cfg: Config) -> dict:
+    """The training workers' environment: torch's flight recorder of their collectives (hang
+    records); glibc's one arena, since a thread's own (Ray trains in one) serves blocks over 64
+    MiB from mmap whatever the thresholds say. A variable the user set stays theirs."""
+    env = {"TORCH_FR_BUFFER_SIZE": "2000"}
+    if cfg.keep_freed_memory and not any(name in os.environ for name in MALLOC_SETTINGS):
+        env["MALLOC_ARENA_MAX"] = "1"
+    return {"env_vars": {name: value for name, value in env.items() if name not in os.environ}}
 
 
 # ==================================================================================================

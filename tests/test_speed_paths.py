@@ -95,7 +95,7 @@ def test_a_thread_keeps_its_freed_128_mb_blocks_in_the_one_arena_rays_workers_ge
     # a thread's own arena: each block over 64 MiB comes fresh from the kernel, thresholds or not
     assert faults_in_a_thread({}) >= 8 * pages * 0.9
     # the runtime environment of Ray's training workers: one arena, whose thresholds keep the block
-    assert faults_in_a_thread(ray_dp.one_arena(ray_dp.Config())["env_vars"]) < pages / 10
+    assert faults_in_a_thread({"MALLOC_ARENA_MAX": ray_dp.worker_env(ray_dp.Config())["env_vars"]["MALLOC_ARENA_MAX"]}) < pages / 10
 
 
 @pytest.mark.parametrize("name,shape", [("lenet", (1, 28, 28)), ("resnet18", (1, 12, 12)),
@@ -141,10 +141,12 @@ def test_every_worker_loop_keeps_freed_memory(monkeypatch):
 
 
 def test_rays_training_workers_share_one_arena_unless_told_otherwise(monkeypatch):
-    assert ray_dp.one_arena(ray_dp.Config()) == {"env_vars": {"MALLOC_ARENA_MAX": "1"}}
-    assert ray_dp.one_arena(ray_dp.Config(keep_freed_memory=False)) == {}
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    recorder = {"TORCH_FR_BUFFER_SIZE": "2000"}  # the flight recorder of their collectives (hang records)
+    assert ray_dp.worker_env(ray_dp.Config()) == {"env_vars": {**recorder, "MALLOC_ARENA_MAX": "1"}}
+    assert ray_dp.worker_env(ray_dp.Config(keep_freed_memory=False)) == {"env_vars": recorder}
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # the user's own
-    assert ray_dp.one_arena(ray_dp.Config()) == {}
+    assert ray_dp.worker_env(ray_dp.Config()) == {"env_vars": recorder}
 
 
 CPU = torch.device("cpu")

@@ -53,22 +53,22 @@ class Saves:
 
 class killed_after:
     """Raise Killed at the micro-batch after `micro_batches` of them (counted over the whole run): resized() is what
-    train_step calls once per micro-batch, on either data path (and evaluate once per test batch: one an epoch
-    here)."""
+    train_epoch calls once per micro-batch, on either data path (and evaluate once per test batch: one an epoch
+    here); split_batch() is scratch mode's, once per step."""
 
-    def __init__(self, micro_batches):
-        self.left, self.resized = micro_batches, ray_dp.resized
+    def __init__(self, micro_batches, counted="resized"):
+        self.left, self.counted, self.original = micro_batches, counted, getattr(ray_dp, counted)
 
     def __enter__(self):
-        def counting(x, size):
+        def counting(*args):
             if self.left == 0:
                 raise Killed
             self.left -= 1
-            return self.resized(x, size)
-        ray_dp.resized = counting
+            return self.original(*args)
+        setattr(ray_dp, self.counted, counting)
 
     def __exit__(self, *error):
-        ray_dp.resized = self.resized
+        setattr(ray_dp, self.counted, self.original)
         return error[0] is Killed
 
 
@@ -101,7 +101,7 @@ def kills_and_resumes(cases):
         resumed = {}
         for micro_batches in kills:
             first = Saves()
-            with killed_after(micro_batches):
+            with killed_after(micro_batches, "split_batch" if cfg.mode == "scratch" else "resized"):
                 run(cfg, first, dist.get_world_size())
             # rank 0's (the one that saves), on every rank: as Ray's checkpoint and torchrun's broadcast give it
             last = ray_dp.from_rank_0(first.checkpoints[-1] if first.checkpoints else ((0, 0), None),
@@ -128,7 +128,9 @@ def runs(tmp_path_factory):
              ("folder-augment-loader-process", config(tmp, dataset="folder", loader_workers=1, checkpoint_every="2"),
               (2, 5, 7)),
              ("dropout-adamw", config(tmp, model="mobilenet_v3_small", synthetic_size=24, optimizer="adamw",
-                                      lr=0.002, checkpoint_every="1"), (1, 3))]
+                                      lr=0.002, checkpoint_every="1"), (1, 3)),
+             ("scratch", config(tmp, mode="scratch", lr_schedule="constant", momentum=0.0, checkpoint_every="2"),
+              (1, 3, 6, 9))]
     return run_distributed(kills_and_resumes, 2, cases)[0]
 
 
@@ -147,7 +149,7 @@ def test_every_step_and_every_2_steps_are_saved_and_named_by_epoch_and_step(runs
     assert (state["epoch"], state["partial"]["step"], state["partial"]["samples"]) == (1, 3, 36)
 
 
-@pytest.mark.parametrize("name", ["in-memory-accum-2", "folder-augment-loader-process", "dropout-adamw"])
+@pytest.mark.parametrize("name", ["in-memory-accum-2", "folder-augment-loader-process", "dropout-adamw", "scratch"])
 def test_a_run_killed_at_any_step_and_resumed_ends_bitwise_where_the_uninterrupted_one_does(runs, name):
     out = runs[name]
     for micro_batches, resumed in out["resumed"].items():
@@ -218,10 +220,9 @@ def test_checkpoint_every_that_is_neither_is_one_line(every, capsys):
         f"only), got {every}")
 
 
-def test_scratch_mode_saves_at_epochs_ends_only(capsys):
+def test_scratch_mode_saves_at_epochs_ends_unless_told_otherwise(runs):
     assert ray_dp.parse_command(["--mode", "scratch", "--dataset", "digits"])[1].checkpoint_every == "0"
-    assert ray_dp.main(["--mode", "scratch", "--dataset", "digits", "--checkpoint-every", "5"]) == 2
-    assert "--checkpoint-every needs --mode ddp" in capsys.readouterr().err
+    assert [where for where, _ in runs["scratch"]["whole"]] == [(1, 2), (1, 4), (1, 0), (2, 2), (2, 4), (2, 0)]
 
 
 def sigterm_at(cfg, micro_batches, torchrun, loaders_too=False):
@@ -348,11 +349,15 @@ def test_an_elastic_resize_mid_epoch_spreads_the_rest_of_the_epoch_over_the_new_
     assert [s for s, _ in epochs[0]["step_log"]] == [1, 2, 3, 4, 5]
 
 
-def test_an_epoch_shorter_than_log_every_still_stops_at_its_end_after_a_sigterm(tmp_path):
+def test_an_epoch_without_a_log_step_still_stops_within_it_or_at_its_end_after_a_sigterm(tmp_path):
     cfg = config(tmp_path, checkpoint_every="0", log_every=10)  # 5 steps an epoch: no log step in it
     zero, one = run_distributed(sigterm_at, 2, cfg, 2, True)
-    assert zero["stopped"] == one["stopped"] == {"epoch": 2, "step": 0, "steps": None, "by": ["sigterm"]}
-    assert zero["saved_at"] == (1, 0)  # the epoch's own checkpoint; the same command resumes at epoch 2
+    stopped = zero["stopped"]
+    assert stopped == one["stopped"] and stopped["by"] == ["sigterm"]
+    # at the ranks' first agreement after the signal (in step 2): about a second of training later (a step here if
+    # the machine is slow), at the latest the epoch's end, whose own checkpoint the same command resumes from
+    assert (stopped["epoch"], stopped["step"]) in [(1, 2), (1, 3), (1, 4), (2, 0)]
+    assert zero["saved_at"] == (1, stopped["step"])
     assert_bitwise_equal(*zero["final"])
 
 
@@ -419,9 +424,10 @@ class FakeBoard:
 
     def __init__(self):
         self.stop = False
-        self.stepped = self.Method(lambda since: None)
+        self.stepped = self.Method(lambda since, snapshot: None)
         self.beat = self.Method(lambda: self.stop)
         self.restarted = self.Method(lambda: None)
+        self.dumps_asked = self.Method(lambda: 0)
 
 
 def test_rank_0_tells_the_board_at_agreements_and_hears_the_drivers_stop_from_its_heartbeat(monkeypatch):
@@ -436,7 +442,8 @@ def test_rank_0_tells_the_board_at_agreements_and_hears_the_drivers_stop_from_it
         losses.add(torch.tensor(1.0), 1)
         assert not checkpointer.after_step(0, step, 10, losses)
     # told at the first step (the first agreement, which times the steps) and at the log step; nothing asked yet
-    assert board.stepped.calls == [(1,), (2,)] and checkpointer.agree(losses, 0, False) == set()
+    assert [since for since, _ in board.stepped.calls] == [1, 2]
+    assert checkpointer.agree(losses, 0, False, False, None) == set()
     with checkpointer:  # beats from a thread of its own: no step needs to come for the driver to know rank 0 trains
         deadline = time.time() + 10
         while len(board.beat.calls) < 3 and time.time() < deadline:
@@ -444,9 +451,9 @@ def test_rank_0_tells_the_board_at_agreements_and_hears_the_drivers_stop_from_it
         board.stop = True
         while not checkpointer.link.asked and time.time() < deadline:
             time.sleep(0.01)
-    assert len(board.beat.calls) >= 3 and checkpointer.agree(losses, 0, False) == {ray_dp.DRIVER_VOTE}
+    assert len(board.beat.calls) >= 3 and checkpointer.agree(losses, 0, False, False, None) == {ray_dp.DRIVER_VOTE}
     board.stop = False
-    assert checkpointer.agree(losses, 0, True) == {ray_dp.DRIVER_VOTE}  # asked stays asked
+    assert checkpointer.agree(losses, 0, True, False, None) == {ray_dp.DRIVER_VOTE}  # asked stays asked
 
 
 def test_a_resumed_epochs_progress_bar_starts_at_its_steps_so_far():
