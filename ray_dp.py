@@ -3029,8 +3029,9 @@ class Checkpointer:
         self.optimizer = optimizer
         self.forward = (ForwardClock(self.model, worker.device)
                         if isinstance(self.model, nn.Module) and not cfg.compile else None)
-        self.check_every = 0 if model is None else (
-            {"off": 0, "auto": 1}.get(cfg.check_replicas) or int(cfg.check_replicas))
+        self.check_every = 0 if model is None or worker.world == 1 else (
+            {"off": 0, "auto": 1}[cfg.check_replicas] if not cfg.check_replicas.isdigit()
+            else int(cfg.check_replicas))
         self.check_seconds, self.last_check, self.slow, self.noted = 0.0, 0, [], False
         self.first_epoch, self.resumed_at, self.history, self.resume_record = 0, {}, [], None
         self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
@@ -3150,12 +3151,12 @@ class Checkpointer:
         ahead = min(max(int(self.AGREE_S / step_seconds), 1), 10_000) if main else 0
         checks = (max(math.ceil(self.check_seconds / (CHECK_SHARE * step_seconds)), 1)
                   if self.cfg.check_replicas == "auto" else self.check_every) if main else 0
-        own = torch.zeros(3 * world, dtype=torch.float64, device=device)  # forward s, digests
-        own[self.worker.rank] = self.forward.take() / steps if self.forward else 0.0
-        named, hashes = self.digest_into(own[world:], "step") if check else (None, None)
+        forward = torch.zeros(world, dtype=torch.float64, device=device)
+        forward[self.worker.rank] = self.forward.take() / steps if self.forward else 0.0
+        named, hashes, slots = self.digested("step") if check else (None, None, forward[:0])
         flags = torch.tensor([vote in mine for vote in VOTES] + [ahead, checks],
                              dtype=torch.float64, device=device)
-        totals = all_reduce_sum(torch.cat([flags, losses.window, losses.sums, own]))
+        totals = all_reduce_sum(torch.cat([flags, losses.window, losses.sums, forward, slots]))
         totals = totals.tolist()
         self.next_agreement, self.agreed_steps = self.steps_done + int(totals[3]), self.steps_done
         self.check_every = int(totals[4]) if self.check_every else 0
@@ -3172,23 +3173,19 @@ class Checkpointer:
         self.agreed_at = time.perf_counter()
         return {vote for vote, count in zip(VOTES, totals) if count}
 
-    def digest_into(self, slots: torch.Tensor, stage: str) -> tuple:
-        """This rank's digest of its replica state into its two slots (of 2 x world); rank 0
-        times it, for --check-replicas auto."""
+    def digested(self, stage: str) -> tuple:
+        """(what the replicas hold alike, its hashes, this rank's digest slots), timed on rank 0
+        for --check-replicas auto."""
         synchronize(self.worker.device)
-        tic = time.perf_counter()
-        named = replica_state(self.model, self.optimizer, self.cfg.sync_bn, stage)
-        hashes = tensor_hashes(named, self.worker.device)
-        rank = self.worker.rank
-        slots[2 * rank:2 * rank + 2] = torch.tensor(halves(digest(hashes)), dtype=torch.float64)
+        tic, named = time.perf_counter(), replica_state(self.model, self.optimizer, stage)
+        hashes, slots = replicas_digest(named, self.worker)
         self.check_seconds = time.perf_counter() - tic
-        return named, hashes
+        return named, hashes, slots
 
-    def compared(self, named: list, hashes: torch.Tensor, prints: list, where: str) -> bool:
+    def compared(self, named: list, hashes: torch.Tensor, slots: list, where: str) -> bool:
         """Whether every rank's digest is the same; else the run stops here, nothing saved."""
         try:
-            compare_replicas(named, hashes, [prints[i:i + 2] for i in range(0, len(prints), 2)],
-                             self.worker, where)
+            compare_replicas(named, hashes, slots, self.worker, where)
         except ReplicasDiffer as exc:
             self.stopped = {"epoch": None, "step": None, "steps": None, "by": ["replicas"],
                             "error": str(exc)}
@@ -3197,11 +3194,10 @@ class Checkpointer:
 
     def replicas_agree(self, stage: str, where: str) -> bool:
         """At a save, before rank 0 writes: every rank's replicas, their optimizer's state too."""
-        if not self.check_every or self.model is None:
+        if not self.check_every:
             return True
-        prints = torch.zeros(2 * self.worker.world, dtype=torch.float64, device=self.worker.device)
-        named, hashes = self.digest_into(prints, stage)
-        return self.compared(named, hashes, all_reduce_sum(prints).tolist(), where)
+        named, hashes, slots = self.digested(stage)
+        return self.compared(named, hashes, all_reduce_sum(slots).tolist(), where)
 
     def note_stragglers(self, forward: list) -> None:
         if not self.forward or self.noted or self.worker.world == 1 or not all(forward):
@@ -3437,18 +3433,14 @@ def halves(folded: bytes) -> list:
     return [int.from_bytes(folded[:6], "big"), int.from_bytes(folded[6:], "big")]
 
 
-def replica_state(model: nn.Module, optimizer, synced_buffers: bool, stage: str) -> list:
-    """(name, tensor) of what every replica must hold alike: the parameters, the buffers (without
-    --sync-bn BatchNorm's running statistics differ between epochs' ends, where rank 0's are
-    broadcast), and at saves the optimizer's state. stage: "step", "save" or "epoch"."""
+def replica_state(model, optimizer, stage: str) -> list:
+    """(name, tensor) of what every replica must hold alike: the parameters; at an epoch's end, when
+    rank 0's have just been broadcast, the buffers (DDP broadcasts them before each forward pass:
+    between two, BatchNorm's statistics differ); at saves, the optimizer's state. stage: "step",
+    "save" or "epoch"."""
     if isinstance(model, list):  # scratch mode's parameters
         return list(zip(LENET_KEYS, model))
-    unsynced = set() if synced_buffers or stage == "epoch" else {
-        id(stat) for module in model.modules()
-        if isinstance(module, nn.modules.batchnorm._BatchNorm)
-        for stat in (module.running_mean, module.running_var) if stat is not None}
-    named = [*model.named_parameters(),
-             *((name, b) for name, b in model.named_buffers() if id(b) not in unsynced)]
+    named = [*model.named_parameters(), *(model.named_buffers() if stage == "epoch" else ())]
     if stage != "step" and optimizer is not None:
         named += [(f"optimizer state {key} of parameter {index}", value)
                   for index, state in optimizer.state_dict()["state"].items()
@@ -3456,11 +3448,20 @@ def replica_state(model: nn.Module, optimizer, synced_buffers: bool, stage: str)
     return named
 
 
-def compare_replicas(named: list, hashes: torch.Tensor, prints: list, worker: Worker,
+def replicas_digest(named: list, worker: Worker) -> tuple:
+    """This rank's tensor hashes, and its digest in its two slots of 2 x world (zeros elsewhere)."""
+    hashes = tensor_hashes(named, worker.device)
+    slots = torch.zeros(2 * worker.world, dtype=torch.float64, device=worker.device)
+    slots[2 * worker.rank:2 * worker.rank + 2] = torch.tensor(halves(digest(hashes)),
+                                                              dtype=torch.float64)
+    return hashes, slots
+
+
+def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Worker,
                      where: str) -> None:
-    """Each rank's digest (prints) against the most common one; for ranks that differ, a second
-    all-reduce of every tensor's hashes names the first tensor that does."""
-    prints = [tuple(p) for p in prints]
+    """Each rank's digest (the all-reduced slots) against the most common one; for ranks that
+    differ, a second all-reduce of every tensor's hashes names the first tensor that does."""
+    prints = [tuple(slots[i:i + 2]) for i in range(0, len(slots), 2)]
     if len(set(prints)) == 1:
         return
     common = max(prints, key=lambda p: (prints.count(p), p == prints[0]))
@@ -4277,6 +4278,8 @@ def eval_loop_per_worker(config: dict) -> dict:
     model = build_model(cfg.model, input_shape(cfg, test_set), classes or options.outputs)
     model.load_state_dict(weights)
     on_device(model, worker.device, cfg.model).eval()
+    hashes, slots = replicas_digest(named := replica_state(model, None, "epoch"), worker)
+    compare_replicas(named, hashes, all_reduce_sum(slots).tolist(), worker, "before scoring")
     with autocast(cfg, worker.device):
         metrics = evaluate(model, test_set, worker.device, eval_batch_size(test_set), details=True,
                            num_classes=classes, workers=loader_workers(cfg, test_set),

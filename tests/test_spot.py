@@ -107,9 +107,9 @@ def kills_and_resumes(cases):
             last = ray_dp.from_rank_0(first.checkpoints[-1] if first.checkpoints else ((0, 0), None),
                                       torch.device("cpu"))
             second = Saves(last[1])
-            run(cfg, second, dist.get_world_size())
+            again = run(cfg, second, dist.get_world_size())
             resumed[micro_batches] = {"from": last[0], "final": second.checkpoints and second.checkpoints[-1][1]["model"],
-                                      "epochs": second.epochs}
+                                      "epochs": second.epochs, "resumed": again["resumed"]}
         out[name] = {"whole": whole.checkpoints, "every_epoch": every_epoch.checkpoints and every_epoch.checkpoints[-1][1]["model"],
                      "resumed": resumed}
     return out if dist.get_rank() == 0 else None
@@ -154,6 +154,15 @@ def test_a_run_killed_at_any_step_and_resumed_ends_bitwise_where_the_uninterrupt
     out = runs[name]
     for micro_batches, resumed in out["resumed"].items():
         assert_bitwise_equal(resumed["final"], out["whole"][-1][1]["model"]), micro_batches
+
+
+def test_every_resume_restores_what_its_checkpoint_certifies(runs):
+    for name, out in runs.items():
+        for kill, resumed in out["resumed"].items():
+            epoch, step = resumed["from"]
+            expected = None if (epoch, step) == (0, 0) else {
+                "from": f"epoch {epoch}, step {step}" if step else f"epoch {epoch}", "certified": True}
+            assert resumed["resumed"] == expected, (name, kill)
 
 
 def test_the_resume_starts_from_the_last_checkpoint_before_the_kill(runs):

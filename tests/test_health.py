@@ -1,0 +1,223 @@
+"""A run that proves its own health (#48): the replicas' digests compared across ranks (a change on one rank named
+with its rank and tensor), a checkpoint's certificate (an altered one refused before any step), the ledger of the
+run's time (its categories sum to the wall clock, a failure's loss counted), a straggler named, and what a rank's
+watchdog writes."""
+import contextlib
+import io
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import ray_dp
+from helpers import here, run_distributed, save_run, train_worker
+from test_spot import Saves
+
+CPU = torch.device("cpu")
+
+
+def digest_check(model_name, dtype, change, stage):
+    """On each rank: the same model (seed 0), changed as `change` says (None; ("nudge", rank, tensor, by): one
+    element of a tensor on one rank; ("constant", rank): a bias filled with another constant there), compared at
+    `stage`: the error or None, and this rank's digest."""
+    torch.manual_seed(0)
+    model = ray_dp.build_model(model_name, (1, 28, 28)).to(dtype)
+    rank = dist.get_rank()
+    with torch.no_grad():
+        if change and change[0] == "nudge" and rank == change[1]:
+            dict(model.named_parameters(), **dict(model.named_buffers()))[change[2]].view(-1)[3] += change[3]
+        if change and change[0] == "constant":
+            model.classifier[0].bias.fill_(0.5 if rank == change[1] else 0.25)
+    named = ray_dp.replica_state(model, None, stage)
+    hashes, slots = ray_dp.replicas_digest(named, here())
+    try:
+        ray_dp.compare_replicas(named, hashes, ray_dp.all_reduce_sum(slots.clone()).tolist(), here(), "in the test")
+        error = None
+    except ray_dp.ReplicasDiffer as exc:
+        error = str(exc)
+    return error, slots[2 * rank:2 * rank + 2].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_equal_replicas_give_equal_digests_on_every_rank(dtype):
+    out = run_distributed(digest_check, 3, "lenet", dtype, None, "epoch")
+    assert [error for error, _ in out] == [None] * 3
+    assert out[0][1] == out[1][1] == out[2][1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_parameter_changed_on_one_rank_of_3_is_named_with_its_rank_and_tensor(dtype):
+    by = 1e-2 if dtype == torch.bfloat16 else 1e-6  # bf16 holds 8 bits of mantissa
+    out = run_distributed(digest_check, 3, "lenet", dtype, ("nudge", 1, "classifier.0.bias", by), "step")
+    assert out[0][0] == out[1][0] == out[2][0] == (
+        "the replicas differ in the test: rank 1 of 3 hold other values than rank 0, first in classifier.0.bias; "
+        "nothing is saved from them, and the same command resumes from the last checkpoint")
+
+
+def test_equal_values_changed_together_are_seen_though_their_xor_is_not():
+    # a constant tensor of even size: the xor of its elements' bits is 0 whatever the constant
+    assert torch.hash_tensor(torch.full((4,), 0.5)) == torch.hash_tensor(torch.full((4,), 0.25))
+    out = run_distributed(digest_check, 3, "lenet", torch.float32, ("constant", 2), "step")
+    assert "rank 2 of 3 hold other values than rank 0, first in classifier.0.bias" in out[0][0]
+
+
+def test_buffers_are_compared_where_rank_0s_were_just_broadcast_and_not_between():
+    # BatchNorm's running mean differs between ranks between two forward passes (DDP broadcasts rank 0's before
+    # each): at a step it is not compared; at an epoch's end (rank 0's broadcast for evaluation) it is
+    change = ("nudge", 2, "1.running_mean", 1e-6)
+    assert [error for error, _ in run_distributed(digest_check, 3, "resnet18", torch.float32, change, "step")] == [
+        None] * 3
+    errors = [error for error, _ in run_distributed(digest_check, 3, "resnet18", torch.float32, change, "epoch")]
+    assert "rank 2 of 3 hold other values than rank 0, first in 1.running_mean" in errors[0]
+
+
+NUDGED = """
+import torch, torch.nn as nn
+class Nudged(nn.Module):
+    '''A user's model that changes one parameter on rank 1 in its 20th forward pass.'''
+    def __init__(self):
+        super().__init__()
+        self.layer, self.calls = nn.Linear(784, 10), 0
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 20 and self.training and torch.distributed.get_rank() == 1:
+            with torch.no_grad():
+                self.layer.bias[0] += 1e-3
+        return self.layer(x.flatten(1))
+"""
+
+
+def nudged_run(cfg):
+    saves = Saves()
+    out = train_worker(cfg, here(), saves, ray_dp.LoopOptions(), {})
+    return out["stopped"], [where for where, _ in saves.checkpoints]
+
+
+def test_a_model_that_nudges_a_parameter_on_rank_1_stops_the_run_at_the_next_check_before_any_later_save(tmp_path):
+    (tmp_path / "nudged.py").write_text(NUDGED)
+    cfg = ray_dp.with_absolute_paths(ray_dp.Config(
+        model=f"{tmp_path}/nudged.py:Nudged", dataset="synthetic", synthetic_size=400, batch_size=8, epochs=1,
+        workers=2, check_replicas="5", checkpoint_every="8", quiet=True, name="nudged", storage_path=str(tmp_path)))
+    (stopped, saved), _ = run_distributed(nudged_run, 2, cfg)
+    assert stopped["by"] == ["replicas"] and stopped["error"].startswith(
+        "the replicas differ after step 20 of epoch 1 (the run's step 20): rank 1 of 2 hold other values than rank "
+        "0, first in layer.bias")
+    assert saved == [(1, 8), (1, 16)]  # the newest checkpoint is from before step 20: none from the replicas that differ
+
+
+def scratch_without_one_layer(cfg):
+    allreduce = ray_dp.allreduce
+    ray_dp.allreduce = lambda grads, algorithm: allreduce(grads[:-1], algorithm)  # the last bias stays each rank's
+    try:
+        return train_worker(cfg, here(), Saves(), ray_dp.LoopOptions(), {})["stopped"]
+    finally:
+        ray_dp.allreduce = allreduce
+
+
+def test_the_scratch_lesson_with_one_layers_all_reduce_skipped_is_caught_at_the_first_check():
+    cfg = ray_dp.Config(mode="scratch", dataset="synthetic", synthetic_size=64, batch_size=16, epochs=2, lr=0.2,
+                        lr_schedule="constant", momentum=0.0, checkpoint_every="0", workers=2, quiet=True)
+    stopped = run_distributed(scratch_without_one_layer, 2, cfg)[0]
+    assert stopped["error"].startswith("the replicas differ after step 1 of epoch 1 (the run's step 1): rank 1 of 2 "
+                                       "hold other values than rank 0, first in classifier.2.bias")
+
+
+def test_a_checkpoint_altered_since_it_was_saved_is_refused_in_one_line_before_any_cluster(tmp_path, no_cluster,
+                                                                                           capsys):
+    run = save_run(tmp_path / "runs" / "r", saved=(1,))
+    path = run / ray_dp.checkpoint_dir_name(1) / ray_dp.CHECKPOINT_FILE
+    state = torch.load(path, weights_only=True)
+    state["optimizer"] = {"state": {0: {"momentum_buffer": torch.ones(3)}}, "param_groups": []}
+    torch.save(state, path)
+    assert ray_dp.main(["--dataset", "digits", "--storage-path", str(tmp_path / "runs"), "--name", "r"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"ray_dp.py: error: run 'r' cannot resume: its checkpoint {path} holds another optimizer than it certifies "
+        f"(it was altered since it was saved)")
+    state["optimizer"], state["model"]["classifier.2.bias"][0] = {}, 7.0
+    torch.save(state, path)
+    assert ray_dp.main(["--eval-only", str(run), "--dataset", "digits"]) == 2
+    assert "its weights are not those its certificate says" in capsys.readouterr().err
+
+
+def test_an_unaltered_checkpoint_matches_its_certificate():
+    model = ray_dp.build_model("lenet", (1, 28, 28))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.rand(2, 1, 28, 28)).sum().backward()
+    optimizer.step()
+    state = ray_dp.checkpoint_state(model.state_dict(), optimizer.state_dict(), 1, ray_dp.Config(), [], [],
+                                    {"step": 3, "steps": 9, "samples": 12})
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    assert ray_dp.uncertified(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)) == []
+    assert set(state["certificate"]) == {"model", "optimizer", "data position", "random streams"}
+
+
+def test_the_ledger_sums_to_the_wall_clock_and_charges_a_failure_its_lost_steps_and_restart():
+    clock = {"started": 100.0, "imported": 102.0, "checked": 104.0, "fitted": 190.0}
+    failed = {"seconds": {"data": 1.0, "model": 2.0, "training steps": 30.0, "saves": 1.0, "evaluation": 2.0},
+              "began": 110.0, "at": 150.0, "since_save": 8.0, "saves": 2}
+    final = {"seconds": {"data": 1.0, "model": 2.0, "restores": 0.5, "training steps": 20.0, "saves": 1.0,
+                         "evaluation": 2.0, "waits for data": 0.5}, "began": 160.0, "at": 185.0, "ended": 186.0,
+             "since_save": 0.0, "saves": 2}
+    ledger = ray_dp.run_ledger(clock, [failed, final], [152.0], 195.0)
+    assert ledger["wall"] == 95.0 and sum(ledger[what] for what in ray_dp.LEDGER) == pytest.approx(95.0)
+    assert ledger["driver"] == 4.0 + 5.0 and ledger["cluster"] == 6.0 + 4.0
+    # the 8 s since its last save, 2 s from its last word to its death, 8 s to the next worker group, 3.5 s of its set-up
+    assert ledger["failures"] == 8.0 + 2.0 + 8.0 + 3.5
+    assert ledger["training steps"] == 30.0 - 8.0 + 20.0 and ledger["goodput"] == round(42.0 / 95.0, 4)
+    assert (ledger["failed"], ledger["saved"]) == (1, 4)
+    again = ray_dp.run_ledger(clock, [final], [], 195.0, before=ledger)  # a rerun of the same --name adds up
+    assert again["wall"] == 190.0 and again["failed"] == 1 and again["training steps"] == 62.0
+
+
+def slowed_rank_1(cfg):
+    if dist.get_rank() == 1:  # its forward passes 20 ms longer
+        forward = ray_dp.LeNet.forward
+
+        def slower(module, x):
+            time.sleep(0.02)
+            return forward(module, x)
+        ray_dp.LeNet.forward = slower
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train_worker(cfg, here(), Saves(), ray_dp.LoopOptions(), {})
+    return printed.getvalue()
+
+
+def test_a_rank_whose_forward_passes_are_slower_than_the_others_is_named_once():
+    cfg = ray_dp.Config(dataset="synthetic", synthetic_size=96, batch_size=8, epochs=1, workers=2, log_every=1,
+                        checkpoint_every="0", check_replicas="off", quiet=True)
+    printed = run_distributed(slowed_rank_1, 2, cfg)[0]
+    assert printed.count("ray-dp: note: rank 1 is a straggler: its forward passes take") == 1
+
+
+def dumped(tmp_path):
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "100"  # before a process group, as worker_env sets it for Ray's workers
+    group = dist.new_group()
+    dist.all_reduce(torch.ones(1), group=group)
+    cfg = ray_dp.Config(storage_path=str(tmp_path), name="w", timeout=1800)
+    watchdog = ray_dp.Watchdog(cfg, here())
+    watchdog.progress("after step 7 of epoch 2")
+    watchdog.dump("asked (SIGUSR1)")
+    dist.barrier()
+
+
+def test_a_watchdog_writes_its_ranks_stacks_and_flight_recorder_and_a_report_names_the_rank_behind(tmp_path):
+    run_distributed(dumped, 2, tmp_path)
+    text = (tmp_path / "w" / "hang" / "rank1.txt").read_text()
+    assert text.startswith("rank 1 of 2 on ") and "asked (SIGUSR1); its last progress: after step 7 of epoch 2" in text
+    assert "in dumped" in text  # its Python stack
+    records = {rank: json.loads((tmp_path / "w" / "hang" / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    assert [status["last_enqueued_collective"] for status in records[0]["pg_status"].values()] == ["1"]
+    for rank, count in ((0, 5), (1, 4)):  # as a hang leaves them: rank 1 never came to the 5th of the default group
+        records[rank]["pg_status"] = {"0": {"last_enqueued_collective": str(count)}}
+        (tmp_path / "w" / "hang" / f"rank{rank}.json").write_text(json.dumps(records[rank]))
+    cfg = ray_dp.Config(storage_path=str(tmp_path), name="w", workers=2, timeout=20)
+    assert ray_dp.hang_report(cfg) == (
+        f"rank 1 did not come to collective 5, which the other ranks waited in for --timeout 20 s: its stacks are in "
+        f"{tmp_path}/w/hang/rank1.txt (every rank's beside it, and torch's flight recorder in rank<N>.json)")
