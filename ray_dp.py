@@ -2831,7 +2831,6 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
     if recovery and board is not None:
         recovery["steps_redone"] = ray.get(board.steps_redone.remote())
-    startup = [e["seconds"] for e in recovery.get("events", []) if e["event"] == "startup"]
     ledger = record_ledger(cfg, out, board, recovery)
     write_ledger_events(cfg, ledger, history[-1]["epoch"])
     summary = run_record(
@@ -2840,8 +2839,7 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
         started_at_epoch=out["started_at_epoch"], node_ranks=out["node_ranks"],
         first_step_at=out["first_step_at"], recovery=recovery, resumed=out["resumed"],
-        ledger=ledger,
-        startup=startup[0] if startup else startup_breakdown(CLOCK, {}, out["startup"]))
+        ledger=ledger, startup=out["startup"])
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
 
@@ -3220,7 +3218,7 @@ class Checkpointer:
         partial = {"epoch": epoch, "step": step, "steps": steps, "samples": int(self.totals[1]),
                    "loss_sum": self.totals[0], "step_log": [list(e) for e in losses.logged],
                    "pending": self.pending}
-        metrics = {"epoch": epoch + 1, "step": step, "steps": steps,
+        metrics = {"epoch": epoch + 1, "step": step, "steps": steps, "node": node_name(),
                    "keep": keep_score(epoch + 1, step, steps)}
         state = (self.checkpoint_of(epoch, self.history, partial) if self.worker.is_main
                  else None)
@@ -3260,8 +3258,8 @@ class Checkpointer:
         self.console.say(format_epoch(metrics, self.cfg.epochs))
         if not self.replicas_agree("epoch", f"at the end of epoch {metrics['epoch']}"):
             return
-        self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"])}, state,
-                             metrics["epoch"])
+        self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"]),
+                              "node": node_name()}, state, metrics["epoch"])
         self.saved()
         if self.stop_votes and metrics["epoch"] < self.cfg.epochs:
             self.stopped = {"epoch": metrics["epoch"] + 1, "step": 0, "steps": None,
@@ -4029,11 +4027,7 @@ def local_run_dir(cfg: Config) -> str:
 def run_callbacks(cfg: Config, logs: Optional[str], options: LoopOptions, done: int,
                   training: bool) -> list:
     callbacks = [TensorBoardLogger(cfg)] if training and not options.torchrun else []
-    if not CONTROLLER_HOOKS:
-        internal_note(CALLBACK_MODULE, HOOKS_LOST)
-    elif logs:
-        callbacks.append(RecoveryLog(cfg, logs, options.board, done, options.clock))
-    return callbacks
+    return callbacks + ([FailureLog(cfg, logs, options.board, done)] if logs else [])
 
 
 PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited"
@@ -4102,31 +4096,6 @@ def recovery_summary(record_path: str) -> dict:
             "world_sizes": [[e["at"], e["workers"]] for e in starts],
             "epochs_redone": [epoch for e in events for epoch in e.get("redone", [])],
             "events": events}
-
-
-def startup_breakdown(driver: dict, controller: dict, worker: dict) -> dict:
-    """Seconds in each phase of a run's start, from the driver's, the controller's and rank 0's
-    clocks; a phase whose clocks are missing (a Ray already up, torchrun) is left out."""
-    spans = [("imports", driver.get("started"), driver.get("imported")),
-             ("checks", driver.get("imported"), driver.get("checked")),
-             ("Ray", driver.get("checked"), driver.get("connected")),
-             ("worker group", driver.get("fit"), controller.get("actors")),
-             ("process group", controller.get("actors", driver.get("fit")), worker.get("loop")),
-             ("data", worker.get("loop"), worker.get("data")),
-             ("model", worker.get("data"), worker.get("model")),
-             ("first step", worker.get("model"), worker.get("first_step"))]
-    phases = {name: round(end - start, 2) for name, start, end in spans if start and end}
-    begun = driver.get("started", driver.get("imported", driver.get("fit")))
-    if begun and worker.get("first_step"):
-        phases["total"] = round(worker["first_step"] - begun, 2)
-    return phases
-
-
-def format_startup(phases: dict) -> str:
-    parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()
-                      if name != "total")
-    total = f": {phases['total']:.1f} s to the first step" if "total" in phases else ""
-    return f"start-up: {parts}{total}"
 
 
 def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
@@ -4839,9 +4808,6 @@ class TorchrunLauncher:
         ray.train.report(metrics)
         if self.tensorboard:
             self.tensorboard.write(metrics)
-            if "startup" in metrics:
-                phases = startup_breakdown(CLOCK, {}, metrics["startup"])
-                print(f"ray-dp: {format_startup(phases)}", flush=True)
 
 
 def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0) -> None:
@@ -5070,11 +5036,10 @@ def worker_env(cfg: Config) -> dict:
 # ==================================================================================================
 # Ray internals: the bets ray_dp makes on Ray's non-public API, each checked with Ray 2.60 and
 # guarded: a Ray that moved one costs a note (or, for torchrun, a refusal), never wrong numbers.
-#   1. Ray Train's torchrun test                  6. its checkpoint list's file and keys
-#   2. its controller hooks (RecoveryLog)         7. set_sigterm_handler (a worker's SIGTERM)
-#   3. its controller's state and error classes   8. canonicalize_bootstrap_address (auto)
-#   4. its worker group's accessors               9. its environment knobs (set_ray_train_knobs)
-#   5. its memory monitor's wording              10. its placement-group cleaner's waits and logger
+#   1. Ray Train's torchrun test                  5. set_sigterm_handler (a worker's SIGTERM)
+#   2. its health check's error name              6. canonicalize_bootstrap_address (auto)
+#   3. its memory monitor's wording               7. its environment knobs (set_ray_train_knobs)
+#   4. its checkpoint list's file and keys        8. its placement-group cleaner's waits and logger
 # ==================================================================================================
 
 RAY_CHECKED = "2.60.0"
@@ -5113,38 +5078,10 @@ def ray_joins_torchrun() -> bool:
                           f"(python ray_dp.py --workers N)") from None
 
 
-CALLBACK_MODULE = "ray.train.v2._internal.execution.callback"
-_HOOK_NAMES = ("ControllerCallback", "WorkerGroupCallback", "ReportCallback")
-_hooks = [ray_internal(CALLBACK_MODULE, name) for name in _HOOK_NAMES]
-CONTROLLER_HOOKS = None not in _hooks
-ControllerCallback, WorkerGroupCallback, ReportCallback = (  # stand-ins where Ray has none
-    hook if CONTROLLER_HOOKS else type(name, (), {}) for hook, name in zip(_hooks, _HOOK_NAMES))
-HOOKS_LOST = "no recovery lines, recovery.json or start-up breakdown"
-ERRORED_STATE, SCHEDULING_STATE = "ErroredState", "SchedulingState"
-START_TIMEOUT_ERROR, WORKER_GROUP_ERROR = "WorkerGroupStartupTimeoutError", "WorkerGroupError"
 HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"  # a rank's process or node died
 # Ray's memory monitor's words for the workers it killed (every unexpected exit's error lists "the
 # OOM killer" among possible causes: not the word "memory")
 RAY_OOM_KILLED = re.compile(r"low on memory|memory pressure|OUT_OF_MEMORY")
-
-
-def state_facts(state) -> tuple:
-    """(class name, training error or None, workers a SchedulingState waits for or None) of a
-    controller state; a ShuttingDown state read as the state it leads to."""
-    state = getattr(state, "next_state", state)
-    decision = getattr(state, "scaling_decision", None)
-    return (type(state).__name__, getattr(state, "training_failed_error", None),
-            getattr(decision, "num_workers", None))
-
-
-def worker_node_ips(worker_group) -> dict:
-    try:
-        return {worker.distributed_context.world_rank: worker.metadata.node_ip
-                for worker in worker_group.get_workers()}
-    except (AttributeError, TypeError):
-        internal_note("worker group (get_workers, distributed_context, metadata)",
-                      "the recovery lines name no nodes")
-        return {}
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of committed checkpoints
@@ -5282,82 +5219,49 @@ if __name__ != "__main__":
     RUNTIME_ENV["py_modules"] = [sys.modules[__name__]]
 
 
-class RecoveryLog(ControllerCallback, WorkerGroupCallback, ReportCallback):
-    """A line for each event of a run that is not an epoch (a worker lost, a restart, the start-up
-    breakdown), recovery.json, and Ray's full errors in ray.log; in Ray Train's controller, by its
-    internal hooks (the public UserCallback sees reports only)."""
+class FailureLog(ray.train.UserCallback):
+    """A line for each failure and restart of the workers, recovery.json, Ray's full errors in
+    ray.log: in Ray Train's controller, from its public callbacks."""
 
-    def __init__(self, cfg: Config, logs: str, board=None, done: int = 0,
-                 clock: Optional[dict] = None):
+    def __init__(self, cfg: Config, logs: str, board=None, done: int = 0):
         self.cfg, self.logs, self.board, self.done = cfg, logs, board, done
-        self.clock, self.controller_clock = clock or {}, {}
-        self.events, self.failures, self.node_ips = [], 0, {}
-        self.reported, self.save_failed = None, False
+        self.events, self.failures, self.node_ips, self.seen = [], 0, {}, None
+        self.save_failed = False
 
-    def after_controller_start(self, train_run_context) -> None:
+    def __setstate__(self, state: dict) -> None:  # unpickled in Ray Train's controller
+        self.__dict__.update(state)
         quiet_ray_train()
 
-    def after_controller_state_update(self, previous_state, current_state) -> None:
-        kind, error, workers = state_facts(current_state)
-        if error is not None and error is not self.reported:
-            self.reported = error
-            self.failed(error, stopping=kind == ERRORED_STATE)
-        elif kind == SCHEDULING_STATE and self.events:
-            waiting_for = plural(workers, "worker") if workers is not None else "the workers"
-            self.add(f"waiting up to {self.cfg.start_timeout:g} s for {waiting_for} "
-                     f"(--start-timeout)", event="waiting", workers=workers)
-
-    def before_worker_group_start(self, worker_group_context) -> None:
-        self.controller_clock.setdefault("group", time.time())
-
-    def before_init_train_context(self, workers) -> dict:
-        self.controller_clock.setdefault("actors", time.time())
-        return {}
-
-    def after_worker_group_start(self, worker_group) -> None:
-        self.node_ips = worker_node_ips(worker_group)
-        nodes = sorted(set(self.node_ips.values()))
-        message = (f"{plural(len(self.node_ips), 'worker')} started on {', '.join(nodes)}"
-                   if self.events else None)
-        self.add(message, event="started", workers=len(self.node_ips), nodes=nodes)
-
-    def after_report(self, training_report, metrics: list) -> None:
+    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        if not self.events or self.events[-1]["event"] == "failed":  # a worker group's first
+            self.node_ips = {rank: m.get("node") for rank, m in enumerate(metrics)}
+            nodes = sorted(set(self.node_ips.values()) - {None})
+            self.add(f"{plural(len(metrics), 'worker')} started on {', '.join(nodes)}"
+                     if self.events else None, event="started", workers=len(metrics), nodes=nodes)
         epoch = metrics[0]["epoch"]
-        if "startup" in metrics[0] and not any(e["event"] == "startup" for e in self.events):
-            phases = startup_breakdown(self.clock, self.controller_clock, metrics[0]["startup"])
-            self.add(format_startup(phases), event="startup", seconds=phases)
         for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
             failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
             self.save()
         self.done = epoch - 1 if "step" in metrics[0] else epoch
 
-    def failed(self, error, stopping: bool) -> None:
-        controller = getattr(error, "controller_failure", None)
-        append_log(self.logs, str(error))
-        if type(controller).__name__ == START_TIMEOUT_ERROR and not stopping:
-            then = "trying again with what fits" if self.cfg.min_workers else "trying again"
-            return self.add(f"the workers did not all start within {self.cfg.start_timeout:g} s; "
-                            f"{then}", event="start_timeout")
-        # Ray counts the training's failures against --max-failures, not preemptions
-        counted = type(error).__name__ == WORKER_GROUP_ERROR and "preempt" not in str(error).lower()
-        self.failures += counted
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        if worker_exceptions is self.seen or not worker_exceptions:
+            return
+        self.seen, self.failures = worker_exceptions, self.failures + 1
         limit = self.cfg.max_failures
-        if not counted:
-            then = ("stopping (Ray does not retry this error)" if stopping
-                    else "Ray retries it (not counted against --max-failures)")
-        elif stopping:
+        append_log(self.logs, "\n".join(f"rank {rank}: {error}" for rank, error in
+                                        sorted(worker_exceptions.items())))
+        if limit != -1 and self.failures > limit:
             then = f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
         else:
             of = "no limit" if limit == -1 else f"{limit} allowed"
             then = (f"failure {self.failures} (--max-failures: {of}): restarting the workers from "
                     f"the last checkpoint")
-        worker_failures = getattr(error, "worker_failures", {})
-        what = (describe_worker_failures(worker_failures, self.node_ips)
-                or first_line(controller or error))
+        what = describe_worker_failures(worker_exceptions, self.node_ips)
         self.add(f"{what} during epoch {self.done + 1}; {then}", event="failed",
-                 failure=self.failures, counted=counted, during_epoch=self.done + 1,
-                 what=what, node_ips=self.node_ips,
-                 errors={rank: first_line(e) for rank, e in worker_failures.items()})
+                 failure=self.failures, during_epoch=self.done + 1, what=what,
+                 node_ips=self.node_ips, errors={rank: first_line(error)
+                                                 for rank, error in worker_exceptions.items()})
 
     def add(self, message: Optional[str], **event) -> None:
         if message:

@@ -310,64 +310,60 @@ def test_ray_trains_placement_group_cleaner_waits_one_second_per_question_and_no
     assert (callback._check_interval_s, callback._get_actor_timeout_s, callback._stop_timeout) == (1.0, 1.0, 0.1)
 
 
-# ---- The recovery log: what Ray Train's controller tells it, as the console and result.json tell it ----
-
-def controller_state(kind, **fields):
-    """A stand-in for Ray Train's controller states, which the log reads by class name and fields."""
-    return type(kind, (), fields)()
-
+# ---- The failure log: what Ray Train's controller tells its public callbacks, as the console and result.json tell it ----
 
 def recovery_log(tmp_path, **cfg):
-    log = ray_dp.RecoveryLog(ray_dp.Config(**cfg), str(tmp_path))
-    log.node_ips = {0: "10.0.0.1", 1: "10.0.0.2"}
+    log = ray_dp.FailureLog(ray_dp.Config(**cfg), str(tmp_path))
+    log.after_report(None, reports(1), None)  # the first worker group's first report: its nodes
     return log
 
 
+def reports(epoch, nodes=("10.0.0.1", "10.0.0.2")):
+    return [{"epoch": epoch, "node": node} for node in nodes]
+
+
 def lost_rank_1():
-    from ray.train import WorkerGroupError
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
     dead = WorkerHealthCheckFailedError("A worker health check failed.", RuntimeError("node_ip='10.0.0.2'"))
-    return WorkerGroupError("rank 1 died", {0: RuntimeError("Connection reset by peer"), 1: dead})
+    return {0: RuntimeError("Connection reset by peer"), 1: dead}
 
 
 def test_a_lost_worker_is_failure_k_of_max_failures_and_the_epochs_redone_are_recorded(tmp_path, capsys):
     log = recovery_log(tmp_path, max_failures=3)
-    log.after_report(None, [{"epoch": 1}])
-    log.after_controller_state_update(None, controller_state("RestartingState", training_failed_error=lost_rank_1()))
-    log.after_report(None, [{"epoch": 2}])  # resumed at epoch 2 and reported it
+    failures = lost_rank_1()
+    log.after_exception(None, failures)
+    log.after_exception(None, failures)  # the same failure, polled again: one
+    log.after_report(None, reports(2, ("10.0.0.1", "10.0.0.3")), None)  # resumed at epoch 2 on another node
     assert capsys.readouterr().out == (
         "ray-dp: lost worker rank 1 on 10.0.0.2 (its process or node died) during epoch 2; failure 1 "
-        "(--max-failures: 3 allowed): restarting the workers from the last checkpoint\n")
+        "(--max-failures: 3 allowed): restarting the workers from the last checkpoint\n"
+        "ray-dp: 2 workers started on 10.0.0.1, 10.0.0.3\n")
     record = ray_dp.recovery_summary(str(tmp_path / "recovery.json"))
-    assert (record["failures"], record["epochs_redone"]) == (1, [2])
+    assert (record["failures"], record["restarts"], record["epochs_redone"]) == (1, 1, [2])
+    assert record["world_sizes"][-1][1] == 2
+    assert "Connection reset by peer" in (tmp_path / "ray.log").read_text()  # the full errors, off the console
 
 
-def test_errors_ray_does_not_charge_to_max_failures_are_not_counted_against_it(tmp_path, capsys):
-    from ray.train import ControllerError
-    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+def test_a_failure_beyond_max_failures_says_the_run_stops(tmp_path, capsys):
     log = recovery_log(tmp_path, max_failures=1)
-    timeout = ControllerError(WorkerGroupStartupTimeoutError(2))
-    log.after_controller_state_update(None, controller_state("ReschedulingState", training_failed_error=timeout))
-    other = ControllerError(RuntimeError("boom"))
-    log.after_controller_state_update(None, controller_state("ReschedulingState", training_failed_error=other))
-    errored = controller_state("ErroredState", training_failed_error=ControllerError(RuntimeError("fatal")))
-    log.after_controller_state_update(None, controller_state("ShuttingDownState", next_state=errored))
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "ray-dp: the workers did not all start within 60 s; trying again"  # fixed size
-    assert lines[1].endswith("RuntimeError: boom during epoch 1; Ray retries it (not counted against --max-failures)")
-    assert lines[2].endswith("RuntimeError: fatal during epoch 1; stopping (Ray does not retry this error)")
-    assert log.failures == 0 and len(lines) == 3
+    log.after_exception(None, {0: RuntimeError("boom")})
+    log.after_exception(None, {1: RuntimeError("again")})
+    assert capsys.readouterr().out.splitlines() == [
+        "ray-dp: worker rank 0 on 10.0.0.1 failed: RuntimeError: boom during epoch 2; failure 1 (--max-failures: 1 "
+        "allowed): restarting the workers from the last checkpoint",
+        "ray-dp: worker rank 1 on 10.0.0.2 failed: RuntimeError: again during epoch 2; failure 2, more than "
+        "--max-failures 1 allows: stopping"]
 
 
 def test_a_resumed_run_numbers_its_failures_from_the_epoch_it_resumed_after(tmp_path, capsys):
-    log = ray_dp.RecoveryLog(ray_dp.Config(max_failures=1), str(tmp_path / "recovery.json"), done=5)
-    log.after_controller_state_update(None, controller_state("RestartingState", training_failed_error=lost_rank_1()))
+    log = ray_dp.FailureLog(ray_dp.Config(max_failures=1), str(tmp_path), done=5)
+    log.after_exception(None, lost_rank_1())
     assert "during epoch 6;" in capsys.readouterr().out
 
 
 def test_a_recovery_record_that_cannot_be_written_does_not_stop_training(tmp_path, capsys):
     (tmp_path / "recovery.json").mkdir()  # in the way
-    log = recovery_log(tmp_path)
-    log.after_controller_state_update(None, controller_state("RestartingState", training_failed_error=lost_rank_1()))
-    log.after_report(None, [{"epoch": 1}])
+    log = ray_dp.FailureLog(ray_dp.Config(), str(tmp_path))
+    log.after_report(None, reports(1), None)
+    log.after_exception(None, lost_rank_1())
     assert capsys.readouterr().out.count("cannot write") == 1
