@@ -3077,17 +3077,17 @@ class Checkpointer:
         at = f"epoch {epoch} of {self.cfg.epochs}"
         if self.resumed_at:
             step = self.resumed_at["step"]
-            at += f", step {step + 1} of {self.resumed_at['steps']}"
-        since = f"epoch {epoch}, step {step}" if step else f"epoch {epoch - 1}"
-        line = f"resuming at {at} with {workers}, from the checkpoint at {since}"
-        self.resume_record = {"from": since, "certified": False}
+            at += f", step {step + 1} of {self.resumed_at['steps']},"
+        since = f"at epoch {epoch}, step {step}" if step else f"of epoch {epoch - 1}"
+        line = f"resuming at {at} with {workers}, from the checkpoint {since}"
+        self.resume_record = {"from": since.split(" ", 1)[1], "certified": False}
         if "certificate" not in state or self.checkpoint_of is None:
             return line
         now = self.checkpoint_of(state["epoch"], self.history, self.resumed_at or None)
         differ = [part for part, value in now["certificate"].items()
                   if state["certificate"].get(part) != value]
         if differ:  # the file was certified on the driver: this ray_dp restores it otherwise
-            raise RuntimeError(f"the checkpoint at {since} did not restore as saved: "
+            raise RuntimeError(f"the checkpoint {since} did not restore as saved: "
                                f"{', '.join(differ)} differ from what it certifies")
         self.resume_record["certified"] = True
         return f"{line}: the same model, optimizer, data position and random streams as saved"

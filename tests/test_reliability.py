@@ -98,6 +98,12 @@ def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_within_the_epoch
     assert result["started_at_epoch"] == 3 and result["recovery"]["steps_redone"] == 12
     assert [m["epoch"] for m in result["epochs"]] == [1, 2, 3] and result["epochs"][-1]["train_samples"] == 1432
     assert_bitwise_equal(final_weights(result), reference)
+    # where the time went: the categories add up to the wall clock, what no clock saw ("other") within 2% of it; the
+    # failure's cost (its steps since the save, the restart, the new group's set-up) charged to it
+    ledger = result["ledger"]
+    assert sum(ledger[what] for what in ray_dp.LEDGER) == pytest.approx(ledger["wall"], abs=0.01)
+    assert abs(ledger["other"]) < 0.02 * ledger["wall"], ledger
+    assert ledger["failed"] == 1 and ledger["failures"] > 1 and 0 < ledger["goodput"] < 1
     # the epochs' checkpoints, and of the mid-epoch ones what room --epochs + 1 leaves: the latest
     assert sorted(p.name for p in (tmp_path / "crash").glob("checkpoint_epoch_*")) == [
         "checkpoint_epoch_001", "checkpoint_epoch_002", "checkpoint_epoch_003", "checkpoint_epoch_003_step_000160"]
@@ -257,3 +263,41 @@ def test_a_corrupt_latest_checkpoint_is_one_sentence_and_fresh_starts_over(tmp_p
     result = train(tmp_path, "corrupt", "--fresh")
     assert result["started_at_epoch"] == 1 and len(result["epochs"]) == 3
     assert_bitwise_equal(final_weights(result), reference)
+
+
+HANGING = '''
+import torch, torch.nn as nn, torch.distributed as dist
+
+
+class HangsOnRank1(nn.Module):
+    """A user's model whose rank 1, in its 30th forward pass, waits in a collective no other rank comes to."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.calls, self.aside = nn.Linear(784, 10), 0, None
+
+    def forward(self, x):
+        if self.aside is None and dist.is_initialized():
+            self.aside = dist.new_group()  # every rank, in its first forward pass
+        self.calls += 1
+        if self.calls == 30 and self.training and dist.get_rank() == 1:
+            dist.all_reduce(torch.zeros(1), group=self.aside)
+        return self.layer(x.flatten(1))
+'''
+
+
+def test_a_rank_that_hangs_in_a_collective_is_named_with_the_records_of_every_ranks_stacks(tmp_path, capsys):
+    (tmp_path / "hang.py").write_text(HANGING)
+    code = ray_dp.main([*RUN, "--model", f"{tmp_path}/hang.py:HangsOnRank1", "--timeout", "20", "--epochs", "1",
+                        "--storage-path", str(tmp_path), "--name", "hang", "--logdir", str(tmp_path / "tb")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ray_dp.py:")]  # (not Ray's)
+    hang = tmp_path / "hang" / "hang"
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("ray_dp.py: training failed: rank 1 did not come to collective "), err
+    assert (f"which the other ranks waited in for --timeout 20 s: its stacks are in {hang}/rank1.txt (every rank's "
+            f"beside it, and torch's flight recorder in rank<N>.json)") in err[0]
+    for rank in (0, 1):  # each rank's Python stacks, written once it had made no progress for --timeout / 2
+        text = (hang / f"rank{rank}.txt").read_text()
+        assert text.startswith(f"rank {rank} of 2 on ") and "no progress for 10 s (--timeout / 2)" in text
+        assert json.loads((hang / f"rank{rank}.json").read_text())["pg_status"]
+    assert "in forward" in (hang / "rank1.txt").read_text()  # where it waits: the model's forward pass
