@@ -77,6 +77,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import (
     BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset)
@@ -1015,21 +1016,6 @@ def bound_collectives(seconds: float) -> None:
         dist.set_timeout(timedelta(seconds=seconds))
 
 
-class SumOverRanks(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        x = x.clone()
-        dist.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad
-
-
 class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
     """BatchNorm (1d, 2d or 3d) over all workers' batches on CPU, where torch's SyncBatchNorm will
     not run: each rank's (count, mean, M2), one autograd-aware all-reduce, Chan's formula."""
@@ -1050,7 +1036,7 @@ class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
         rows = torch.zeros(world, 1 + 2 * x.shape[1], dtype=x32.dtype, device=x.device)
         rows = rows.index_copy(0, torch.tensor([rank], device=x.device),
                                torch.cat([count, mean, m2]).unsqueeze(0))
-        rows = SumOverRanks.apply(rows)
+        rows = differentiable_all_reduce(rows)  # the gradients of every rank's rows, summed too
         mean, var, n = combine_statistics(rows[:, 0], *rows[:, 1:].chunk(2, dim=1))
         if self.track_running_stats:
             with torch.no_grad():
