@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import copyreg
 import ctypes
+import difflib
 import errno
 import functools
 import gc
@@ -174,8 +175,8 @@ class Config:
     find_unused_parameters: bool = option(False, "DDP's: for a model of yours whose parameters "
                                           "are not all used in every step", rerun="free")
     loss: str = option("cross_entropy", "cross_entropy, mse, or your own: FILE.py:NAME or "
-                       "module:NAME, a function (output, target) -> mean loss or an nn.Module "
-                       "class", metavar="LOSS", evaluation="checkpoint")
+                       "module:NAME, a function or nn.Module class: (output, target) -> the mean "
+                       "or per-sample losses", metavar="LOSS", evaluation="checkpoint")
     loader_workers: Optional[int] = option(
         None, "loader processes per worker (0: in-memory data indexed on the device; default: 0 "
         "in memory, 2 read per sample)", type=int, metavar="N", rerun="free", evaluation="free")
@@ -825,7 +826,7 @@ def user_code(spec: str, flag: str):
     if spec in CODE:
         return CODE[spec]
     where, _, name = spec.rpartition(":")
-    if where == "__main__":  # on the command line, that is ray_dp.py itself
+    if where == "__main__":
         raise ConfigError(f"--{flag} {spec} names an object of the script that called "
                           f"ray_dp.train(): pass it ({flag}=...), or name a file: FILE.py:NAME")
     try:
@@ -838,7 +839,6 @@ def user_code(spec: str, flag: str):
                               f".py)") from None
         raise ConfigError(f"--{flag} {spec}: {where} fails to import: {first_line(exc)}") from None
     if not hasattr(module, name):
-        import difflib
         close = difflib.get_close_matches(name, [n for n in dir(module) if n[0] != "_"], n=1)
         raise ConfigError(f"--{flag} {spec}: {where} has no {name}"
                           + (f"; did you mean {close[0]}?" if close else ""))
@@ -849,8 +849,7 @@ def user_code(spec: str, flag: str):
 
 
 def load_module(where: str):
-    """A file (FILE.py; the modules of its folder importable as it runs) or a module on the Python
-    path, loaded anew."""
+    """A file (FILE.py; its folder's modules importable) or a module on the path, loaded anew."""
     if not where.endswith(".py"):
         return travels(importlib.import_module(where))
     path, before = os.path.abspath(where), set(sys.modules)
@@ -867,11 +866,8 @@ def load_module(where: str):
         raise
     finally:
         sys.path.remove(folder)
-    folder = os.path.realpath(folder)
-    for imported in {name} | set(sys.modules) - before:  # with the modules of its folder it imported
-        where = os.path.realpath(getattr(sys.modules[imported], "__file__", None) or "/")
-        if os.path.commonpath([where, folder]) == folder:
-            travels(sys.modules[imported])
+    for imported in {name} | set(sys.modules) - before:  # and what it imported, not installed
+        travels(sys.modules[imported])
     return module
 
 
@@ -897,8 +893,7 @@ def as_spec(value, flag: str) -> str:
         return value
     if not hasattr(value, "__qualname__"):
         raise ConfigError(f"{flag}= takes a class or a function, not an instance of "
-                          f"{type(value).__name__}, which a rerun could not make again (a function "
-                          f"can hold its arguments: lambda output, target: ...)")
+                          f"{type(value).__name__}, which a rerun could not make again")
     spec = f"{value.__module__}:{value.__qualname__}"
     if CODE.setdefault(spec, value) is not value:
         raise ConfigError(f"{flag}= is another object of the name {spec} than one given before: "
@@ -919,17 +914,14 @@ def takes_arguments(function, name: Optional[str] = None) -> bool:
 
 
 def code_file(spec: str) -> Optional[dict]:
-    """What the run directory records of your code: its spec and the hash of its file's text (of
-    the object's own source where a module, or a notebook, names it)."""
+    """What the run directory records of your code: its spec, its file's (else source's) hash."""
     if not is_code(spec):
         return None
     import hashlib
     where = spec.rpartition(":")[0]
     path = os.path.abspath(where) if where.endswith(".py") else None
-    if path:
-        text = Path(path).read_bytes() if os.path.isfile(path) else None
-    else:
-        text = source_text(CODE[spec]) if spec in CODE else None
+    text = (Path(path).read_bytes() if os.path.isfile(path) else None) if path else (
+        source_text(CODE[spec]) if spec in CODE else None)
     return {"spec": spec, **({"file": path} if path else {}),
             **({"sha256": hashlib.sha256(text).hexdigest()[:16]} if text is not None else {})}
 
@@ -940,7 +932,7 @@ def source_text(value) -> bytes:
     import marshal
     try:
         return inspect.getsource(value).encode()
-    except (OSError, TypeError):  # a notebook's class, a lambda of python -c
+    except (OSError, TypeError):
         parts = vars(value).values() if isinstance(value, type) else [value]
         return b"".join(marshal.dumps(part.__code__) for part in parts if hasattr(part, "__code__"))
 
@@ -959,22 +951,19 @@ LOSSES = {"cross_entropy": lambda cfg: lambda output, target: F.cross_entropy(
 
 
 def loss_function(cfg: Config, training: bool = True):
-    """--loss as a function (output, target) -> the mean over the samples (label smoothing in
-    training only); your loss's per-sample values (reduction='none') averaged by count."""
+    """--loss as (output, target) -> the mean over the samples (label smoothing in training only);
+    yours on a regression's output shaped as its target, per-sample values averaged by count."""
     if cfg.loss in LOSSES:
         return LOSSES[cfg.loss](cfg if training else replace(cfg, label_smoothing=0.0))
     loss = user_code(cfg.loss, "loss")
-    return functools.partial(mean_over_samples, loss() if isinstance(loss, type) else loss)
+    loss = loss() if isinstance(loss, type) else loss
 
-
-def mean_over_samples(loss, output, target) -> torch.Tensor:
-    """A regression's output as its target's shape (torch's MSELoss would broadcast (B, 1) against
-    (B,)), then the loss; per-sample values averaged."""
-    if torch.is_tensor(output) and target.is_floating_point() and output.shape != target.shape \
-            and output.numel() == target.numel():
-        output = output.reshape(target.shape)
-    value = loss(output, target)
-    return value.mean() if torch.is_tensor(value) and value.ndim else value
+    def mean_loss(output, target):  # torch's MSELoss would broadcast (B, 1) against (B,)
+        if torch.is_tensor(output) and target.is_floating_point() and output.numel() == len(target):
+            output = output.reshape(target.shape)
+        value = loss(output, target)
+        return value.mean() if torch.is_tensor(value) and value.ndim else value
+    return mean_loss
 
 
 def classifies(data) -> bool:
@@ -1434,8 +1423,7 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
     width = 2 if num_classes or not details else outputs(data, [])  # [class, probability] or values
-    predictions = torch.zeros(len(data) if details else 0, width, dtype=torch.float64,
-                              device=device)
+    predictions = torch.zeros(len(data) * details, width, dtype=torch.float64, device=device)
     for index, x, y in eval_batches(data, shard_indices(len(data), rank, world), batch_size,
                                     workers):
         x, y = resized(x.to(device), image_size), y.to(device)
@@ -2120,11 +2108,9 @@ def settings_as_flags(settings: dict) -> list:
     flags = []
     for name, value in settings.items():
         if name not in CLI_FIELDS:
-            import difflib
-            close = difflib.get_close_matches(name, sorted(CLI_FIELDS), n=1)
-            raise ConfigError(f"ray_dp.train() has no setting {name!r}" + (
-                f"; did you mean {close[0]}?" if close else ": its settings are the flags of "
-                "ray_dp.py --help, with _ for - (e.g. batch_size)"))
+            close = difflib.get_close_matches(name, sorted(CLI_FIELDS), n=1, cutoff=0)[0]
+            raise ConfigError(f"ray_dp.train() has no setting {name!r}; did you mean {close}? (its "
+                              f"settings are the flags of ray_dp.py --help, with _ for -)")
         flag = "--" + name.replace("_", "-")
         if name in ("model", "dataset", "loss") and value is not None:
             value = as_spec(value, name)
@@ -2180,6 +2166,10 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (checkpoint_interval(cfg.checkpoint_every) is not None,
          f"--checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' "
          f"ends only), got {cfg.checkpoint_every}"),
+        (not cfg.label_smoothing or cfg.loss == "cross_entropy",
+         f"--label-smoothing is cross_entropy's; --loss {cfg.loss} does not smooth (drop it)"),
+        (not (cfg.mode == "scratch" and cfg.find_unused_parameters),
+         "--find-unused-parameters needs --mode ddp (scratch mode has no DDP)"),
     ]
     for ok, message in checks + mode_checks(cfg):
         if not ok:
@@ -2206,8 +2196,6 @@ def mode_checks(cfg: Config) -> list:
          f"--loss needs --mode ddp {lesson} cross-entropy)"),
         (not (scratch and cfg.sync_bn),
          "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
-        (not (scratch and cfg.find_unused_parameters),
-         "--find-unused-parameters needs --mode ddp (scratch mode has no DDP)"),
         (not (scratch and (cfg.amp or cfg.compile)),
          f"--amp and --compile need --mode ddp {lesson} plain fp32 code)"),
         (cfg.loader_workers is None or cfg.loader_workers >= 0,
@@ -2234,8 +2222,6 @@ def mode_checks(cfg: Config) -> list:
          f"--clip-grad-norm must be 0 (off) or more, got {cfg.clip_grad_norm}"),
         (0 <= cfg.label_smoothing < 1,
          f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
-        (not cfg.label_smoothing or cfg.loss == "cross_entropy",
-         f"--label-smoothing is cross_entropy's; --loss {cfg.loss} does not smooth (drop it)"),
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
@@ -2352,14 +2338,14 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
                         f"values: {first_line(exc)}") from None
     check_targets(cfg, (train_set, test_set), classes)
     check_sendable(cfg, (train_set, test_set))
+    train_set, test_set = shared(train_set), shared(test_set)
     return cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set), classes,
                          not isinstance(train_set, TensorDataset), (train_set, test_set),
                          samples_fingerprint(train_set), outputs(train_set, classes))
 
 
 def check_targets(cfg: Config, data: tuple, classes: list) -> None:
-    """Targets the loss takes; class indices 0 to classes - 1 in both splits (where they are
-    listed: in memory, `targets`; the test set's always)."""
+    """Targets the loss takes; class indices in range where listed (in memory, `targets`)."""
     target = torch.as_tensor(data[0][0][1])
     if cfg.loss == "cross_entropy" and not classes and target.ndim == 0:
         raise DataError(f"--dataset {cfg.dataset}'s targets are {target.dtype} values (e.g. "
@@ -2370,12 +2356,13 @@ def check_targets(cfg: Config, data: tuple, classes: list) -> None:
                         f"class indices to ray_dp ({plural(len(classes), 'class')}): make them "
                         f"floats (torch.float32) to regress on them, or drop --loss")
     for split, which in zip(data, ("training", "test")):
-        if classes and (which == "test" or isinstance(split, TensorDataset)
-                        or hasattr(split, "targets")) and (labels := labels_of(split)):
-            if not 0 <= min(labels) <= max(labels) < len(classes):
-                raise DataError(f"--dataset {cfg.dataset}'s {which} labels run from {min(labels)} "
-                                f"to {max(labels)}; its classes are 0 to {len(classes) - 1} (the "
-                                f"training set's `classes` names them all)")
+        listed = which == "test" or isinstance(split, TensorDataset) or hasattr(split, "targets")
+        if not (classes and listed and len(split)):
+            continue
+        if not 0 <= min(labels := labels_of(split)) <= max(labels) < len(classes):
+            raise DataError(f"--dataset {cfg.dataset}'s {which} labels run from {min(labels)} to "
+                            f"{max(labels)}; its classes are 0 to {len(classes) - 1} (the training "
+                            f"set's `classes` names them all)")
 
 
 def check_sendable(cfg: Config, data: tuple) -> None:
@@ -2388,6 +2375,32 @@ def check_sendable(cfg: Config, data: tuple) -> None:
             raise DataError(f"--dataset {cfg.dataset}: its data sets cannot be sent to the "
                             f"workers ({first_line(exc)}): open files and connections in "
                             f"__getitem__, not __init__") from None
+
+
+class SharedTensors(TensorDataset):
+    """Tensors that travel as numpy arrays, which Ray's workers read in place in its object store:
+    one copy a node, not a copy (and a buffer) a worker (bench/data_memory.md)."""
+
+    def __reduce__(self):
+        return shared_tensors, (tuple(t.numpy(force=True) for t in self.tensors),
+                                {k: v for k, v in vars(self).items() if k != "tensors"})
+
+
+def shared_tensors(tensors: tuple, attributes: dict) -> SharedTensors:
+    import warnings
+    with warnings.catch_warnings():  # arrays of the object store: read-only, as the data
+        warnings.simplefilter("ignore", UserWarning)
+        data = SharedTensors(*map(torch.as_tensor, tensors))
+    data.__dict__.update(attributes)
+    return data
+
+
+def shared(data):
+    """A plain TensorDataset (`classes` or not) as SharedTensors; any other data set as it is."""
+    if type(data) not in (TensorDataset, NamedTensors) or any(t.dtype == torch.bfloat16
+                                                                for t in data.tensors):
+        return data
+    return shared_tensors(data.tensors, vars(data))
 
 
 def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
@@ -2451,9 +2464,8 @@ def check_model_fits(cfg: Config, data: DataInfo) -> None:
     problem = image_size_problem(cfg.model, shape, data.outputs)
     if problem is None:
         if cfg.micro_batch == 1:
-            net = model_outline(cfg.model, shape, data.outputs)
-            check_single_sample_steps(cfg, net, torch.zeros(1, *shape, device=next(
-                net.parameters()).device))
+            check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),
+                                      torch.zeros(1, *shape))
         return None if cfg.loss == "cross_entropy" and not is_code(cfg.dataset) else (
             check_on_a_sample(cfg, data))
     side = shape[-1]
@@ -2470,7 +2482,7 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
     """Your model on 16 samples spread over the data, the loss on its outputs: a mean over the
     samples (what N workers add up exactly); a step on one sample; parameters without gradient."""
     split = data.datasets[0]
-    picked = [split[i] for i in torch.linspace(0, len(split) - 1, min(len(split), 16)).long()]
+    picked = [split[i * (len(split) - 1) // 15] for i in range(16)]
     x, y = (torch.stack([torch.as_tensor(sample[j]) for sample in picked]) for j in (0, 1))
     x = resized(x, cfg.image_size) if cfg.image_size else x
     try:
@@ -2480,11 +2492,10 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
         raise
     except Exception as exc:
         dtype = torch.get_default_dtype()
+        hint = (f" (inputs must be {dtype}, not {x.dtype})"
+                if x.is_floating_point() and x.dtype != dtype else "")
         raise ConfigError(f"--model {cfg.model} fails on {len(x)} samples of {cfg.dataset} (inputs "
-                          f"{tuple(x.shape)}): {first_line(exc)}" + (
-                              f" (inputs must be {dtype}, not {x.dtype})" if x.dtype != dtype
-                              and (x.is_floating_point() or x.dtype == torch.uint8) else "")
-                          ) from None
+                          f"{tuple(x.shape)}): {first_line(exc)}{hint}") from None
     if not torch.is_tensor(output):
         raise ConfigError(f"--model {cfg.model} returns {type(output).__name__} in eval mode: "
                           f"ray_dp scores a tensor (logits, or a regression's values)")
@@ -2501,8 +2512,7 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
         raise ConfigError(f"--loss {cfg.loss} is not a mean over samples ({loss.item():.6g} on "
                           f"{len(y)}, their own {mean.item():.6g}: weights, a mask?), which N "
                           f"workers cannot add up: return per-sample values (reduction='none')")
-    if is_code(cfg.model):
-        check_single_sample_steps(cfg, net, x[:1])
+    check_single_sample_steps(cfg, net, x[:1])
     if is_code(cfg.model) and not (cfg.eval_only or cfg.find_unused_parameters or cfg.workers == 1):
         criterion(net.train()(x), y).backward()  # DDP waits for every parameter's gradient
         unused = [name for name, p in net.named_parameters() if p.requires_grad and p.grad is None]
@@ -2517,7 +2527,7 @@ def check_single_sample_steps(cfg: Config, net: nn.Module, x: torch.Tensor) -> N
     if cfg.eval_only or cfg.sync_bn or cfg.mode == "scratch" or cfg.micro_batch != 1:
         return
     try:
-        net.train()(x)
+        net.train()(x.to(next(net.parameters()).device))
     except Exception as exc:
         raise ConfigError(f"--model {cfg.model} cannot train on micro-batches of one sample "
                           f"({first_line(exc)}): raise --batch-size to 2 per worker or more, or "
@@ -2611,8 +2621,7 @@ def code_record(cfg: Config) -> dict:
 
 
 def note_code_changed(cfg: Config, state: dict, since: str) -> None:
-    """A note for each file of your code (object, where none) whose text changed since the
-    checkpoint."""
+    """A note for each of your files (objects, where none) whose text changed since then."""
     for flag in ("model", "dataset", "loss"):
         if is_code(spec := getattr(cfg, flag)):
             user_code(spec, flag)
@@ -3930,8 +3939,7 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
           f"{len(test_set)} test samples) on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers",
           flush=True)
     options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(names),
-                          outputs=info.outputs,
-                          data=ray.put((None, test_set)))
+                          outputs=info.outputs, data=ray.put((None, shared(test_set))))
     out = fit(cfg, eval_loop_per_worker, options).return_value
     if "data_error" in out:
         raise DataError(out["data_error"])
@@ -3959,7 +3967,7 @@ def write_predictions(path: str, test_set, predictions: list, names: list) -> No
     files = [file for file, _ in test_set.samples] if hasattr(test_set, "samples") else None
     text = io.StringIO()
     writer = csv.writer(text)
-    width = len(predictions[0]) if predictions and not names else 1  # a regression's values
+    width = len(predictions[0]) if predictions and not names else 1
     head = (["label", "predicted", "probability", "label_name", "predicted_name"] if names
             else ["target", "predicted"] if width == 1
             else [f"{kind}_{j}" for kind in ("target", "predicted") for j in range(width)])

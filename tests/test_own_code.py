@@ -27,6 +27,7 @@ def code(tmp_path):
     (tmp_path / "losses.py").write_text("import torch.nn.functional as F\n\n\ndef per_batch(output, target):\n"
                                         "    return F.cross_entropy(output, target, reduction='none')[:3]\n")
     (tmp_path / "odd.py").write_text(ODD)
+    (tmp_path / "needs_more.py").write_text("import not_installed_anywhere\n")
     return tmp_path
 
 
@@ -106,6 +107,8 @@ BAD = [
     (["--model", "{tmp}/broken.py:Net", "--dataset", "digits"],
      "--model {tmp}/broken.py:Net: {tmp}/broken.py fails to import: ValueError: boom at import"),
     (["--dataset", "nomodule:load"], "--dataset nomodule:load: no module nomodule (a file's path ends in .py)"),
+    (["--model", "{tmp}/needs_more.py:Net", "--dataset", "digits"], "--model {tmp}/needs_more.py:Net: "
+     "{tmp}/needs_more.py fails to import: ModuleNotFoundError: No module named 'not_installed_anywhere'"),
     (["--model", "{tmp}/mine.py:not_a_model", "--dataset", "digits"],
      "--model {tmp}/mine.py:not_a_model returned str, not an nn.Module"),
     (["--model", "mlp", "--dataset", "{tmp}/mine.py:not_a_pair"],
@@ -458,18 +461,18 @@ def test_targets_of_any_integer_kind_are_scored_as_class_indices(dtype):
     assert got == expected and sum(map(sum, got["confusion"])) == 12
 
 
-def steps_with_a_parameter_left_out(find_unused):
-    """Two DDP steps of a model that uses one of its layers in odd steps only."""
-    class Alternating(torch.nn.Module):
+def steps_with_a_parameter_left_out(find_unused, every):
+    """Three DDP steps of a model that uses one of its layers in every `every`-th step only (0: never)."""
+    class Sometimes(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.a, self.b, self.steps = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2), 0
 
         def forward(self, x):
             self.steps += 1
-            return self.a(x) + (self.b(x) if self.steps % 2 else 0)
+            return self.a(x) + (self.b(x) if every and self.steps % every == 0 else 0)
     cfg = ray_dp.Config(find_unused_parameters=find_unused)
-    model = ray_dp.wrap_model(Alternating(), torch.device("cpu"), cfg)
+    model = ray_dp.wrap_model(Sometimes(), torch.device("cpu"), cfg)
     try:
         for _ in range(3):
             model(torch.ones(4, 3)).sum().backward()
@@ -479,7 +482,24 @@ def steps_with_a_parameter_left_out(find_unused):
 
 
 def test_a_parameter_left_out_in_some_steps_names_the_flag_which_trains_it():
-    assert run_distributed(steps_with_a_parameter_left_out, 2, False)[0] == (
+    assert run_distributed(steps_with_a_parameter_left_out, 2, False, 2)[0] == (
         "parameters of the model got no gradient in a step (DDP needs each one's): train with "
         "--find-unused-parameters")
-    assert run_distributed(steps_with_a_parameter_left_out, 2, True) == ["trained", "trained"]
+    # (never used: a step that uses every parameter would have DDP's reducer warn that the flag costs time)
+    assert run_distributed(steps_with_a_parameter_left_out, 2, True, 0) == ["trained", "trained"]
+
+
+def test_in_memory_data_travel_as_arrays_which_ray_workers_read_in_place():
+    import pickle
+    train, _ = ray_dp.load_digits()
+    sent = ray_dp.shared(train)
+    buffers = []  # what Ray's serializer keeps out of the pickle: its object store's memory, mapped by each worker
+    wire = pickle.dumps(sent, protocol=5, buffer_callback=buffers.append)
+    assert len(wire) < 5_000 and sum(memoryview(b).nbytes for b in buffers) == 1437 * 28 * 28 * 4 + 1437 * 8
+    received = pickle.loads(wire, buffers=buffers)
+    assert isinstance(received, ray_dp.TensorDataset) and received.classes == train.classes
+    assert received.tensors[0].data_ptr() == sent.tensors[0].data_ptr()  # the very memory, not a copy
+    assert torch.equal(received.tensors[1], train.tensors[1])
+    copied = pickle.loads(pickle.dumps(sent))  # torchrun's ranks: an ordinary copy
+    assert torch.equal(copied.tensors[0], train.tensors[0]) and copied.classes == train.classes
+    assert ray_dp.shared(ray_dp.SampleStreams(train, 0)).__class__ is ray_dp.SampleStreams  # per sample: as it is
