@@ -2487,7 +2487,8 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
     x = resized(x, cfg.image_size) if cfg.image_size else x
     try:
         net = build_model(cfg.model, data.sample_shape, data.outputs)
-        output = net.eval()(x)
+        with torch.no_grad():
+            output = net.eval()(x)
     except ConfigError:
         raise
     except Exception as exc:
@@ -2514,7 +2515,7 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
                           f"workers cannot add up: return per-sample values (reduction='none')")
     check_single_sample_steps(cfg, net, x[:1])
     if is_code(cfg.model) and not (cfg.eval_only or cfg.find_unused_parameters or cfg.workers == 1):
-        criterion(net.train()(x), y).backward()  # DDP waits for every parameter's gradient
+        criterion(net.train()(x[:2]), y[:2]).backward()  # DDP waits for each parameter's gradient
         unused = [name for name, p in net.named_parameters() if p.requires_grad and p.grad is None]
         if unused:
             raise ConfigError(f"--model {cfg.model}: {', '.join(unused[:3])}"
