@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import copyreg
 import ctypes
+import difflib
 import errno
 import functools
 import gc
@@ -172,9 +173,11 @@ class Config:
     clip_grad_norm: float = option(0.0, "clip the gradients' global norm (0: off)",
                                    metavar="NORM")
     label_smoothing: float = option(0.0, "label smoothing of the training loss", metavar="EPS")
+    find_unused_parameters: bool = option(False, "DDP's: for a model of yours whose parameters "
+                                          "are not all used in every step", rerun="free")
     loss: str = option("cross_entropy", "cross_entropy, mse, or your own: FILE.py:NAME or "
-                       "module:NAME, a function (output, target) -> mean loss or an nn.Module "
-                       "class", metavar="LOSS", evaluation="checkpoint")
+                       "module:NAME, a function or nn.Module class: (output, target) -> the mean "
+                       "or per-sample losses", metavar="LOSS", evaluation="checkpoint")
     loader_workers: Optional[int] = option(
         None, "loader processes per worker (0: in-memory data indexed on the device; default: 0 "
         "in memory, 2 read per sample)", type=int, metavar="N", rerun="free", evaluation="free")
@@ -405,11 +408,14 @@ def dataset(name: str):
 
 def load_dataset(cfg: Config) -> tuple:
     """(train, test) of --dataset: a built-in's, or your own function's, called with the config if
-    it takes an argument."""
+    its first argument has no default (or is named cfg)."""
     if cfg.dataset in DATASETS:
         return DATASETS[cfg.dataset](cfg)
     load = user_code(cfg.dataset, "dataset")
-    data = load(cfg) if takes_arguments(load) else load()
+    try:
+        data = load(cfg) if takes_arguments(load) else load()
+    except Exception as exc:
+        raise DataError(f"--dataset {cfg.dataset} failed: {first_line(exc)}") from None
     if not (isinstance(data, (tuple, list)) and len(data) == 2
             and all(hasattr(split, "__getitem__") and hasattr(split, "__len__") for split in data)):
         raise DataError(f"--dataset {cfg.dataset} returned {type(data).__name__}, not a pair "
@@ -760,6 +766,10 @@ def build_model(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) 
         net = build(**{k: v for k, v in given.items() if takes_arguments(build, k)})
         if not isinstance(net, nn.Module):
             raise ConfigError(f"--model {name} returned {type(net).__name__}, not an nn.Module")
+        if any(nn.parameter.is_lazy(p) for p in net.parameters()):  # nn.LazyLinear: shaped by
+            with torch.no_grad():  # a first forward pass, drawn from the seed alike on every rank
+                net.eval()(torch.zeros(2, *sample_shape))
+            net.train()
         return net
     import torchvision.models
     name = name.removeprefix(TORCHVISION)
@@ -821,18 +831,22 @@ def user_code(spec: str, flag: str):
     if spec in CODE:
         return CODE[spec]
     where, _, name = spec.rpartition(":")
-    name = name.removesuffix("()")  # a loss instance ray_dp.train() took: its class
+    if where == "__main__":
+        raise ConfigError(f"--{flag} {spec} names an object of the script that called "
+                          f"ray_dp.train(): pass it ({flag}=...), or name a file: FILE.py:NAME")
     try:
         module = load_module(where)
     except FileNotFoundError:
         raise ConfigError(f"--{flag} {spec}: there is no file {where}") from None
-    except ModuleNotFoundError as exc:
-        raise ConfigError(f"--{flag} {spec}: no module {exc.name} (a file's path ends in .py)"
-                          ) from None
     except Exception as exc:
+        if isinstance(exc, ModuleNotFoundError) and f"{where}.".startswith(f"{exc.name}."):
+            raise ConfigError(f"--{flag} {spec}: no module {exc.name} (a file's path ends in "
+                              f".py)") from None
         raise ConfigError(f"--{flag} {spec}: {where} fails to import: {first_line(exc)}") from None
     if not hasattr(module, name):
-        raise ConfigError(f"--{flag} {spec}: {where} has no {name}")
+        close = difflib.get_close_matches(name, [n for n in dir(module) if n[0] != "_"], n=1)
+        raise ConfigError(f"--{flag} {spec}: {where} has no {name}"
+                          + (f"; did you mean {close[0]}?" if close else ""))
     CODE[spec] = getattr(module, name)
     if (defined_in := sys.modules.get(getattr(CODE[spec], "__module__", None))) is not None:
         travels(defined_in)  # re-exported: where it is defined travels too
@@ -840,28 +854,31 @@ def user_code(spec: str, flag: str):
 
 
 def load_module(where: str):
-    """A file (FILE.py) or a module on the Python path, loaded anew."""
-    if where.endswith(".py"):
-        path = os.path.abspath(where)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(path)
-        name = "ray_dp_code_" + re.sub(r"\W", "_", path)
-        loader = importlib.util.spec_from_file_location(name, path)
-        module = sys.modules[name] = importlib.util.module_from_spec(loader)
-        try:
-            loader.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    else:
-        module = importlib.import_module(where)
-    travels(module)
+    """A file (FILE.py; its folder's modules importable) or a module on the path, loaded anew."""
+    if not where.endswith(".py"):
+        return travels(importlib.import_module(where))
+    path, before = os.path.abspath(where), set(sys.modules)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(path)
+    folder, name = os.path.dirname(path), "ray_dp_code_" + re.sub(r"\W", "_", path)
+    loader = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(loader)
+    sys.path.insert(0, folder)
+    try:
+        loader.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        sys.path.remove(folder)
+    for imported in {name} | set(sys.modules) - before:  # and what it imported, not installed
+        travels(sys.modules[imported])
     return module
 
 
-def travels(module) -> None:
+def travels(module):
     """Your module's code goes to the workers by value (their nodes need no copy); an installed
-    package's, and __main__'s (which cloudpickle ships anyway), by name."""
+    package's, and __main__'s (which cloudpickle ships anyway), by name. The module."""
     import ray.cloudpickle
     import site
     import sysconfig
@@ -872,48 +889,63 @@ def travels(module) -> None:
     if where and module.__name__ not in ("__main__", __name__) and not any(
             os.path.commonpath([os.path.realpath(where), path]) == path for path in installed):
         ray.cloudpickle.register_pickle_by_value(module)
+    return module
 
 
 def as_spec(value, flag: str) -> str:
+    """ray_dp.train()'s object as module:NAME, the object itself kept under that name."""
     if isinstance(value, str):
         return value
-    named = value if hasattr(value, "__qualname__") else type(value)  # an instance: its class's
-    if named is not value and (flag != "loss" or not made_plainly(value)):
-        raise ConfigError(f"{flag}= takes a class or a function that returns the {flag}, not "
-                          f"an instance of {type(value).__name__}"
-                          + (" made with arguments (a rerun could not)" if flag == "loss" else ""))
-    spec = f"{named.__module__}:{named.__qualname__}" + ("()" if named is not value else "")
-    CODE[spec] = value
-    if (module := sys.modules.get(named.__module__)) is not None:
+    if not hasattr(value, "__qualname__"):
+        raise ConfigError(f"{flag}= takes a class or a function, not an instance of "
+                          f"{type(value).__name__}, which a rerun could not make again")
+    spec = f"{value.__module__}:{value.__qualname__}"
+    if CODE.setdefault(spec, value) is not value:
+        raise ConfigError(f"{flag}= is another object of the name {spec} than one given before: "
+                          f"give each its own name (def)")
+    if (module := sys.modules.get(value.__module__)) is not None:
         travels(module)
     return spec
 
 
-def made_plainly(instance) -> bool:
-    """The instance is its class's with no arguments: what its spec, "module:Class()", rebuilds."""
-    def settings(module):
-        return repr({key: value for key, value in vars(module).items() if key[0] != "_"})
-    try:
-        return settings(type(instance)()) == settings(instance)
-    except Exception:
-        return False
-
-
 def takes_arguments(function, name: Optional[str] = None) -> bool:
+    """It takes `name`; without a name, a first argument without a default (or named cfg)."""
     import inspect
-    kinds = inspect.signature(function).parameters.values()
-    return any(p.kind == p.VAR_KEYWORD or (p.name == name if name else p.name != "self")
-               for p in kinds)
+    kinds = list(inspect.signature(function).parameters.values())
+    if name is None:
+        return bool(kinds) and (kinds[0].name == "cfg" or kinds[0].default is kinds[0].empty
+                                and kinds[0].kind <= kinds[0].POSITIONAL_OR_KEYWORD)
+    return any(p.kind == p.VAR_KEYWORD or p.name == name for p in kinds)
 
 
 def code_file(spec: str) -> Optional[dict]:
-    """What the run directory records of your code: its spec and its file's text's hash."""
-    if not is_code(spec) or not spec.rpartition(":")[0].endswith(".py"):
-        return {"spec": spec} if is_code(spec) else None
+    """What the run directory records of your code: its spec, its file's (else source's) hash."""
+    if not is_code(spec):
+        return None
     import hashlib
-    path = os.path.abspath(spec.rpartition(":")[0])
-    text = Path(path).read_bytes() if os.path.isfile(path) else b""
-    return {"spec": spec, "file": path, "sha256": hashlib.sha256(text).hexdigest()[:16]}
+    where = spec.rpartition(":")[0]
+    path = os.path.abspath(where) if where.endswith(".py") else None
+    text = (Path(path).read_bytes() if os.path.isfile(path) else None) if path else (
+        source_text(CODE[spec]) if spec in CODE else None)
+    return {"spec": spec, **({"file": path} if path else {}),
+            **({"sha256": hashlib.sha256(text).hexdigest()[:16]} if text is not None else {})}
+
+
+def source_text(value) -> bytes:
+    """A class's or a function's source; its compiled code where Python keeps no file for it."""
+    import inspect
+    import marshal
+    try:
+        return inspect.getsource(value).encode()
+    except (OSError, TypeError):
+        parts = vars(value).values() if isinstance(value, type) else [value]
+        return b"".join(marshal.dumps(part.__code__) for part in parts if hasattr(part, "__code__"))
+
+
+def code_for_workers(cfg: Config) -> list:
+    """CODE and MODELS for Ray's workers: not the data set's function, nor what it read."""
+    return [{spec: CODE[spec] for spec in (cfg.model, cfg.loss) if spec in CODE},
+            {cfg.model: MODELS[cfg.model]} if cfg.model in MODELS else {}]
 
 
 LOSSES = {"cross_entropy": lambda cfg: lambda output, target: F.cross_entropy(
@@ -924,11 +956,19 @@ LOSSES = {"cross_entropy": lambda cfg: lambda output, target: F.cross_entropy(
 
 
 def loss_function(cfg: Config, training: bool = True):
-    """--loss as a function (output, target) -> mean loss (label smoothing in training only)."""
+    """--loss as (output, target) -> the mean over the samples (label smoothing in training only);
+    yours on a regression's output shaped as its target, per-sample values averaged by count."""
     if cfg.loss in LOSSES:
         return LOSSES[cfg.loss](cfg if training else replace(cfg, label_smoothing=0.0))
     loss = user_code(cfg.loss, "loss")
-    return loss() if isinstance(loss, type) else loss
+    loss = loss() if isinstance(loss, type) else loss
+
+    def mean_loss(output, target):  # torch's MSELoss would broadcast (B, 1) against (B,)
+        if torch.is_tensor(output) and target.is_floating_point() and output.numel() == len(target):
+            output = output.reshape(target.shape)
+        value = loss(output, target)
+        return value.mean() if torch.is_tensor(value) and value.ndim else value
+    return mean_loss
 
 
 def classifies(data) -> bool:
@@ -1076,13 +1116,27 @@ def convert_sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def wrap_model(model: nn.Module, device: torch.device, mode: str = "ddp") -> nn.Module:
-    if mode == "dp":
+class NamingDDP(DDP):
+    """DDP whose error for parameters left without a gradient says so in its last line."""
+
+    def forward(self, *inputs, **kwargs):
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as exc:
+            if "find_unused_parameters=True" not in str(exc):
+                raise
+            raise RuntimeError("parameters of the model got no gradient in a step (DDP needs each "
+                               "one's): train with --find-unused-parameters") from exc
+
+
+def wrap_model(model: nn.Module, device: torch.device, cfg: Optional[Config] = None) -> nn.Module:
+    if cfg and cfg.mode == "dp":
         return nn.DataParallel(model)
     if rank_and_world()[1] == 1:
         return model
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-               gradient_as_bucket_view=True)  # gradients live in DDP's buckets: no copy
+    return NamingDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                     gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy
+                     find_unused_parameters=bool(cfg and cfg.find_unused_parameters))
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -1100,8 +1154,8 @@ def no_sync(model: nn.Module, skip: bool):
 
 def on_device(model: nn.Module, device: torch.device, name: str) -> nn.Module:
     """The model on its device in channels_last, the layout convolutions run fastest in
-    (bench/step.md); the LeNet's few channels stay NCHW on GPU."""
-    if device.type == "cuda" and name == "lenet":
+    (bench/step.md); the LeNet's few channels stay NCHW on GPU, 5-D weights (Conv3d) as they are."""
+    if device.type == "cuda" and name == "lenet" or any(p.ndim == 5 for p in model.parameters()):
         return model.to(device)
     return model.to(device, memory_format=torch.channels_last)
 
@@ -1345,7 +1399,8 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
     criterion = criterion or F.cross_entropy
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
-    predictions = torch.zeros(len(data) if details else 0, 2, dtype=torch.float64, device=device)
+    width = 2 if num_classes or not details else outputs(data, [])  # [class, probability] or values
+    predictions = torch.zeros(len(data) * details, width, dtype=torch.float64, device=device)
     for index, x, y in eval_batches(data, shard_indices(len(data), rank, world), batch_size,
                                     workers):
         x, y = resized(x.to(device), image_size), y.to(device)
@@ -1354,13 +1409,13 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
                              torch.tensor(len(y), dtype=torch.float64, device=device)])
         if num_classes:
             probability, predicted = output.softmax(1).max(1)
-            confusion.index_put_((y, predicted), torch.ones_like(y, dtype=torch.float64),
+            confusion.index_put_((y.long(), predicted), torch.ones_like(y, dtype=torch.float64),
                                  accumulate=True)
+            values = torch.stack([predicted.double(), probability.double()], 1)
         else:
-            predicted, probability = output.reshape(len(y), -1)[:, 0], torch.zeros(len(y))
+            values = output.reshape(len(y), -1).double()
         if details:  # other ranks leave these rows at 0: the sum is each rank's own rows
-            predictions[index.to(device)] = torch.stack(
-                [predicted.double(), probability.double().to(device)], 1)
+            predictions[index.to(device)] = values
     totals = all_reduce_sum(torch.cat([sums, confusion.flatten(), predictions.flatten()]))
     count = totals[1].item()
     metrics = {"test_loss": totals[0].item() / count, "test_count": int(count)}
@@ -1369,7 +1424,7 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
         metrics["test_acc"] = confusion.trace().item() / count
     if details:
         metrics["confusion"] = confusion.long().tolist()
-        metrics["predictions"] = totals[2 + num_classes ** 2:].view(-1, 2).tolist()
+        metrics["predictions"] = totals[2 + num_classes ** 2:].view(-1, width).tolist()
     return metrics
 
 
@@ -1665,7 +1720,7 @@ def train_loop_per_worker(config: dict) -> dict:
         model = convert_sync_bn(model, worker.device)
     if worker.device.type == "cuda":
         train_set, test_set = cuda_fast_paths(cfg, (train_set, test_set), worker.device)
-    model = wrap_model(on_device(model, worker.device, cfg.model), worker.device, cfg.mode)  # 3.
+    model = wrap_model(on_device(model, worker.device, cfg.model), worker.device, cfg)  # 3.
     model = torch.compile(model) if cfg.compile else model
     optimizer = build_optimizer(cfg, model)
     if state is not None:
@@ -1822,11 +1877,9 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
     for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
         if registered is not None and registered.__module__ in sys.modules:
             travels(sys.modules[registered.__module__])
-    code = [{spec: CODE[spec] for spec in (cfg.model, cfg.dataset, cfg.loss) if spec in CODE},
-            {cfg.model: MODELS[cfg.model]} if cfg.model in MODELS else {},  # registered by
-            {cfg.dataset: DATASETS[cfg.dataset]} if cfg.dataset in DATASETS else {}]  # a script
+    code = None if options.torchrun else ray.put(code_for_workers(cfg))
     options = replace(options, clock=dict(CLOCK),  # your code in the object store: Ray's controller
-                      code=None if options.torchrun else ray.put(code))  # leaves it alone
+                      code=code)  # leaves it alone
     workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
                (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
     # the launch: Ray Train starts the worker processes and their process group (its
@@ -1991,6 +2044,9 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     if command == "compare" and (cfg.eval_only or cfg.min_workers):
         raise ConfigError("compare trains its own rows at 1 and --workers N workers: give a fixed "
                           "--workers N, and run --eval-only on its own")
+    if command == "compare" and (cfg.model, cfg.loss) != ("lenet", "cross_entropy"):
+        raise ConfigError("compare trains the lesson's LeNet with cross-entropy (its scratch rows: "
+                          "d2l's functional one): drop --model and --loss")
     if cfg.eval_only:
         cfg, options["checkpoint"] = eval_config(cfg, typed)
         command = "eval"
@@ -2044,8 +2100,9 @@ def settings_as_flags(settings: dict) -> list:
     flags = []
     for name, value in settings.items():
         if name not in CLI_FIELDS:
-            raise ConfigError(f"ray_dp.train() has no setting {name!r}: its settings are the "
-                              f"flags of ray_dp.py --help, with _ for - (e.g. batch_size)")
+            close = difflib.get_close_matches(name, sorted(CLI_FIELDS), n=1, cutoff=0)[0]
+            raise ConfigError(f"ray_dp.train() has no setting {name!r}; did you mean {close}? (its "
+                              f"settings are the flags of ray_dp.py --help, with _ for -)")
         flag = "--" + name.replace("_", "-")
         if name in ("model", "dataset", "loss") and value is not None:
             value = as_spec(value, name)
@@ -2104,6 +2161,10 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (checkpoint_interval(cfg.checkpoint_every) is not None,
          f"--checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' "
          f"ends only), got {cfg.checkpoint_every}"),
+        (not cfg.label_smoothing or cfg.loss == "cross_entropy",
+         f"--label-smoothing is cross_entropy's; --loss {cfg.loss} does not smooth (drop it)"),
+        (not (cfg.mode == "scratch" and cfg.find_unused_parameters),
+         "--find-unused-parameters needs --mode ddp (scratch mode has no DDP)"),
     ]
     for ok, message in checks + mode_checks(cfg):
         if not ok:
@@ -2268,10 +2329,33 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     except (TypeError, ValueError, RuntimeError) as exc:
         raise DataError(f"--dataset {cfg.dataset}: a target is a class index or a tensor of "
                         f"values: {first_line(exc)}") from None
+    check_targets(cfg, (train_set, test_set), classes)
     check_sendable(cfg, (train_set, test_set))
+    train_set, test_set = shared(train_set), shared(test_set)
     return cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set), classes,
                          not isinstance(train_set, TensorDataset), (train_set, test_set),
                          samples_fingerprint(train_set), outputs(train_set, classes))
+
+
+def check_targets(cfg: Config, data: tuple, classes: list) -> None:
+    """Targets the loss takes; class indices in range where listed (in memory, `targets`)."""
+    target = torch.as_tensor(data[0][0][1])
+    if cfg.loss == "cross_entropy" and not classes and target.ndim == 0:
+        raise DataError(f"--dataset {cfg.dataset}'s targets are {target.dtype} values (e.g. "
+                        f"{target.item():g}): class indices are integers (torch.long); a "
+                        f"regression takes --loss mse or your own")
+    if cfg.loss == "mse" and classes:
+        raise DataError(f"--loss mse is a regression's; {cfg.dataset}'s targets are integers, "
+                        f"class indices to ray_dp ({plural(len(classes), 'class')}): make them "
+                        f"floats (torch.float32) to regress on them, or drop --loss")
+    for split, which in zip(data, ("training", "test")):
+        listed = which == "test" or isinstance(split, TensorDataset) or hasattr(split, "targets")
+        if not (classes and listed and len(split)):
+            continue
+        if not 0 <= min(labels := labels_of(split)) <= max(labels) < len(classes):
+            raise DataError(f"--dataset {cfg.dataset}'s {which} labels run from {min(labels)} to "
+                            f"{max(labels)}; its classes are 0 to {len(classes) - 1} (the training "
+                            f"set's `classes` names them all)")
 
 
 def check_sendable(cfg: Config, data: tuple) -> None:
@@ -2284,6 +2368,32 @@ def check_sendable(cfg: Config, data: tuple) -> None:
             raise DataError(f"--dataset {cfg.dataset}: its data sets cannot be sent to the "
                             f"workers ({first_line(exc)}): open files and connections in "
                             f"__getitem__, not __init__") from None
+
+
+class SharedTensors(TensorDataset):
+    """Tensors that travel as numpy arrays, which Ray's workers read in place in its object store:
+    one copy a node, not a copy (and a buffer) a worker (bench/data_memory.md)."""
+
+    def __reduce__(self):
+        return shared_tensors, (tuple(t.numpy(force=True) for t in self.tensors),
+                                {k: v for k, v in vars(self).items() if k != "tensors"})
+
+
+def shared_tensors(tensors: tuple, attributes: dict) -> SharedTensors:
+    import warnings
+    with warnings.catch_warnings():  # arrays of the object store: read-only, as the data
+        warnings.simplefilter("ignore", UserWarning)
+        data = SharedTensors(*map(torch.as_tensor, tensors))
+    data.__dict__.update(attributes)
+    return data
+
+
+def shared(data):
+    """A plain TensorDataset (`classes` or not) as SharedTensors; any other data set as it is."""
+    if type(data) not in (TensorDataset, NamedTensors) or any(t.dtype == torch.bfloat16
+                                                                for t in data.tensors):
+        return data
+    return shared_tensors(data.tensors, vars(data))
 
 
 def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
@@ -2346,8 +2456,11 @@ def check_model_fits(cfg: Config, data: DataInfo) -> None:
         return check_on_a_sample(cfg, data)
     problem = image_size_problem(cfg.model, shape, data.outputs)
     if problem is None:
-        check_single_sample_steps(cfg, shape, data.outputs)
-        return None if cfg.loss == "cross_entropy" else check_on_a_sample(cfg, data)
+        if cfg.micro_batch == 1:
+            check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),
+                                      torch.zeros(1, *shape))
+        return None if cfg.loss == "cross_entropy" and not is_code(cfg.dataset) else (
+            check_on_a_sample(cfg, data))
     side = shape[-1]
     size = smallest_image_size(cfg.model, shape[0], data.outputs, side)
     what = f"{cfg.dataset}'s images as given ({side} x {side} px)"
@@ -2359,36 +2472,58 @@ def check_model_fits(cfg: Config, data: DataInfo) -> None:
 
 
 def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
-    """Your model on two samples of the data, and the loss on its output: one line each for what
-    fails (the error, and the shapes)."""
-    x, y = (torch.stack([torch.as_tensor(t)] * 2) for t in data.datasets[0][0])
+    """Your model on 16 samples spread over the data, the loss on its outputs: a mean over the
+    samples (what N workers add up exactly); a step on one sample; parameters without gradient."""
+    split = data.datasets[0]
+    picked = [split[i * (len(split) - 1) // 15] for i in range(16)]
+    x, y = (torch.stack([torch.as_tensor(sample[j]) for sample in picked]) for j in (0, 1))
     x = resized(x, cfg.image_size) if cfg.image_size else x
     try:
-        output = build_model(cfg.model, data.sample_shape, data.outputs).eval()(x)
+        net = build_model(cfg.model, data.sample_shape, data.outputs)
+        with torch.no_grad():
+            output = net.eval()(x)
     except ConfigError:
         raise
     except Exception as exc:
-        raise ConfigError(f"--model {cfg.model} fails on two samples of {cfg.dataset} (inputs "
-                          f"{tuple(x.shape)}): {first_line(exc)}") from None
+        dtype = torch.get_default_dtype()
+        hint = (f" (inputs must be {dtype}, not {x.dtype})"
+                if x.is_floating_point() and x.dtype != dtype else "")
+        raise ConfigError(f"--model {cfg.model} fails on {len(x)} samples of {cfg.dataset} (inputs "
+                          f"{tuple(x.shape)}): {first_line(exc)}{hint}") from None
+    if not torch.is_tensor(output):
+        raise ConfigError(f"--model {cfg.model} returns {type(output).__name__} in eval mode: "
+                          f"ray_dp scores a tensor (logits, or a regression's values)")
+    criterion = loss_function(cfg)
     try:
-        loss = loss_function(cfg)(output, y)
+        loss = criterion(output, y)
+        each = [criterion(output[i:i + 1], y[i:i + 1]) for i in range(len(y))]
     except Exception as exc:
         raise ConfigError(f"--loss {cfg.loss} fails on the model's outputs {tuple(output.shape)} "
                           f"and targets {tuple(y.shape)}: {first_line(exc)}") from None
     if not (torch.is_tensor(loss) and loss.ndim == 0):
-        raise ConfigError(f"--loss {cfg.loss} returned {getattr(loss, 'shape', type(loss))}, not a "
-                          f"scalar mean loss")
+        raise ConfigError(f"--loss {cfg.loss} returned {type(loss).__name__}, not a tensor")
+    if not torch.allclose(loss, mean := torch.stack(each).mean(), rtol=1e-4, atol=1e-6):
+        raise ConfigError(f"--loss {cfg.loss} is not a mean over samples ({loss.item():.6g} on "
+                          f"{len(y)}, their own {mean.item():.6g}: weights, a mask?), which N "
+                          f"workers cannot add up: return per-sample values (reduction='none')")
+    check_single_sample_steps(cfg, net, x[:1])
+    if is_code(cfg.model) and not (cfg.eval_only or cfg.find_unused_parameters or cfg.workers == 1):
+        criterion(net.train()(x[:2]), y[:2]).backward()  # DDP waits for each parameter's gradient
+        unused = [name for name, p in net.named_parameters() if p.requires_grad and p.grad is None]
+        if unused:
+            raise ConfigError(f"--model {cfg.model}: {', '.join(unused[:3])}"
+                              f"{' and more' if len(unused) > 3 else ''} get no gradient from the "
+                              f"loss: use them in forward, or add --find-unused-parameters")
 
 
-def check_single_sample_steps(cfg: Config, shape: tuple, num_classes: int) -> None:
+def check_single_sample_steps(cfg: Config, net: nn.Module, x: torch.Tensor) -> None:
     """BatchNorm cannot train on one value per channel, unless --sync-bn spans the workers."""
     if cfg.eval_only or cfg.sync_bn or cfg.mode == "scratch" or cfg.micro_batch != 1:
         return
-    net = model_outline(cfg.model, shape, num_classes).train()
     try:
-        net(torch.zeros(1, *shape, device=next(net.parameters()).device))
+        net.train()(x.to(next(net.parameters()).device))
     except Exception as exc:
-        raise ConfigError(f"--model {cfg.model} cannot train on micro-batches of one image "
+        raise ConfigError(f"--model {cfg.model} cannot train on micro-batches of one sample "
                           f"({first_line(exc)}): raise --batch-size to 2 per worker or more, or "
                           f"use --sync-bn") from None
 
@@ -2481,12 +2616,24 @@ def code_record(cfg: Config) -> dict:
 
 
 def note_code_changed(cfg: Config, state: dict, since: str) -> None:
-    """A note for each file of your code whose text changed since the checkpoint."""
-    changed = {now["file"] for flag, now in code_record(cfg).items()
-               if "file" in now and ((state.get("code") or {}).get(flag) or {}).get("sha256")
-               not in (None, now["sha256"])}
+    """A note for each of your files (objects, where none) whose text changed since then."""
+    for flag in ("model", "dataset", "loss"):
+        if is_code(spec := getattr(cfg, flag)):
+            user_code(spec, flag)
+    changed = {now.get("file", now["spec"]) for flag, now in code_record(cfg).items()
+               if ((state.get("code") or {}).get(flag) or {}).get("sha256")
+               not in (None, now.get("sha256"))}
     for path in sorted(changed):
         print(f"note: {path} changed since {since}", flush=True)
+
+
+def check_code_named(stored: dict, typed: set, what: str) -> None:
+    """A checkpoint never decides which code runs: your code's flags are typed again."""
+    unnamed = [as_flag(name, stored[name]) for name in ("model", "dataset", "loss")
+               if is_code(stored[name]) and name not in typed]
+    if unnamed:
+        raise ConfigError(f"{what} trained your own code: name it again, {', '.join(unnamed)} "
+                          f"(ray_dp.train(): the same objects); a checkpoint never names the code")
 
 
 def load_checkpoint(path: str) -> dict:
@@ -2644,6 +2791,7 @@ def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
     defaults."""
     if typed is None:
         return cfg
+    check_code_named(stored, typed, f"run '{cfg.name}'")
     adopt = {name: stored[name] for name in CONFIG_FIELDS if name in RERUN_ADOPTS - typed
              if stored[name] != getattr(cfg, name)}
     if stored["mode"] == "scratch":
@@ -2671,7 +2819,7 @@ def same_setting(name: str, stored, now, code: Optional[dict] = None) -> bool:
         return True
     if name == "weights" and stored and now and os.path.exists(stored) and os.path.exists(now):
         return os.path.samefile(stored, now)
-    if code and is_code(now) and stored.rpartition(":")[2] == now.rpartition(":")[2]:
+    if code and "file" in code and stored.rpartition(":")[2] == now.rpartition(":")[2]:
         sha256 = code.get("sha256")  # your file, moved
         return sha256 is not None and sha256 == (code_file(now) or {}).get("sha256")
     return False
@@ -4163,6 +4311,7 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
     if refused:
         are = "is a training flag and has" if len(refused) == 1 else "are training flags and have"
         raise ConfigError(f"{', '.join(refused)} {are} no effect with --eval-only")
+    check_code_named(trained, typed, "the checkpoint")
     code = checkpoint.get("code") or {}
     contradicting = [name for name in CONFIG_FIELDS if name in typed & EVAL_FIXED
                      and not same_setting(name, trained[name], getattr(cfg, name), code.get(name))]
@@ -4261,8 +4410,7 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
           f"{len(test_set)} test samples) on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers",
           flush=True)
     options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(names),
-                          outputs=info.outputs,
-                          data=ray.put((None, test_set)))
+                          outputs=info.outputs, data=ray.put((None, shared(test_set))))
     out = fit(cfg, eval_loop_per_worker, options).return_value
     if "data_error" in out:
         raise DataError(out["data_error"])
@@ -4290,14 +4438,16 @@ def write_predictions(path: str, test_set, predictions: list, names: list) -> No
     files = [file for file, _ in test_set.samples] if hasattr(test_set, "samples") else None
     text = io.StringIO()
     writer = csv.writer(text)
+    width = len(predictions[0]) if predictions and not names else 1
     head = (["label", "predicted", "probability", "label_name", "predicted_name"] if names
-            else ["target", "predicted"])
+            else ["target", "predicted"] if width == 1
+            else [f"{kind}_{j}" for kind in ("target", "predicted") for j in range(width)])
     writer.writerow(["index", *head, *(["path"] if files else [])])
     targets = labels_of(test_set) if names else [test_set[i][1] for i in range(len(test_set))]
-    for i, (target, (predicted, probability)) in enumerate(zip(targets, predictions)):
-        row = ([target, int(predicted), f"{probability:.6f}", names[target],
-                names[int(predicted)]] if names else [float(torch.as_tensor(target).reshape(-1)[0]),
-                                                      f"{predicted:.6g}"])
+    for i, (target, values) in enumerate(zip(targets, predictions)):
+        row = ([target, int(values[0]), f"{values[1]:.6f}", names[target], names[int(values[0])]]
+               if names else [*torch.as_tensor(target).reshape(-1).tolist(),
+                              *(f"{value:.6g}" for value in values)])
         writer.writerow([i, *row, *([files[i]] if files else [])])
     write_stored(path, text.getvalue().encode())
 

@@ -81,6 +81,13 @@ COMBOS = [
     ("3w-own-mlp-regression-mse", 3, dict(model="mlp", dataset=f"{OWN}:diabetes", loss="mse"), None),
     ("own-everything-adamw", 2, dict(model=f"{OWN}:TabularMLP", dataset=f"{OWN}:diabetes",
                                      loss=f"{OWN}:smooth_l1", optimizer="adamw", lr=0.002), None),
+    # class weights per sample, averaged by count over the global batch (a weighted mean of each worker's is refused)
+    ("own-weighted-loss", 2, dict(model=f"{OWN}:TabularMLP", dataset=f"{OWN}:wine",
+                                  loss=f"{OWN}:weighted_cross_entropy"), None),
+    # torch's MSELoss on (N,) targets: the model's (N, 1) output taken as (N,), not broadcast to (N, N)
+    ("3w-own-torch-mse-loss", 3, dict(model=f"{OWN}:TabularMLP", dataset=f"{OWN}:diabetes",
+                                      loss="torch.nn:MSELoss"), None),
+    ("3w-own-lazy-two-targets", 3, dict(model=f"{OWN}:LazyMLP", dataset=f"{OWN}:two_targets", loss="mse"), None),
     ("rerun-own-wine-2w-to-3w", 2, dict(model=f"{OWN}:TabularMLP", dataset=f"{OWN}:wine"), 3),
     ("rerun-2w-to-3w", 2, {}, 3),
     ("rerun-accum-adamw-2w-to-3w", 2, dict(accum_steps=2, optimizer="adamw", lr=0.002), 3),
@@ -240,3 +247,31 @@ def test_n_workers_end_where_one_process_does(name, runs):
         assert ("test_acc" in got) is ("test_acc" in expected) is ray_dp.classifies(ray_dp.load_dataset(cfg)[1])
         for metric in set(expected) - {"test_count"}:
             assert got[metric] == pytest.approx(expected[metric], abs=atol, rel=rtol), metric
+
+
+def predictions_on(cfg, path):
+    """--eval-only's scores on this process group, each test sample's prediction; rank 0 writes --predict-out."""
+    with default_dtype(torch.float64):
+        _, test = ray_dp.load_dataset(cfg)
+        torch.manual_seed(0)
+        net = ray_dp.build_model(cfg.model, ray_dp.input_shape(cfg, test), ray_dp.outputs(test, [])).eval()
+        metrics = ray_dp.evaluate(net, test, torch.device("cpu"), batch_size=7, details=True, num_classes=0,
+                                  criterion=ray_dp.loss_function(cfg, False))
+    if ray_dp.rank_and_world()[0] == 0:
+        ray_dp.write_predictions(path, test, metrics["predictions"], [])
+    return metrics
+
+
+def test_a_regression_of_two_values_predicts_both_on_n_workers_as_one_process_does(tmp_path):
+    import csv
+    cfg = ray_dp.Config(**{**BASE, "model": f"{OWN}:TabularMLP", "dataset": f"{OWN}:two_targets", "loss": "mse"})
+    many = run_distributed(predictions_on, 3, cfg, str(tmp_path / "many.csv"))[0]
+    one = predictions_on(cfg, str(tmp_path / "one.csv"))  # this process alone
+    assert many["test_count"] == one["test_count"] == 89 and many["test_loss"] == pytest.approx(one["test_loss"], 1e-12)
+    rows = list(csv.reader(open(tmp_path / "many.csv")))
+    assert rows[0] == ["index", "target_0", "target_1", "predicted_0", "predicted_1"] and len(rows) == 90
+    assert rows == list(csv.reader(open(tmp_path / "one.csv")))
+    with default_dtype(torch.float64):
+        _, test = ray_dp.load_dataset(cfg)
+    assert [[float(v) for v in row[1:3]] for row in rows[1:]] == test.tensors[1].tolist()
+    assert len({row[3] for row in rows[1:]}) > 80 and len({row[4] for row in rows[1:]}) > 80  # every value, not 0s

@@ -24,25 +24,132 @@ def code(tmp_path):
     """A copy of the user's file in tmp_path, and files that go wrong in their own ways."""
     shutil.copy(OWN, tmp_path / "mine.py")
     (tmp_path / "broken.py").write_text("import torch\nraise ValueError('boom at import')\n")
-    (tmp_path / "losses.py").write_text("import torch.nn.functional as F\n\n\ndef per_sample(output, target):\n"
-                                        "    return F.cross_entropy(output, target, reduction='none')\n")
+    (tmp_path / "losses.py").write_text("import torch.nn.functional as F\n\n\ndef per_batch(output, target):\n"
+                                        "    return F.cross_entropy(output, target, reduction='none')[:3]\n")
+    (tmp_path / "odd.py").write_text(ODD)
+    (tmp_path / "needs_more.py").write_text("import not_installed_anywhere\n")
     return tmp_path
+
+
+ODD = """
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+
+class Pair(nn.Module):  # logits and an auxiliary output, in eval mode too
+    def __init__(self, num_classes):
+        super().__init__()
+        self.layer = nn.Linear(13, num_classes)
+
+    def forward(self, x):
+        return self.layer(x), x.mean(1)
+
+
+def first_of_pair(output, target):
+    return nn.functional.cross_entropy(output[0], target)
+
+
+class NormedMLP(nn.Module):  # BatchNorm1d: no statistics of one sample
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(13, 8), nn.BatchNorm1d(8), nn.Linear(8, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class HalfUsed(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.used, self.spare = nn.Linear(13, num_classes), nn.Linear(13, num_classes)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def rows(labels, test_labels, dtype=torch.float32):
+    x = torch.randn(len(labels) + len(test_labels), 13, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return (TensorDataset(x[:len(labels)], torch.tensor(labels)),
+            TensorDataset(x[len(labels):], torch.tensor(test_labels)))
+
+
+def unseen_test_label():
+    return rows([0, 1, 2, 0] * 4, [0, 3])
+
+
+def negative_label():
+    return rows([0, 1, -1, 0] * 4, [0, 1])
+
+
+def whole_number_floats():
+    return rows([0.0, 1.0, 2.0, 1.0] * 4, [0.0, 1.0])
+
+
+def float64_rows():
+    return rows([0, 1, 2, 1] * 4, [0, 1], torch.float64)
+
+
+def fails_to_read():
+    raise FileNotFoundError("/data/table.csv")
+
+
+def with_a_default(n=16):  # called without the config
+    return rows([0, 1, 2, 1] * (n // 4), [0, 1])
+"""
 
 
 BAD = [
     (["--model", "{tmp}/none.py:Net", "--dataset", "digits"], "--model {tmp}/none.py:Net: there is no file {tmp}/none.py"),
-    (["--model", "{tmp}/mine.py:Nope", "--dataset", "digits"], "--model {tmp}/mine.py:Nope: {tmp}/mine.py has no Nope"),
+    (["--model", "{tmp}/mine.py:Nope", "--dataset", "digits"], "--model {tmp}/mine.py:Nope: {tmp}/mine.py has no Nope\n"),
+    (["--model", "{tmp}/mine.py:TabularMlp", "--dataset", "digits"],
+     "--model {tmp}/mine.py:TabularMlp: {tmp}/mine.py has no TabularMlp; did you mean TabularMLP?"),
     (["--model", "{tmp}/broken.py:Net", "--dataset", "digits"],
      "--model {tmp}/broken.py:Net: {tmp}/broken.py fails to import: ValueError: boom at import"),
     (["--dataset", "nomodule:load"], "--dataset nomodule:load: no module nomodule (a file's path ends in .py)"),
+    (["--model", "{tmp}/needs_more.py:Net", "--dataset", "digits"], "--model {tmp}/needs_more.py:Net: "
+     "{tmp}/needs_more.py fails to import: ModuleNotFoundError: No module named 'not_installed_anywhere'"),
     (["--model", "{tmp}/mine.py:not_a_model", "--dataset", "digits"],
      "--model {tmp}/mine.py:not_a_model returned str, not an nn.Module"),
     (["--model", "mlp", "--dataset", "{tmp}/mine.py:not_a_pair"],
      "--dataset {tmp}/mine.py:not_a_pair returned list, not a pair (train, test) of data sets"),
     (["--model", "{tmp}/mine.py:SmallCNN", "--dataset", "{tmp}/mine.py:wine"],
-     "--model {tmp}/mine.py:SmallCNN fails on two samples of {tmp}/mine.py:wine (inputs (2, 13)): RuntimeError: "),
-    (["--model", "mlp", "--dataset", "digits", "--loss", "{tmp}/losses.py:per_sample"],
-     "--loss {tmp}/losses.py:per_sample returned torch.Size([2]), not a scalar mean loss"),
+     "--model {tmp}/mine.py:SmallCNN fails on 16 samples of {tmp}/mine.py:wine (inputs (16, 13)): RuntimeError: "),
+    (["--model", "mlp", "--dataset", "digits", "--loss", "{tmp}/losses.py:per_batch"],
+     "--loss {tmp}/losses.py:per_batch is not a mean over samples ("),
+    # class weights as torch reduces them: a weighted mean, which differs with the workers' split of the batch
+    (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/mine.py:wine", "--loss",
+      "{tmp}/mine.py:weighted_mean_cross_entropy"],
+     "--loss {tmp}/mine.py:weighted_mean_cross_entropy is not a mean over samples ("),
+    (["--model", "__main__:LeNet", "--dataset", "digits"],
+     "--model __main__:LeNet names an object of the script that called ray_dp.train(): pass it (model=...), or "
+     "name a file: FILE.py:NAME"),
+    (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/mine.py:diabetes", "--loss", "mse",
+      "--label-smoothing", "0.1"], "--label-smoothing is cross_entropy's; --loss mse does not smooth (drop it)"),
+    (["--model", "{tmp}/odd.py:Pair", "--dataset", "{tmp}/mine.py:wine", "--loss", "{tmp}/odd.py:first_of_pair"],
+     "--model {tmp}/odd.py:Pair returns tuple in eval mode: ray_dp scores a tensor"),
+    (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/odd.py:unseen_test_label", "--batch-size", "4"],
+     "--dataset {tmp}/odd.py:unseen_test_label's test labels run from 0 to 3; its classes are 0 to 2"),
+    (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/odd.py:negative_label", "--batch-size", "4"],
+     "--dataset {tmp}/odd.py:negative_label's training labels run from -1 to 1; its classes are 0 to 1"),
+    (["--model", "{tmp}/odd.py:NormedMLP", "--dataset", "{tmp}/mine.py:wine", "--batch-size", "2"],
+     "--model {tmp}/odd.py:NormedMLP cannot train on micro-batches of one sample (ValueError: Expected more than 1 "),
+    (["--model", "{tmp}/odd.py:HalfUsed", "--dataset", "{tmp}/mine.py:wine"],
+     "--model {tmp}/odd.py:HalfUsed: spare.weight, spare.bias get no gradient from the loss: use them in forward, "
+     "or add --find-unused-parameters"),
+    (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/odd.py:fails_to_read"],
+     "--dataset {tmp}/odd.py:fails_to_read failed: FileNotFoundError: /data/table.csv"),
+    (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/odd.py:whole_number_floats", "--batch-size", "4"],
+     "--dataset {tmp}/odd.py:whole_number_floats's targets are torch.float32 values (e.g. 0): class indices are "
+     "integers (torch.long)"),
+    (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/mine.py:wine", "--loss", "mse"],
+     "--loss mse is a regression's; {tmp}/mine.py:wine's targets are integers, class indices to ray_dp (3 classes)"),
+    (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/odd.py:float64_rows", "--batch-size", "4"],
+     "--model {tmp}/mine.py:TabularMLP fails on 16 samples of {tmp}/odd.py:float64_rows (inputs (16, 13)): "
+     "RuntimeError: mat1 and mat2 must have the same dtype, but got Double and Float (inputs must be torch.float32, "
+     "not torch.float64)"),
+    (["compare", "--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/mine.py:wine"],
+     "compare trains the lesson's LeNet with cross-entropy"),
     (["--model", "mlp", "--dataset", "{tmp}/mine.py:wine", "--image-size", "32"],
      "--image-size is for images; {tmp}/mine.py:wine's inputs have the shape (13,): not applicable (drop it)"),
     (["--model", "mlp", "--dataset", "{tmp}/mine.py:wine", "--augment"],
@@ -61,7 +168,8 @@ BAD = [
 
 @pytest.mark.parametrize("flags, message", BAD, ids=[message[:40] for _, message in BAD])
 def test_bad_own_code_is_one_line_before_any_cluster_and_writes_nothing(flags, message, code, no_cluster, capsys):
-    err = error_of([*runs(code), *(flag.format(tmp=code) for flag in flags)], capsys)
+    command = flags[:1] if flags[0] == "compare" else []
+    err = error_of([*command, *runs(code), *(flag.format(tmp=code) for flag in flags[len(command):])], capsys)
     assert err.startswith(f"ray_dp.py: error: {message.format(tmp=code)}"), err
     assert not (code / "runs").exists()
 
@@ -148,7 +256,8 @@ def test_a_file_moved_with_its_text_unchanged_resumes_as_the_same_code(code, no_
     (code / "moved" / "mine.py").write_text((code / "mine.py").read_text())
     ray_dp.CODE.clear()
     _, cfg, _ = ray_dp.parse_command(["--eval-only", str(code / "runs" / "own"), "--model",
-                                      f"{code}/moved/mine.py:TabularMLP", *runs(code)])
+                                      f"{code}/moved/mine.py:TabularMLP", "--dataset", f"{code}/mine.py:wine",
+                                      *runs(code)])
     assert cfg.model == f"{code}/moved/mine.py:TabularMLP" and cfg.dataset == f"{code}/mine.py:wine"
 
 
@@ -176,16 +285,31 @@ def test_targets_of_any_integer_kind_are_classes_and_a_data_set_without_targets_
         assert torch.equal(loss(logits, torch.tensor([0, 2, 1, 1], dtype=dtype)), expected)
 
 
-def test_train_takes_a_loss_instance_but_not_a_model_instance():
-    spec = ray_dp.as_spec(torch.nn.MSELoss(), "loss")
-    assert spec == "torch.nn.modules.loss:MSELoss()"
-    ray_dp.CODE.clear()  # a rerun's process: the spec alone rebuilds it
-    assert ray_dp.user_code(spec, "loss") is torch.nn.MSELoss
-    with pytest.raises(ray_dp.ConfigError, match="not an instance of HuberLoss made with arguments"):
-        ray_dp.as_spec(torch.nn.HuberLoss(delta=2.0), "loss")  # a rerun would rebuild HuberLoss()
-    with pytest.raises(ray_dp.ConfigError, match="model= takes a class or a function that returns the model, not an "
-                                                 "instance of Linear"):
+def test_train_takes_classes_and_functions_not_instances_whose_arguments_a_rerun_would_lose():
+    weights = torch.tensor([1.0, 3.0])
+    for instance in (torch.nn.CrossEntropyLoss(weight=weights), torch.nn.BCEWithLogitsLoss(pos_weight=weights),
+                     torch.nn.MSELoss()):
+        with pytest.raises(ray_dp.ConfigError, match=f"loss= takes a class or a function, not an instance of "
+                                                     f"{type(instance).__name__}, which a rerun could not make again"):
+            ray_dp.as_spec(instance, "loss")
+    with pytest.raises(ray_dp.ConfigError, match="model= takes a class or a function, not an instance of Linear"):
         ray_dp.as_spec(torch.nn.Linear(3, 2), "model")
+    assert ray_dp.as_spec(torch.nn.MSELoss, "loss") == "torch.nn.modules.loss:MSELoss"
+    ray_dp.CODE.clear()  # a rerun's process: the name alone makes it again
+    assert ray_dp.user_code("torch.nn.modules.loss:MSELoss", "loss") is torch.nn.MSELoss
+
+
+def test_two_lambdas_of_one_call_are_one_line_not_one_taken_for_the_other(no_cluster):
+    ray_dp.CODE.clear()
+    with pytest.raises(ray_dp.ConfigError, match="loss= is another object of the name test_own_code:test_two_lambdas_"
+                                                 ".*<lambda> than one given before: give each its own name"):
+        ray_dp.train(model=lambda num_classes: torch.nn.Linear(13, num_classes), dataset="digits",
+                     loss=lambda output, target: torch.nn.functional.cross_entropy(output, target))
+
+
+def test_a_misspelt_setting_of_train_names_the_closest():
+    with pytest.raises(ray_dp.ConfigError, match="ray_dp.train\\(\\) has no setting 'epocs'; did you mean epochs\\?"):
+        ray_dp.train(epocs=3)
 
 
 def rank_0s_split(cfg):
@@ -233,3 +357,149 @@ def test_under_torchrun_a_data_set_class_of_your_file_reaches_ranks_that_never_i
     cfg = ray_dp.Config(dataset=f"{code}/rows.py:load", model="mlp")
     zero, one = run_distributed(rank_0s_samples, 2, cfg)
     assert zero == one and zero[0] == "Rows" and len(zero[1]) == 30
+
+
+def test_a_checkpoint_never_names_the_code_that_runs_eval_only_and_a_rerun_name_it_again(code, no_cluster, capsys):
+    # a checkpoint copied from elsewhere whose config names a file of its choosing: nothing of it is imported
+    (code / "evil.py").write_text(f"open({str(code / 'ran')!r}, 'w').close()\nfrom mine import *\n")
+    shutil.copy(code / "mine.py", code / "evil_dir_mine.py")
+    trained(code, model=f"{code}/evil.py:TabularMLP", dataset=f"{code}/mine.py:wine")
+    (code / "ran").unlink()  # trained() itself imported it, as training does
+    err = error_of(["--eval-only", str(code / "runs" / "own"), *runs(code)], capsys)
+    assert err.startswith(f"ray_dp.py: error: the checkpoint trained your own code: name it again, --model "
+                          f"{code}/evil.py:TabularMLP, --dataset {code}/mine.py:wine (ray_dp.train(): the same "
+                          f"objects); a checkpoint never names the code"), err
+    err = error_of(["--name", "own", "--dataset", f"{code}/mine.py:wine", *runs(code)], capsys)
+    assert err.startswith(f"ray_dp.py: error: run 'own' trained your own code: name it again, --model "
+                          f"{code}/evil.py:TabularMLP ("), err
+    assert not (code / "ran").exists()
+
+
+def test_a_rerun_of_another_object_under_the_same_name_notes_it(code, no_cluster, capsys):
+    # a notebook's class, its cell edited: the same name (notebook:Net), another text, and no file to hash
+    def cell(width):
+        namespace = {"__name__": "notebook", "nn": torch.nn}
+        exec(compile(f"class Net(nn.Module):\n    def __init__(self, num_classes):\n        super().__init__()\n"
+                     f"        self.layer = nn.Linear(13, {width})\n\n    def forward(self, x):\n"
+                     f"        return self.layer(x)\n", "<cell>", "exec"), namespace)
+        return namespace["Net"]
+    flags = ray_dp.settings_as_flags({"model": cell(3), "dataset": f"{code}/mine.py:wine", "batch_size": 16,
+                                      "name": "own", "storage_path": str(code / "runs")})
+    trained(code, model="notebook:Net", dataset=f"{code}/mine.py:wine")
+    ray_dp.CODE.clear()
+    ray_dp.settings_as_flags({"model": cell(3)})  # the same cell run again
+    ray_dp.parse_command(flags)
+    assert "changed since" not in capsys.readouterr().out
+    ray_dp.CODE.clear()
+    ray_dp.settings_as_flags({"model": cell(5)})
+    ray_dp.parse_command(flags)
+    assert "note: notebook:Net changed since run 'own' saved its checkpoint" in capsys.readouterr().out
+
+
+def test_eval_only_from_python_of_a_run_with_a_local_lambda_loss_says_to_pass_it_again(code, no_cluster):
+    def experiment():
+        return lambda output, target: torch.nn.functional.cross_entropy(output, target)
+    ray_dp.CODE.clear()
+    spec = ray_dp.as_spec(experiment(), "loss")
+    trained(code, model=f"{code}/mine.py:TabularMLP", dataset=f"{code}/mine.py:wine", loss=spec)
+    with pytest.raises(ray_dp.ConfigError, match=f"the checkpoint trained your own code: name it again, --loss "
+                                                 f"{spec} \\(ray_dp.train\\(\\): the same objects\\)"):
+        ray_dp.train(eval_only=str(code / "runs" / "own"), model=f"{code}/mine.py:TabularMLP",
+                     dataset=f"{code}/mine.py:wine", storage_path=str(code / "runs"))
+
+
+def test_a_file_that_imports_a_module_of_its_folder_loads_and_reaches_workers_without_the_folder(code, tmp_path):
+    import subprocess
+    import sys
+    import ray.cloudpickle
+    (code / "layers_of_mine.py").write_text("import torch.nn as nn\n\n\ndef block(n):\n    return nn.Linear(n, n)\n")
+    (code / "net_of_mine.py").write_text("import torch.nn as nn\nimport layers_of_mine\n\n\n"
+                                         "def build(num_classes):\n    return nn.Sequential(layers_of_mine.block(13), "
+                                         "nn.Linear(13, num_classes))\n")
+    build = ray_dp.user_code(f"{code}/net_of_mine.py:build", "model")
+    shipped = ray.cloudpickle.dumps(build)
+    (code / "layers_of_mine.py").unlink()
+    (code / "net_of_mine.py").unlink()
+    worker = subprocess.run([sys.executable, "-c", "import pickle, sys; print(pickle.load(sys.stdin.buffer)(3))"],
+                            input=shipped, capture_output=True, cwd=tmp_path, timeout=120)
+    assert worker.returncode == 0 and b"Linear(in_features=13, out_features=3" in worker.stdout, worker.stderr[-800:]
+
+
+def test_a_data_function_with_a_default_argument_is_called_without_the_config(code):
+    train, test = ray_dp.load_dataset(ray_dp.Config(dataset=f"{code}/odd.py:with_a_default"))
+    assert (len(train), len(test)) == (16, 2)
+
+
+def test_the_workers_get_the_model_and_the_loss_not_the_data_function_with_what_it_read(code):
+    # a table read at module level: the data function's global, shipped with it by value
+    (code / "table.py").write_text("import torch\nfrom torch.utils.data import TensorDataset\n\n"
+                                   "TABLE = torch.randn(200_000, 13)\n\n\n"
+                                   "def load():\n    return TensorDataset(TABLE[:100], TABLE[:100, 0]), "
+                                   "TensorDataset(TABLE[100:120], TABLE[100:120, 0])\n")
+    import ray.cloudpickle
+    cfg = ray_dp.Config(model=f"{code}/mine.py:TabularMLP", dataset=f"{code}/table.py:load", loss="mse")
+    ray_dp.load_dataset(cfg), ray_dp.build_model(cfg.model, (13,), 1)
+    shipped = ray_dp.code_for_workers(cfg)
+    assert list(shipped[0]) == [cfg.model] and len(ray.cloudpickle.dumps(shipped)) < 100_000
+
+
+def test_a_conv3d_model_is_placed_on_its_device_without_channels_last():
+    net = torch.nn.Sequential(torch.nn.Conv3d(1, 2, 3), torch.nn.Flatten(), torch.nn.LazyLinear(4))
+    placed = ray_dp.on_device(net, torch.device("cpu"), "volumes.py:Net")
+    assert placed(torch.zeros(2, 1, 5, 5, 5)).shape == (2, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.bool])
+def test_targets_of_any_integer_kind_are_scored_as_class_indices(dtype):
+    x = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1] * 6)
+    net, loss = torch.nn.Linear(5, 2), ray_dp.loss_function(ray_dp.Config(), training=False)
+    expected = ray_dp.evaluate(net, ray_dp.TensorDataset(x, labels), torch.device("cpu"), num_classes=2, details=True,
+                               criterion=loss)
+    got = ray_dp.evaluate(net, ray_dp.TensorDataset(x, labels.to(dtype)), torch.device("cpu"), num_classes=2,
+                          details=True, criterion=loss)
+    assert got == expected and sum(map(sum, got["confusion"])) == 12
+
+
+def steps_with_a_parameter_left_out(find_unused, every):
+    """Three DDP steps of a model that uses one of its layers in every `every`-th step only (0: never)."""
+    class Sometimes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.steps = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2), 0
+
+        def forward(self, x):
+            self.steps += 1
+            return self.a(x) + (self.b(x) if every and self.steps % every == 0 else 0)
+    cfg = ray_dp.Config(find_unused_parameters=find_unused)
+    model = ray_dp.wrap_model(Sometimes(), torch.device("cpu"), cfg)
+    try:
+        for _ in range(3):
+            model(torch.ones(4, 3)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc).strip().splitlines()[-1]
+    return "trained"
+
+
+def test_a_parameter_left_out_in_some_steps_names_the_flag_which_trains_it():
+    assert run_distributed(steps_with_a_parameter_left_out, 2, False, 2)[0] == (
+        "parameters of the model got no gradient in a step (DDP needs each one's): train with "
+        "--find-unused-parameters")
+    # (never used: a step that uses every parameter would have DDP's reducer warn that the flag costs time)
+    assert run_distributed(steps_with_a_parameter_left_out, 2, True, 0) == ["trained", "trained"]
+
+
+def test_in_memory_data_travel_as_arrays_which_ray_workers_read_in_place():
+    import pickle
+    train, _ = ray_dp.load_digits()
+    sent = ray_dp.shared(train)
+    buffers = []  # what Ray's serializer keeps out of the pickle: its object store's memory, mapped by each worker
+    wire = pickle.dumps(sent, protocol=5, buffer_callback=buffers.append)
+    assert len(wire) < 5_000 and sum(memoryview(b).nbytes for b in buffers) == 1437 * 28 * 28 * 4 + 1437 * 8
+    received = pickle.loads(wire, buffers=buffers)
+    assert isinstance(received, ray_dp.TensorDataset) and received.classes == train.classes
+    assert received.tensors[0].data_ptr() == sent.tensors[0].data_ptr()  # the very memory, not a copy
+    assert torch.equal(received.tensors[1], train.tensors[1])
+    copied = pickle.loads(pickle.dumps(sent))  # torchrun's ranks: an ordinary copy
+    assert torch.equal(copied.tensors[0], train.tensors[0]) and copied.classes == train.classes
+    assert ray_dp.shared(ray_dp.SampleStreams(train, 0)).__class__ is ray_dp.SampleStreams  # per sample: as it is

@@ -415,7 +415,7 @@ def test_torchrun_ranks_other_than_0_leave_the_run_directory_to_rank_0(tmp_path,
     (["compare", "--workers", "2:4"], "give a fixed --workers N"),
     (["--seed", "4294967296"], "--seed must be 0 to 4294967295, got 4294967296"),
     (["--workers", "1:16"], "narrow the range"),
-    (["--model", "torchvision.resnet18", "--batch-size", "2"], "cannot train on micro-batches of one image"),
+    (["--model", "torchvision.resnet18", "--batch-size", "2"], "cannot train on micro-batches of one sample"),
 ])
 def test_more_input_that_would_fail_after_ray_started_is_one_line(argv, message, tmp_path, no_cluster, capsys):
     command = argv[:1] if argv[:1] == ["compare"] else []

@@ -106,3 +106,34 @@ def holds_a_connection():
 
 def dicts():
     return [{"x": torch.zeros(3), "y": 0}] * 4, [{"x": torch.zeros(3), "y": 0}] * 2
+
+
+def weighted_cross_entropy(output, target):
+    """Class weights, per sample (reduction='none'): ray_dp averages them over the global batch by count."""
+    weight = torch.tensor([1.0, 2.0, 0.5], dtype=output.dtype)
+    return F.cross_entropy(output, target, weight=weight, reduction="none")
+
+
+def weighted_mean_cross_entropy(output, target):
+    """Class weights as torch reduces them, a weighted mean: each worker's is over its own weights."""
+    return F.cross_entropy(output, target, weight=torch.tensor([1.0, 2.0, 0.5], dtype=output.dtype))
+
+
+def two_targets(cfg):
+    """The diabetes patients' progression and blood sugar (s6), two values to predict from 9 features."""
+    from sklearn.datasets import load_diabetes
+    data = load_diabetes()
+    import numpy as np
+    targets = torch.tensor(np.c_[data.target, data.data[:, 9]], dtype=torch.get_default_dtype())
+    return split(data.data[:, :9], (targets - targets.mean(0)) / targets.std(0))
+
+
+class LazyMLP(nn.Module):
+    """Its first layer's width from the first batch it sees (nn.LazyLinear)."""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
