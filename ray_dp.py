@@ -3271,6 +3271,9 @@ class Checkpointer:
         seconds a step and, at a check, its replicas' digest."""
         mine = {SIGTERM_VOTE} if self.stop is not None and self.stop.asked else set()
         main, world, device = self.worker.is_main, self.worker.world, self.worker.device
+        if check:  # the step's own GPU work is not the check's
+            synchronize(device)
+        tic = time.perf_counter()
         if self.link is not None:
             if epoch_end:
                 self.link.beat(timeout=10)
@@ -3297,8 +3300,8 @@ class Checkpointer:
             losses.logged.append([logged_step, totals[5] / totals[6]])
             losses.window.zero_()
         self.note_stragglers(totals[9:9 + world])
-        if check:
-            self.last_check = self.steps_done
+        if check:  # what a check costs: its digest and this all-reduce, for --check-replicas auto
+            self.last_check, self.check_seconds = self.steps_done, time.perf_counter() - tic
             epoch, step, done = where
             self.compared(named, hashes, totals[9 + world:],
                           f"after step {step} of epoch {epoch + 1} (the run's step {done})")
@@ -3306,13 +3309,9 @@ class Checkpointer:
         return {vote for vote, count in zip(VOTES, totals) if count}
 
     def digested(self, stage: str) -> tuple:
-        """(what the replicas hold alike, its hashes, this rank's digest slots), timed on rank 0
-        for --check-replicas auto."""
-        synchronize(self.worker.device)
-        tic, named = time.perf_counter(), replica_state(self.model, self.optimizer, stage)
-        hashes, slots = replicas_digest(named, self.worker)
-        self.check_seconds = time.perf_counter() - tic
-        return named, hashes, slots
+        """(what the replicas hold alike, its hashes, this rank's digest slots)."""
+        named = replica_state(self.model, self.optimizer, stage)
+        return (named, *replicas_digest(named, self.worker))
 
     def compared(self, named: list, hashes: torch.Tensor, slots: list, where: str) -> bool:
         """Whether every rank's digest is the same; else the run stops here, nothing saved."""
