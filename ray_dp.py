@@ -3168,7 +3168,7 @@ class Checkpointer:
         self.first_epoch, self.resumed_at, self.history, self.resume_record = 0, {}, [], None
         self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
         self.steps_done, self.next_agreement, self.agreed_steps, self.since_save = 0, 1, 0, 0
-        self.tic = self.agreed_at = time.perf_counter()
+        self.tic, self.agreed_at = time.perf_counter(), 0.0
         self.first_step, self.saves, self.save_seconds, self.lost = 0, 0, 0.0, 0.0
         self.saved_count = 0
         self.last_save = time.monotonic()
@@ -3231,7 +3231,6 @@ class Checkpointer:
         partial = self.resumed_at if epoch == self.first_epoch else {}
         self.tic, self.first_step = time.perf_counter(), partial.get("step", 0)
         self.saves, self.save_seconds = 0, 0.0
-        self.agreed_at = self.agreed_at if self.steps_done else self.tic  # time the first step
         self.ledger.charge("training steps")
         return self.first_step, EpochLoss(self.worker.device, partial, self.worker.is_main)
 
@@ -3282,7 +3281,8 @@ class Checkpointer:
         if main and self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds:
             mine.add(DUE_VOTE)
         steps = max(self.steps_done - self.agreed_steps, 1)
-        step_seconds = (time.perf_counter() - self.agreed_at) / steps
+        trained = self.ledger.seconds.get("training steps", 0.0)  # not evaluation, nor saves
+        step_seconds = max(trained - self.agreed_at, 1e-6) / steps
         ahead = min(max(int(self.AGREE_S / step_seconds), 1), 10_000) if main else 0
         checks = (max(math.ceil(self.check_seconds / (CHECK_SHARE * step_seconds)), 1)
                   if self.cfg.check_replicas == "auto" else self.check_every) if main else 0
@@ -3305,7 +3305,7 @@ class Checkpointer:
             epoch, step, done = where
             self.compared(named, hashes, totals[9 + world:],
                           f"after step {step} of epoch {epoch + 1} (the run's step {done})")
-        self.agreed_at = time.perf_counter()
+        self.agreed_at = trained
         return {vote for vote, count in zip(VOTES, totals) if count}
 
     def digested(self, stage: str) -> tuple:
@@ -3526,7 +3526,7 @@ class DriverLink:
 # Health: replicas that agree, a certified resume, where the time went, a record of a hang.
 # ==================================================================================================
 
-CHECK_SHARE = 0.01  # --check-replicas auto: its checks cost at most this share of training
+CHECK_SHARE = 0.005  # --check-replicas auto aims its checks at this share of training (at most 1%)
 STRAGGLER = 1.5  # a rank whose forward passes take this much of the ranks' median, or more
 
 

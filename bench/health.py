@@ -53,7 +53,7 @@ def digest_costs(repeats):
     """Per model, one process, one thread (as a worker): the digest of its parameters (what a check between saves
     compares: ray_dp's tensor_hashes and digest), of its parameters and SGD momentum (at a save), a training step
     (forward, backward, SGD with momentum) on a micro-batch of 32 (the quick start's: global 64 on 2 workers), the
-    interval --check-replicas auto picks (checks at most 1% of training), and the checks' share of training then."""
+    interval --check-replicas auto picks (it aims at 0.5% of training, so that checks stay under 1%), and the checks' share of training then."""
     torch.set_num_threads(1)
     figures = {}
     worker = ray_dp.Worker(0, 1, CPU)
@@ -95,33 +95,57 @@ def _rank(rank, world, store, out, repeats):
 
 
 def rank_figures(repeats):
-    """On each of 2 gloo processes: the agreement's all-reduce alone, then the quick start's training (LeNet on
-    digits, global batch 64) with the health checks as the defaults have them and without (no digests, no forward
-    clock: a Checkpointer told of no model), interleaved, epochs 2 and 3 of each run timed."""
+    """On each of 2 gloo processes: the agreement's all-reduce alone; then the quick start's training (LeNet on
+    digits, global batch 64) three ways, with the health checks as the defaults have them, with the replica checks
+    off (the forward clock on), and with both off (a Checkpointer told of no model), their epochs interleaved (4
+    epochs of each in turn, 4 x repeats epochs each, the first of each left out): samples/s (median), and within the
+    defaults' run the seconds its checks took (digest and all-reduce, timed around each) as a share of its
+    training."""
     world, worker = dist.get_world_size(), ray_dp.Worker(dist.get_rank(), dist.get_world_size(), CPU)
     figures = {}
     flags = torch.zeros(5 + 4 + 3 * world, dtype=torch.float64)
     agree = median_seconds(lambda: ray_dp.all_reduce_sum(flags.clone()).tolist(), 200)
     figures["the agreement: one all-reduce of 21 float64 on 2 processes, us"] = round(1e6 * agree, 1)
-    cfg = ray_dp.Config(dataset="digits", workers=world, epochs=3, quiet=True)
+    cfg = ray_dp.Config(dataset="digits", workers=world, quiet=True)
     train, _ = ray_dp.load_digits()
-    rates = {"health on (the defaults)": [], "health off": []}
-    for _ in range(repeats):
-        for label in rates:
-            torch.manual_seed(0)
-            model = ray_dp.wrap_model(ray_dp.on_device(ray_dp.build_model("lenet", (1, 28, 28)), CPU, "lenet"), CPU)
-            optimizer = ray_dp.build_optimizer(cfg, model)
-            batches = ray_dp.train_batches(train, cfg, worker.rank, world, CPU)
-            checkpointer = ray_dp.Checkpointer(cfg, worker, None, None, None,
-                                               model if label.startswith("health on") else None, optimizer)
-            epochs = [ray_dp.train_epoch(model, optimizer, batches, cfg, worker, epoch, checkpointer)
-                      for epoch in range(cfg.epochs)]
-            rates[label].append(statistics.median(m["samples_per_second"] for m in epochs[1:]))
-            figures.setdefault("health on: --check-replicas auto checked every N steps", checkpointer.check_every)
-    on, off = (statistics.median(rates[label]) for label in rates)
-    figures["quick start's training, health on (the defaults): samples/s"] = round(on)
-    figures["quick start's training, health off: samples/s"] = round(off)
-    figures["the health checks' overhead on training, %"] = round(100 * (off - on) / off, 2)
+    runs = {}
+    for label in ("health on (the defaults)", "replica checks off (forward clock on)", "health off"):
+        torch.manual_seed(0)
+        model = ray_dp.wrap_model(ray_dp.on_device(ray_dp.build_model("lenet", (1, 28, 28)), CPU, "lenet"), CPU)
+        optimizer = ray_dp.build_optimizer(cfg, model)
+        checks = ray_dp.replace(cfg, check_replicas="off" if "checks off" in label else "auto")
+        checkpointer = ray_dp.Checkpointer(checks, worker, None, None, None,
+                                           None if label == "health off" else model, optimizer)
+        runs[label] = [model, optimizer, ray_dp.train_batches(train, cfg, worker.rank, world, CPU), checkpointer, []]
+    spent = [0.0]
+    checkpointer = runs["health on (the defaults)"][3]
+    agreement = checkpointer.agree
+
+    def timed(losses, logged_step, epoch_end, check, where):
+        tic = time.perf_counter()
+        try:
+            return agreement(losses, logged_step, epoch_end, check, where)
+        finally:
+            spent[0] += (time.perf_counter() - tic) if check else 0.0
+    checkpointer.agree = timed
+    trained, epoch = 0.0, 0
+    for block in range(repeats):
+        for label, (model, optimizer, batches, checks, rates) in runs.items():
+            for epoch in range(4 * block, 4 * block + 4):
+                metrics = ray_dp.train_epoch(model, optimizer, batches, cfg, worker, epoch % cfg.epochs, checks)
+                rates.append(metrics["samples_per_second"])
+                trained += metrics["epoch_seconds"] if label.startswith("health on") else 0.0
+    medians = {label: statistics.median(run[4][1:]) for label, run in runs.items()}
+    for label, rate in medians.items():
+        figures[f"quick start's training, {label}: samples/s"] = round(rate)
+    off = medians["health off"]
+    figures["health on against health off, %"] = round(100 * (off - medians["health on (the defaults)"]) / off, 2)
+    figures["health on: --check-replicas auto checked every N steps"] = checkpointer.check_every
+    figures["health on: its checks' seconds (digest and all-reduce), % of training"] = round(
+        100 * spent[0] / trained, 2)
+    clock = ray_dp.ForwardClock(nn.Identity(), CPU)
+    figures["the forward clock, per forward pass, us"] = round(1e6 * median_seconds(
+        lambda: [(clock.mark(True), clock.mark(False)) for _ in range(1000)], 5) / 1000, 2)
     ledger = ray_dp.Ledger()
     figures["a ledger charge (twice a step), us"] = round(1e6 * median_seconds(
         lambda: [ledger.charge("training steps") for _ in range(1000)], 5) / 1000, 2)
@@ -142,7 +166,7 @@ def main():
     args = parser.parse_args()
     repeats = 1 if args.quick else 5
     started = time.time()
-    figures = {**digest_costs(repeats), **distributed_figures(max(1, repeats // 2 + 1))}
+    figures = {**digest_costs(repeats), **distributed_figures(repeats)}
     machine = {"cpu": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
                "torch": torch.__version__}
     command = "python bench/health.py" + (" --quick" if args.quick else "")
