@@ -2162,6 +2162,9 @@ def mode_checks(cfg: Config) -> list:
         (0 <= cfg.label_smoothing < 1,
          f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
+        (not is_uri(cfg.data_dir) or cfg.dataset == "folder",
+         f"--data-dir {cfg.data_dir}: only --dataset folder reads its data from object storage; "
+         f"{cfg.dataset} is kept in a local directory"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
         (not (cfg.mode == "dp" and cfg.gpu is False),
@@ -4009,8 +4012,7 @@ def stored_type(path: str) -> str:
 
 def check_location(cfg: Config) -> None:
     check_run_name(cfg)
-    if is_uri(cfg.storage_path):
-        check_store("storage-path", cfg.storage_path)
+    check_store("storage-path", cfg.storage_path)
 
 
 def check_stores(cfg: Config, doctor: bool, resuming: bool) -> None:
@@ -4019,60 +4021,57 @@ def check_stores(cfg: Config, doctor: bool, resuming: bool) -> None:
     names = (PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path", "eval_only"}
     names = (names & DOCTOR_FLAGS if doctor else names) - ({"weights"} if resuming else set())
     for name in sorted(names):
-        value = getattr(cfg, name)
-        if not is_uri(value):
-            continue
-        if name == "data_dir" and cfg.dataset != "folder":
-            raise ConfigError(f"--data-dir {value}: only --dataset folder reads its data from "
-                              f"object storage; {cfg.dataset} is kept in a local directory")
-        check_store(name.replace("_", "-"), value)
+        check_store(name.replace("_", "-"), getattr(cfg, name))
 
 
 def check_store(flag: str, uri: str) -> None:
+    """The one probe of a flag's object storage (a local path passes), refused in one line."""
     name = flag.replace("-", "_")
-    if name not in STORE_ACCESS:
+    if is_uri(uri) and name not in STORE_ACCESS:
         takers = ["--" + name.replace("_", "-") for name in STORE_ACCESS]
         raise ConfigError(f"--{flag} {uri}: a local path, not a URI (only "
                           f"{', '.join(takers[:-1])} and {takers[-1]} take one)")
-    if (problem := store_problem(uri, STORE_ACCESS[name])):
+    if is_uri(uri) and (problem := store_problem(uri, STORE_ACCESS[name])):
         raise ConfigError(f"--{flag} {uri}: {problem}")
 
 
 def store_problem(uri: str, access: str) -> Optional[str]:
     """Why the object storage at `uri` cannot be used ("read" or "write"), in words that say what
-    to check, or None: one request, to its bucket."""
+    to check, or None: a request to its bucket (on AWS, pyarrow's own first, for its region)."""
     from pyarrow import ArrowException, fs
     if (problem := uri_syntax_problem(uri)):
         return problem
-    try:
-        storage, path = fs.FileSystem.from_uri(uri)
-    except (ArrowException, ValueError) as exc:
-        return str(exc).splitlines()[0]
-    if isinstance(storage, fs.LocalFileSystem):
-        return None
-    bucket = path.split("/")[0]
-    if not bucket:
-        return f"names no bucket (write {uri.split('://')[0]}://BUCKET/path)"
+    scheme, bucket = uri.split("://")[0], uri.split("://")[1].split("/")[0]
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    at = f" at {endpoint} (AWS_ENDPOINT_URL)" if endpoint and uri.startswith("s3:") else ""
-    try:
-        found = storage.get_file_info(bucket).type
+    at = f" at {endpoint} (AWS_ENDPOINT_URL)" if endpoint and scheme == "s3" else ""
+    aws = " (and for a store other than AWS's, set AWS_ENDPOINT_URL)" if scheme == "s3" else ""
+    try:  # GCS's client retries for minutes by default
+        storage, path = fs.FileSystem.from_uri(uri + "?retry_limit_seconds=20" * (scheme == "gs"))
+        if isinstance(storage, fs.LocalFileSystem):
+            return None
+        if not bucket:
+            return f"names no bucket (write {scheme}://BUCKET/path)"
+        if storage.get_file_info(bucket).type == fs.FileType.NotFound:
+            raise FileNotFoundError(f"Bucket '{bucket}' not found")  # as pyarrow says it on AWS
+        if access == "read" and storage.get_file_info(path).type == fs.FileType.NotFound:
+            return f"bucket '{bucket}' holds nothing at '{path[len(bucket) + 1:]}'"
+        return None
+    except ValueError as exc:  # a URI pyarrow does not take
+        return str(exc).splitlines()[0]
     except (OSError, ArrowException) as exc:
         reason = " ".join(str(exc).split())
-        if re.search(r"ACCESS_DENIED|INVALID_ACCESS_KEY|SIGNATURE|FORBIDDEN|(?<![:\d])403(?!\d)",
-                     reason):  # HTTP 403, not the digits of a port
-            return (f"the store{at} refused access to bucket '{bucket}' ({store_error(reason)}): "
-                    f"check the credentials this machine uses (AWS_ACCESS_KEY_ID and "
-                    f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or its IAM role) and that they may "
-                    f"{'read and write' if access == 'write' else 'read'} the bucket")
-        return f"bucket '{bucket}'{at} cannot be reached ({store_error(reason)})"
-    if found == fs.FileType.NotFound:
-        check = ("its name and AWS_ENDPOINT_URL" if at else
-                 "its name (and for a store other than AWS's, set AWS_ENDPOINT_URL)")
-        return f"bucket '{bucket}' does not exist{at}: create it, or check {check}"
-    if access == "read" and storage.get_file_info(path).type == fs.FileType.NotFound:
-        return f"bucket '{bucket}' holds nothing at '{path[len(bucket) + 1:]}'"
-    return None
+    if re.search(r"ACCESS_DENIED|INVALID_ACCESS_KEY|SIGNATURE|FORBIDDEN|(?<![:\d])403(?!\d)",
+                 reason):  # HTTP 403, not the digits of a port
+        return (f"the store{at} refused access to bucket '{bucket}' ({store_error(reason)}): "
+                f"check the credentials this machine uses (AWS_ACCESS_KEY_ID and "
+                f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or its IAM role) and that they may "
+                f"{'read and write' if access == 'write' else 'read'} the bucket")
+    if f"Bucket '{bucket}' not found" in reason:
+        return (f"bucket '{bucket}' does not exist{at}: create it, or check its name"
+                f"{' and AWS_ENDPOINT_URL' if at else aws}")
+    check = ("that the store runs there" if at else f"this machine's network{aws}" if aws
+             else "this machine's network and credentials")
+    return f"bucket '{bucket}'{at} cannot be reached ({store_error(reason)}): check {check}"
 
 
 def uri_syntax_problem(uri: str) -> Optional[str]:
@@ -4090,8 +4089,9 @@ def uri_syntax_problem(uri: str) -> Optional[str]:
 
 
 def store_error(reason: str) -> str:
-    named = reason[reason.find("AWS Error"):] if "AWS Error" in reason else reason
-    return re.split(r" \(Request ID|; Details", named)[0][:200].rstrip(": .")
+    named = re.search(r"AWS Error.*|(?<=underlying error message was: ).*", reason)
+    named = named.group() if named else reason
+    return re.split(r" \(Request ID|; Details| error_info=", named)[0][:200].rstrip(": .")
 
 
 class StoredImageFolder(torch.utils.data.Dataset):
