@@ -2169,6 +2169,8 @@ def mode_checks(cfg: Config) -> list:
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
         (not (cfg.mode == "dp" and cfg.gpu is False),
          f"{DP_NEEDS_GPUS}; drop --cpu, or use --mode ddp"),
+        (cfg.mode != "dp" or cfg.address or ray.is_initialized() or torch.cuda.device_count(),
+         f"{DP_NEEDS_GPUS} and this machine has none; use --mode ddp"),
         (not cfg.predict_out or cfg.eval_only,
          "--predict-out needs --eval-only PATH (predictions of a saved model)"),
         (not cfg.predict_out or cfg.predict_out.lower().endswith(".csv"),
@@ -4431,8 +4433,6 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
     if fits(need, cluster.now):
         return cfg
     have = f"{cluster.now.get('CPU', 0):g} CPUs and {cluster.now.get('GPU', 0):g} GPUs"
-    if cluster.local and cfg.mode == "dp" and not cluster.now.get("GPU"):
-        raise ConfigError(f"{DP_NEEDS_GPUS} and this machine has none; use --mode ddp")
     if cluster.local and cfg.gpu and not cluster.now.get("GPU"):
         raise ConfigError("--gpu was given but this machine has no GPU (use --cpu)")
     if cluster.local or cluster.most is None or not fits(need, cluster.most):
@@ -4497,10 +4497,10 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
     host, _, port = resolved.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=seconds).close()
-    except (OSError, ValueError):
-        found = (f" (--address {address} found it in /tmp/ray/ray_current_cluster)"
-                 if address == "auto" else "")
-        raise ConfigError(f"no Ray cluster answers at {resolved}{found}: start one "
+    except (OSError, ValueError):  # named as typed (Ray reads 127.0.0.1 as this host's address)
+        where = (f"{resolved} (--address auto found it in /tmp/ray/ray_current_cluster)"
+                 if address == "auto" else address)
+        raise ConfigError(f"no Ray cluster answers at {where}: start one "
                           f"(ray start --head, or ray up cluster.yaml), or drop --address to run "
                           f"on this machine") from None
 
