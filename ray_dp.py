@@ -2745,12 +2745,19 @@ def within(place: tuple, folder: tuple) -> bool:
 
 
 def start_fresh(cfg: Config) -> None:
-    """--fresh, once every check has passed: delete the run's directory (check_run_dir vetted)."""
+    """--fresh, once every check has passed: delete the run's directory (check_run_dir vetted)
+    and its TensorBoard events (LOGDIR/<name>/events.out.tfevents.*): its curves start over."""
     from pyarrow import fs
     storage, run_dir = files_at(cfg.run_dir)
+    events = sorted(Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*")) if cfg.fresh else []
+    for path in events:
+        path.unlink()
+    deleted = [f"the run's TensorBoard events in {Path(cfg.logdir, cfg.name)}"] if events else []
     if cfg.fresh and storage.get_file_info(run_dir).type == fs.FileType.Directory:
         storage.delete_dir(run_dir)
-        print(f"--fresh: deleted {cfg.run_dir}; starting run '{cfg.name}' over", flush=True)
+        deleted.insert(0, cfg.run_dir)
+    if deleted:
+        print(f"--fresh: deleted {' and '.join(deleted)}; starting run '{cfg.name}' over")
 
 
 def write_json(path: str, data: dict) -> None:
