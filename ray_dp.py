@@ -2817,7 +2817,7 @@ def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Option
                **more) -> dict:
     return {"config": asdict(cfg), "final": final, "world_size": out.get("world_size"),
             "device": out.get("device"), "checkpoint": checkpoint, "format": CHECKPOINT_FORMAT,
-            **more}
+            "code": code_record(cfg), **more}
 
 
 def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
