@@ -312,7 +312,9 @@ COMMAND_HELP = {
     "train": __doc__.split("\n\n")[0],
     "compare": "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with "
                "each all-reduce), same global batch and seed, and print the lesson's table; "
-               "writes compare.csv, compare.md and compare.png to <storage-path>/<name>/",
+               "writes compare.csv, compare.md and compare.png to <storage-path>/<name>/. Its rows "
+               "set --mode and --allreduce and train the lesson's LeNet with plain SGD in fp32: "
+               "flags of --mode ddp alone (--model, --optimizer, --amp, ...) are refused",
     "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
               "reachable, the same Python/Ray/torch/torchvision on every node, resources for "
               "--workers, storage every node shares, a worker group of --workers started and its "
