@@ -312,9 +312,9 @@ COMMAND_HELP = {
     "train": __doc__.split("\n\n")[0],
     "compare": "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with "
                "each all-reduce), same global batch and seed, and print the lesson's table; "
-               "writes compare.csv, compare.md and compare.png to <storage-path>/<name>/. Its rows "
-               "set --mode and --allreduce and train the lesson's LeNet with plain SGD in fp32: "
-               "flags of --mode ddp alone (--model, --optimizer, --amp, ...) are refused",
+               "writes compare.csv, .md and .png to <storage-path>/<name>/. Its rows set --mode "
+               "and --allreduce and train the lesson's LeNet with plain SGD in fp32: flags of "
+               "--mode ddp alone (--model, --optimizer, --amp, ...) are refused",
     "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
               "reachable, the same Python/Ray/torch/torchvision on every node, resources for "
               "--workers, storage every node shares, a worker group of --workers started and its "
@@ -1905,6 +1905,8 @@ def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = Fa
         return check_runtime_env()
     settings = dict(runtime_env=fresh_runtime_env(), logging_level=logging.ERROR,
                     log_to_driver=worker_output)
+    if not sys.stdout.isatty():  # the workers' lines without Ray's colour codes in a file or pipe
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     RAY_STARTED["worker_output"] = worker_output
     if not address:
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **settings)
@@ -1922,7 +1924,13 @@ def fresh_runtime_env() -> dict:
     object store the driver checked is the one the workers use (never the credentials)."""
     env_vars = {**RUNTIME_ENV["env_vars"],
                 **{k: os.environ[k] for k in STORE_SETTINGS if k in os.environ}}
-    return {**RUNTIME_ENV, "env_vars": env_vars}
+    return {**RUNTIME_ENV, "env_vars": env_vars, "worker_process_setup_hook": own_ray_worker}
+
+
+def own_ray_worker() -> None:
+    """ray_dp's own Ray's setup hook: Ray's State API asks this Ray (a scan fails where two run)."""
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    graceful_sigterm_in_ray_worker()
 
 
 def check_runtime_env() -> None:
@@ -2087,8 +2095,6 @@ MAX_SEED = 2 ** 32 - 1
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     """The first thing wrong with the final configuration, in one line. The doctor trains nothing;
     a run that resumes starts from its checkpoint, not from --weights."""
-    if not doctor:
-        check_run_name(cfg)
     cpus = cfg.cpus_per_worker
     checks = [
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
@@ -2197,7 +2203,10 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
     if cfg.sync_bn and not is_code(cfg.model) and not has_batchnorm(cfg.model):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
-    check_stores(cfg, doctor, resuming)
+    stores = (PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path", "eval_only"}  # (read first)
+    stores = (stores & DOCTOR_FLAGS if doctor else stores) - ({"weights"} if resuming else set())
+    for name in sorted(stores):  # each flag's object storage, asked once
+        check_store(name.replace("_", "-"), getattr(cfg, name))
     if cfg.weights and not resuming and stored_type(cfg.weights) != "file":
         raise ConfigError(f"--weights {cfg.weights} is not a file")
     directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
@@ -4026,15 +4035,6 @@ def check_location(cfg: Config) -> None:
     check_store("storage-path", cfg.storage_path)
 
 
-def check_stores(cfg: Config, doctor: bool, resuming: bool) -> None:
-    """Every flag of the final configuration that names object storage, asked once each (but
-    those checked where the command first read them)."""
-    names = (PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path", "eval_only"}
-    names = (names & DOCTOR_FLAGS if doctor else names) - ({"weights"} if resuming else set())
-    for name in sorted(names):
-        check_store(name.replace("_", "-"), getattr(cfg, name))
-
-
 def check_store(flag: str, uri: str) -> None:
     """The one probe of a flag's object storage (a local path passes), refused in one line."""
     name = flag.replace("-", "_")
@@ -4499,16 +4499,12 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
                           f"(e.g. 10.0.0.5:6379)") from None
     if resolved is None:
         return
-    if not resolved:
-        raise ConfigError(f"--address {address}: no running Ray cluster is recorded on this "
-                          f"machine; start one (ray start --head, or ray up cluster.yaml) or drop "
-                          f"--address to run here")
     host, _, port = resolved.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=seconds).close()
     except (OSError, ValueError):  # named as typed (Ray reads 127.0.0.1 as this host's address)
-        where = (f"{resolved} (--address auto found it in /tmp/ray/ray_current_cluster)"
-                 if address == "auto" else address)
+        where = (address if address != "auto" else "auto (none is recorded on this machine)"
+                 if not resolved else f"{resolved} (--address auto found it on this machine)")
         raise ConfigError(f"no Ray cluster answers at {where}: start one "
                           f"(ray start --head, or ray up cluster.yaml), or drop --address to run "
                           f"on this machine") from None
