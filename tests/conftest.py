@@ -86,7 +86,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"pytest-xdist {version('pytest-xdist')} groups no test on pytest {pytest.__version__} "
                                 "(xdist #1386): the tests of a group would spread over the workers (more Rays than "
                                 "two, module fixtures made twice); install "
-                                "requirements.txt (pytest 9.1), or run with -n 0")
+                                "requirements-test.txt (pytest 9.1), or run with -n 0")
 
 
 def groups_nothing() -> bool:
