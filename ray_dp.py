@@ -2106,6 +2106,9 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
          f"--cpus-per-worker must be a positive number, got {cpus}"),
         (all((cfg.storage_path, cfg.logdir, cfg.data_dir)),
          "--storage-path, --logdir and --data-dir cannot be empty"),
+        (not is_uri(cfg.data_dir) or cfg.dataset == "folder",
+         f"--data-dir {cfg.data_dir}: only --dataset folder reads its data from object storage; "
+         f"{cfg.dataset} is kept in a local directory"),
         (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
         (0 <= cfg.seed <= MAX_SEED, f"--seed must be 0 to {MAX_SEED}, got {cfg.seed}"),
         (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
@@ -2147,10 +2150,9 @@ def mode_checks(cfg: Config) -> list:
          f"--amp and --compile need --mode ddp {lesson} plain fp32 code)"),
         (cfg.loader_workers is None or cfg.loader_workers >= 0,
          f"--loader-workers must be 0 (in memory) or more, got {cfg.loader_workers}"),
-        (not (scratch and cfg.loader_workers),
-         "--loader-workers needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
-        (not (scratch and cfg.dataset == "folder"),
-         "--dataset folder needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
+        (not (scratch and (cfg.loader_workers or cfg.dataset == "folder")),
+         f"{'--loader-workers' if cfg.loader_workers else '--dataset folder'} needs --mode ddp "
+         f"(scratch mode slices the lesson's in-memory batches)"),
         (not (scratch and (cfg.optimizer != "sgd" or cfg.weight_decay or cfg.weights
                            or cfg.clip_grad_norm or cfg.label_smoothing)),
          f"--optimizer, --weight-decay, --weights, --clip-grad-norm and --label-smoothing need "
@@ -2170,15 +2172,12 @@ def mode_checks(cfg: Config) -> list:
         (0 <= cfg.label_smoothing < 1,
          f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
         (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
-        (not is_uri(cfg.data_dir) or cfg.dataset == "folder",
-         f"--data-dir {cfg.data_dir}: only --dataset folder reads its data from object storage; "
-         f"{cfg.dataset} is kept in a local directory"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
         (not (cfg.mode == "dp" and cfg.gpu is False),
          f"{DP_NEEDS_GPUS}; drop --cpu, or use --mode ddp"),
-        (cfg.mode != "dp" or cfg.address or ray.is_initialized() or torch.cuda.device_count(),
-         f"{DP_NEEDS_GPUS} and this machine has none; use --mode ddp"),
+        (cfg.mode != "dp" or cfg.gpu is not None or cfg.address or ray.is_initialized()
+         or torch.cuda.device_count(), f"{DP_NEEDS_GPUS}; this machine has none: use --mode ddp"),
         (not cfg.predict_out or cfg.eval_only,
          "--predict-out needs --eval-only PATH (predictions of a saved model)"),
         (not cfg.predict_out or cfg.predict_out.lower().endswith(".csv"),
@@ -2203,9 +2202,9 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
     if cfg.sync_bn and not is_code(cfg.model) and not has_batchnorm(cfg.model):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
-    stores = (PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path", "eval_only"}  # (read first)
+    stores = (PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path", "eval_only"}
     stores = (stores & DOCTOR_FLAGS if doctor else stores) - ({"weights"} if resuming else set())
-    for name in sorted(stores):  # each flag's object storage, asked once
+    for name in sorted(stores):
         check_store(name.replace("_", "-"), getattr(cfg, name))
     if cfg.weights and not resuming and stored_type(cfg.weights) != "file":
         raise ConfigError(f"--weights {cfg.weights} is not a file")
@@ -2756,8 +2755,7 @@ def within(place: tuple, folder: tuple) -> bool:
 
 
 def start_fresh(cfg: Config) -> None:
-    """--fresh, once every check has passed: delete the run's directory (check_run_dir vetted)
-    and its TensorBoard events (LOGDIR/<name>/events.out.tfevents.*): its curves start over."""
+    """--fresh, once every check has passed: delete the run (vetted) and its TensorBoard events."""
     from pyarrow import fs
     storage, run_dir = files_at(cfg.run_dir)
     events = sorted(Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*")) if cfg.fresh else []
@@ -4036,7 +4034,6 @@ def check_location(cfg: Config) -> None:
 
 
 def check_store(flag: str, uri: str) -> None:
-    """The one probe of a flag's object storage (a local path passes), refused in one line."""
     name = flag.replace("-", "_")
     if is_uri(uri) and name not in STORE_ACCESS:
         takers = ["--" + name.replace("_", "-") for name in STORE_ACCESS]
@@ -4063,11 +4060,11 @@ def store_problem(uri: str, access: str) -> Optional[str]:
         if not bucket:
             return f"names no bucket (write {scheme}://BUCKET/path)"
         if storage.get_file_info(bucket).type == fs.FileType.NotFound:
-            raise FileNotFoundError(f"Bucket '{bucket}' not found")  # as pyarrow says it on AWS
+            raise FileNotFoundError(f"Bucket '{bucket}' not found")
         if access == "read" and storage.get_file_info(path).type == fs.FileType.NotFound:
             return f"bucket '{bucket}' holds nothing at '{path[len(bucket) + 1:]}'"
         return None
-    except ValueError as exc:  # a URI pyarrow does not take
+    except ValueError as exc:
         return str(exc).splitlines()[0]
     except (OSError, ArrowException) as exc:
         reason = " ".join(str(exc).split())
@@ -4502,7 +4499,7 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
     host, _, port = resolved.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=seconds).close()
-    except (OSError, ValueError):  # named as typed (Ray reads 127.0.0.1 as this host's address)
+    except (OSError, ValueError):
         where = (address if address != "auto" else "auto (none is recorded on this machine)"
                  if not resolved else f"{resolved} (--address auto found it on this machine)")
         raise ConfigError(f"no Ray cluster answers at {where}: start one "

@@ -77,7 +77,7 @@ BAD_INPUTS = [
     (["--data-dir", "{file}"], "is a file, not a directory"),
     (["--mode", "dp", "--dataset", "digits"], "--mode dp needs CUDA GPUs"),
     (["--mode", "dp", "--workers", "4", "--model", "resnet18"],  # before the data (Fashion-MNIST: no download)
-     "--mode dp needs CUDA GPUs (it is nn.DataParallel) and this machine has none; use --mode ddp"),
+     "--mode dp needs CUDA GPUs (it is nn.DataParallel); this machine has none: use --mode ddp"),
     (["--mode", "dp", "--cpu"], "--mode dp needs CUDA GPUs (it is nn.DataParallel); drop --cpu"),
     (["--mode", "dp", "--model", "resnet18", "--sync-bn"], "nn.DataParallel keeps BatchNorm statistics per GPU"),
     (["--mode", "scratch", "--sync-bn"], "--sync-bn needs --mode ddp"),
