@@ -72,12 +72,19 @@ def test_s3_on_aws_is_one_line_naming_the_bucket_and_what_to_check(monkeypatch, 
     (no network; nothing is sent anywhere), elsewhere AWS answers that the bucket is missing or refused."""
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    from concurrent.futures import ThreadPoolExecutor
     bucket = "ray-dp-tests-no-such-bucket-4611"
-    for flags in (["--storage-path", f"s3://{bucket}/ray-dp"], ["--eval-only", f"s3://{bucket}/ray-dp/run"]):
-        err = error_of([*DIGITS, *flags], capsys)
-        assert err.startswith(f"ray_dp.py: error: {' '.join(flags)}: ") and f"bucket '{bucket}'" in err, err
-        assert err.rstrip().endswith(("(and for a store other than AWS's, set AWS_ENDPOINT_URL)", "read the bucket",
-                                      "read and write the bucket")), err
+    def refusal(argv):  # what main prints of the ConfigError
+        with pytest.raises(ray_dp.ConfigError) as refused:
+            ray_dp.parse_command(argv)
+        return f"ray_dp.py: error: {refused.value}\n"
+    with ThreadPoolExecutor(1) as side:  # each waits seconds for an answer: side by side
+        evaluation = side.submit(refusal, ["--eval-only", f"s3://{bucket}/ray-dp/run"])
+        storage = error_of([*DIGITS, "--storage-path", f"s3://{bucket}/ray-dp"], capsys)
+        for flag, err in (("--storage-path", storage), ("--eval-only", evaluation.result())):
+            assert err.startswith(f"ray_dp.py: error: {flag} s3://{bucket}/ray-dp") and f"bucket '{bucket}'" in err
+            assert err.rstrip().endswith(("(and for a store other than AWS's, set AWS_ENDPOINT_URL)",
+                                          "read the bucket", "read and write the bucket")), err
 
 
 @pytest.mark.parametrize("answer, problem", [
