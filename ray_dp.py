@@ -320,7 +320,9 @@ COMMAND_HELP = {
     "train": __doc__.split("\n\n")[0],
     "compare": "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with "
                "each all-reduce), same global batch and seed, and print the lesson's table; "
-               "writes compare.csv, compare.md and compare.png to <storage-path>/<name>/",
+               "writes compare.csv, .md and .png to <storage-path>/<name>/. Its rows set --mode "
+               "and --allreduce and train the lesson's LeNet with plain SGD in fp32: flags of "
+               "--mode ddp alone (--model, --optimizer, --amp, ...) are refused",
     "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
               "reachable, the same Python/Ray/torch/torchvision on every node, resources for "
               "--workers, storage every node shares, a worker group of --workers started and its "
@@ -1948,6 +1950,8 @@ def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = Fa
         return check_runtime_env()
     settings = dict(runtime_env=fresh_runtime_env(), logging_level=logging.ERROR,
                     log_to_driver=worker_output)
+    if not sys.stdout.isatty():  # the workers' lines without Ray's colour codes in a file or pipe
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     RAY_STARTED["worker_output"] = worker_output
     if not address:
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **settings)
@@ -1965,7 +1969,13 @@ def fresh_runtime_env() -> dict:
     object store the driver checked is the one the workers use (never the credentials)."""
     env_vars = {**RUNTIME_ENV["env_vars"],
                 **{k: os.environ[k] for k in STORE_SETTINGS if k in os.environ}}
-    return {**RUNTIME_ENV, "env_vars": env_vars}
+    return {**RUNTIME_ENV, "env_vars": env_vars, "worker_process_setup_hook": own_ray_worker}
+
+
+def own_ray_worker() -> None:
+    """ray_dp's own Ray's setup hook: Ray's State API asks this Ray (a scan fails where two run)."""
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    graceful_sigterm_in_ray_worker()
 
 
 def check_runtime_env() -> None:
@@ -2134,8 +2144,6 @@ MAX_SEED = 2 ** 32 - 1
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     """The first thing wrong with the final configuration, in one line. The doctor trains nothing;
     a run that resumes starts from its checkpoint, not from --weights."""
-    if not doctor:
-        check_run_name(cfg)
     cpus = cfg.cpus_per_worker
     checks = [
         (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
@@ -2147,6 +2155,9 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
          f"--cpus-per-worker must be a positive number, got {cpus}"),
         (all((cfg.storage_path, cfg.logdir, cfg.data_dir)),
          "--storage-path, --logdir and --data-dir cannot be empty"),
+        (not is_uri(cfg.data_dir) or cfg.dataset == "folder",
+         f"--data-dir {cfg.data_dir}: only --dataset folder reads its data from object storage; "
+         f"{cfg.dataset} is kept in a local directory"),
         (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
         (0 <= cfg.seed <= MAX_SEED, f"--seed must be 0 to {MAX_SEED}, got {cfg.seed}"),
         (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
@@ -2193,10 +2204,9 @@ def mode_checks(cfg: Config) -> list:
          f"--amp and --compile need --mode ddp {lesson} plain fp32 code)"),
         (cfg.loader_workers is None or cfg.loader_workers >= 0,
          f"--loader-workers must be 0 (in memory) or more, got {cfg.loader_workers}"),
-        (not (scratch and cfg.loader_workers),
-         "--loader-workers needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
-        (not (scratch and cfg.dataset == "folder"),
-         "--dataset folder needs --mode ddp (scratch mode slices the lesson's in-memory batches)"),
+        (not (scratch and (cfg.loader_workers or cfg.dataset == "folder")),
+         f"{'--loader-workers' if cfg.loader_workers else '--dataset folder'} needs --mode ddp "
+         f"(scratch mode slices the lesson's in-memory batches)"),
         (not (scratch and (cfg.optimizer != "sgd" or cfg.weight_decay or cfg.weights
                            or cfg.clip_grad_norm or cfg.label_smoothing)),
          f"--optimizer, --weight-decay, --weights, --clip-grad-norm and --label-smoothing need "
@@ -2220,6 +2230,8 @@ def mode_checks(cfg: Config) -> list:
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
         (not (cfg.mode == "dp" and cfg.gpu is False),
          f"{DP_NEEDS_GPUS}; drop --cpu, or use --mode ddp"),
+        (cfg.mode != "dp" or cfg.gpu is not None or cfg.address or ray.is_initialized()
+         or torch.cuda.device_count(), f"{DP_NEEDS_GPUS}; this machine has none: use --mode ddp"),
         (not cfg.predict_out or cfg.eval_only,
          "--predict-out needs --eval-only PATH (predictions of a saved model)"),
         (not cfg.predict_out or cfg.predict_out.lower().endswith(".csv"),
@@ -2244,7 +2256,10 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
     if cfg.sync_bn and not is_code(cfg.model) and not has_batchnorm(cfg.model):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
-    check_stores(cfg, doctor, resuming)
+    stores = (PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path", "eval_only"}
+    stores = (stores & DOCTOR_FLAGS if doctor else stores) - ({"weights"} if resuming else set())
+    for name in sorted(stores):
+        check_store(name.replace("_", "-"), getattr(cfg, name))
     if cfg.weights and not resuming and stored_type(cfg.weights) != "file":
         raise ConfigError(f"--weights {cfg.weights} is not a file")
     directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
@@ -2887,12 +2902,18 @@ def within(place: tuple, folder: tuple) -> bool:
 
 
 def start_fresh(cfg: Config) -> None:
-    """--fresh, once every check has passed: delete the run's directory (check_run_dir vetted)."""
+    """--fresh, once every check has passed: delete the run (vetted) and its TensorBoard events."""
     from pyarrow import fs
     storage, run_dir = files_at(cfg.run_dir)
+    events = sorted(Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*")) if cfg.fresh else []
+    for path in events:
+        path.unlink()
+    deleted = [f"the run's TensorBoard events in {Path(cfg.logdir, cfg.name)}"] if events else []
     if cfg.fresh and storage.get_file_info(run_dir).type == fs.FileType.Directory:
         storage.delete_dir(run_dir)
-        print(f"--fresh: deleted {cfg.run_dir}; starting run '{cfg.name}' over", flush=True)
+        deleted.insert(0, cfg.run_dir)
+    if deleted:
+        print(f"--fresh: deleted {' and '.join(deleted)}; starting run '{cfg.name}' over")
 
 
 def write_json(path: str, data: dict) -> None:
@@ -2952,7 +2973,7 @@ def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Option
                **more) -> dict:
     return {"config": asdict(cfg), "final": final, "world_size": out.get("world_size"),
             "device": out.get("device"), "checkpoint": checkpoint, "format": CHECKPOINT_FORMAT,
-            **more}
+            "code": code_record(cfg), **more}
 
 
 def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
@@ -4628,70 +4649,56 @@ def stored_type(path: str) -> str:
 
 def check_location(cfg: Config) -> None:
     check_run_name(cfg)
-    if is_uri(cfg.storage_path):
-        check_store("storage-path", cfg.storage_path)
-
-
-def check_stores(cfg: Config, doctor: bool, resuming: bool) -> None:
-    """Every flag of the final configuration that names object storage, asked once each (but
-    those checked where the command first read them)."""
-    names = (PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path", "eval_only"}
-    names = (names & DOCTOR_FLAGS if doctor else names) - ({"weights"} if resuming else set())
-    for name in sorted(names):
-        value = getattr(cfg, name)
-        if not is_uri(value):
-            continue
-        if name == "data_dir" and cfg.dataset != "folder":
-            raise ConfigError(f"--data-dir {value}: only --dataset folder reads its data from "
-                              f"object storage; {cfg.dataset} is kept in a local directory")
-        check_store(name.replace("_", "-"), value)
+    check_store("storage-path", cfg.storage_path)
 
 
 def check_store(flag: str, uri: str) -> None:
     name = flag.replace("-", "_")
-    if name not in STORE_ACCESS:
+    if is_uri(uri) and name not in STORE_ACCESS:
         takers = ["--" + name.replace("_", "-") for name in STORE_ACCESS]
         raise ConfigError(f"--{flag} {uri}: a local path, not a URI (only "
                           f"{', '.join(takers[:-1])} and {takers[-1]} take one)")
-    if (problem := store_problem(uri, STORE_ACCESS[name])):
+    if is_uri(uri) and (problem := store_problem(uri, STORE_ACCESS[name])):
         raise ConfigError(f"--{flag} {uri}: {problem}")
 
 
 def store_problem(uri: str, access: str) -> Optional[str]:
     """Why the object storage at `uri` cannot be used ("read" or "write"), in words that say what
-    to check, or None: one request, to its bucket."""
+    to check, or None: a request to its bucket (on AWS, pyarrow's own first, for its region)."""
     from pyarrow import ArrowException, fs
     if (problem := uri_syntax_problem(uri)):
         return problem
-    try:
-        storage, path = fs.FileSystem.from_uri(uri)
-    except (ArrowException, ValueError) as exc:
-        return str(exc).splitlines()[0]
-    if isinstance(storage, fs.LocalFileSystem):
-        return None
-    bucket = path.split("/")[0]
-    if not bucket:
-        return f"names no bucket (write {uri.split('://')[0]}://BUCKET/path)"
+    scheme, bucket = uri.split("://")[0], uri.split("://")[1].split("/")[0]
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    at = f" at {endpoint} (AWS_ENDPOINT_URL)" if endpoint and uri.startswith("s3:") else ""
-    try:
-        found = storage.get_file_info(bucket).type
+    at = f" at {endpoint} (AWS_ENDPOINT_URL)" if endpoint and scheme == "s3" else ""
+    aws = " (and for a store other than AWS's, set AWS_ENDPOINT_URL)" if scheme == "s3" else ""
+    try:  # GCS's client retries for minutes by default
+        storage, path = fs.FileSystem.from_uri(uri + "?retry_limit_seconds=20" * (scheme == "gs"))
+        if isinstance(storage, fs.LocalFileSystem):
+            return None
+        if not bucket:
+            return f"names no bucket (write {scheme}://BUCKET/path)"
+        if storage.get_file_info(bucket).type == fs.FileType.NotFound:
+            raise FileNotFoundError(f"Bucket '{bucket}' not found")
+        if access == "read" and storage.get_file_info(path).type == fs.FileType.NotFound:
+            return f"bucket '{bucket}' holds nothing at '{path[len(bucket) + 1:]}'"
+        return None
+    except ValueError as exc:
+        return str(exc).splitlines()[0]
     except (OSError, ArrowException) as exc:
         reason = " ".join(str(exc).split())
-        if re.search(r"ACCESS_DENIED|INVALID_ACCESS_KEY|SIGNATURE|FORBIDDEN|(?<![:\d])403(?!\d)",
-                     reason):  # HTTP 403, not the digits of a port
-            return (f"the store{at} refused access to bucket '{bucket}' ({store_error(reason)}): "
-                    f"check the credentials this machine uses (AWS_ACCESS_KEY_ID and "
-                    f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or its IAM role) and that they may "
-                    f"{'read and write' if access == 'write' else 'read'} the bucket")
-        return f"bucket '{bucket}'{at} cannot be reached ({store_error(reason)})"
-    if found == fs.FileType.NotFound:
-        check = ("its name and AWS_ENDPOINT_URL" if at else
-                 "its name (and for a store other than AWS's, set AWS_ENDPOINT_URL)")
-        return f"bucket '{bucket}' does not exist{at}: create it, or check {check}"
-    if access == "read" and storage.get_file_info(path).type == fs.FileType.NotFound:
-        return f"bucket '{bucket}' holds nothing at '{path[len(bucket) + 1:]}'"
-    return None
+    if re.search(r"ACCESS_DENIED|INVALID_ACCESS_KEY|SIGNATURE|FORBIDDEN|(?<![:\d])403(?!\d)",
+                 reason):  # HTTP 403, not the digits of a port
+        return (f"the store{at} refused access to bucket '{bucket}' ({store_error(reason)}): "
+                f"check the credentials this machine uses (AWS_ACCESS_KEY_ID and "
+                f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or its IAM role) and that they may "
+                f"{'read and write' if access == 'write' else 'read'} the bucket")
+    if f"Bucket '{bucket}' not found" in reason:
+        return (f"bucket '{bucket}' does not exist{at}: create it, or check its name"
+                f"{' and AWS_ENDPOINT_URL' if at else aws}")
+    check = ("that the store runs there" if at else f"this machine's network{aws}" if aws
+             else "this machine's network and credentials")
+    return f"bucket '{bucket}'{at} cannot be reached ({store_error(reason)}): check {check}"
 
 
 def uri_syntax_problem(uri: str) -> Optional[str]:
@@ -4709,8 +4716,9 @@ def uri_syntax_problem(uri: str) -> Optional[str]:
 
 
 def store_error(reason: str) -> str:
-    named = reason[reason.find("AWS Error"):] if "AWS Error" in reason else reason
-    return re.split(r" \(Request ID|; Details", named)[0][:200].rstrip(": .")
+    named = re.search(r"AWS Error.*|(?<=underlying error message was: ).*", reason)
+    named = named.group() if named else reason
+    return re.split(r" \(Request ID|; Details| error_info=", named)[0][:200].rstrip(": .")
 
 
 class StoredImageFolder(torch.utils.data.Dataset):
@@ -5060,8 +5068,6 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
     if fits(need, cluster.now):
         return cfg
     have = f"{cluster.now.get('CPU', 0):g} CPUs and {cluster.now.get('GPU', 0):g} GPUs"
-    if cluster.local and cfg.mode == "dp" and not cluster.now.get("GPU"):
-        raise ConfigError(f"{DP_NEEDS_GPUS} and this machine has none; use --mode ddp")
     if cluster.local and cfg.gpu and not cluster.now.get("GPU"):
         raise ConfigError("--gpu was given but this machine has no GPU (use --cpu)")
     if cluster.local or cluster.most is None or not fits(need, cluster.most):
@@ -5119,17 +5125,13 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
                           f"(e.g. 10.0.0.5:6379)") from None
     if resolved is None:
         return
-    if not resolved:
-        raise ConfigError(f"--address {address}: no running Ray cluster is recorded on this "
-                          f"machine; start one (ray start --head, or ray up cluster.yaml) or drop "
-                          f"--address to run here")
     host, _, port = resolved.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=seconds).close()
     except (OSError, ValueError):
-        found = (f" (--address {address} found it in /tmp/ray/ray_current_cluster)"
-                 if address == "auto" else "")
-        raise ConfigError(f"no Ray cluster answers at {resolved}{found}: start one "
+        where = (address if address != "auto" else "auto (none is recorded on this machine)"
+                 if not resolved else f"{resolved} (--address auto found it on this machine)")
+        raise ConfigError(f"no Ray cluster answers at {where}: start one "
                           f"(ray start --head, or ray up cluster.yaml), or drop --address to run "
                           f"on this machine") from None
 

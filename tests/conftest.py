@@ -73,7 +73,10 @@ def stop(server: subprocess.Popen) -> None:
 _s3_server = None  # this worker's, launched once the tests are collected
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own
 def pytest_configure(config):
+    if (status := config.pluginmanager.get_plugin("terminaldistreporter")) and config.option.verbose < 0:
+        status.getstatus = lambda: ""  # -q: dots only, not pytest-xdist's "bringing up nodes..." lines
     if hasattr(config, "workerinput"):  # an xdist worker (not its subprocesses, which inherit PYTEST_XDIST_WORKER)
         import torch
         # one of 2 workers on 2 cores: a second thread of torch's would take the other worker's core (and spin
@@ -83,7 +86,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"pytest-xdist {version('pytest-xdist')} groups no test on pytest {pytest.__version__} "
                                 "(xdist #1386): the tests of a group would spread over the workers (more Rays than "
                                 "two, module fixtures made twice); install "
-                                "requirements.txt (pytest 9.1), or run with -n 0")
+                                "requirements-test.txt (pytest 9.1), or run with -n 0")
 
 
 def groups_nothing() -> bool:

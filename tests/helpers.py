@@ -5,6 +5,7 @@ import gc
 import importlib
 import json
 import os
+import sys
 import tempfile
 
 import torch
@@ -22,6 +23,11 @@ def random_images(n, seed=1):
 
 
 def _entry(rank, world, fn, workdir, keep_freed):
+    # what the rank prints (gloo's C++ log lines, torch's warnings) goes to its log, shown if a rank fails: a test that
+    # expects a rank to miss a barrier prints nothing between pytest's dots
+    log = os.open(os.path.join(workdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
@@ -108,8 +114,14 @@ class Distributed:
 
     def join(self):
         with self.workdir as workdir:
-            while not self.processes.join():  # raises if a rank failed, after stopping the others
-                pass
+            try:
+                while not self.processes.join():  # raises if a rank failed, after stopping the others
+                    pass
+            except Exception:
+                for r in range(self.world):  # into the failed test's report
+                    if os.path.exists(log := os.path.join(workdir, f"rank{r}.log")):
+                        print(f"--- rank {r}'s output ---\n{open(log, errors='replace').read()}", file=sys.stderr)
+                raise
             return [torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False) for r in range(self.world)]
 
 

@@ -76,6 +76,8 @@ BAD_INPUTS = [
     (["--dataset", "cifar10", "--data-dir", "{tmp}", "--no-download"], "(--no-download): put its files there"),
     (["--data-dir", "{file}"], "is a file, not a directory"),
     (["--mode", "dp", "--dataset", "digits"], "--mode dp needs CUDA GPUs"),
+    (["--mode", "dp", "--workers", "4", "--model", "resnet18"],  # before the data (Fashion-MNIST: no download)
+     "--mode dp needs CUDA GPUs (it is nn.DataParallel); this machine has none: use --mode ddp"),
     (["--mode", "dp", "--cpu"], "--mode dp needs CUDA GPUs (it is nn.DataParallel); drop --cpu"),
     (["--mode", "dp", "--model", "resnet18", "--sync-bn"], "nn.DataParallel keeps BatchNorm statistics per GPU"),
     (["--mode", "scratch", "--sync-bn"], "--sync-bn needs --mode ddp"),
@@ -291,3 +293,14 @@ def test_an_address_without_a_port_is_one_line(address, no_cluster, capsys):
 def test_more_workers_than_ray_can_give_a_share_of_the_cores_is_one_line():
     with pytest.raises(ray_dp.ConfigError, match="30000 workers cannot share 2 cores"):
         ray_dp.settle_device(ray_dp.Config(workers=30000, batch_size=30000), ray_dp.Cluster({"CPU": 2}, None, True))
+
+
+def test_compares_help_says_which_of_the_flags_it_lists_its_rows_set_or_refuse(tmp_path, no_cluster, capsys):
+    with pytest.raises(SystemExit):
+        ray_dp.main(["compare", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert ("Its rows set --mode and --allreduce and train the lesson's LeNet with plain SGD in fp32: flags of --mode "
+            "ddp alone (--model, --optimizer, --amp, ...) are refused") in said
+    for flags in (["--model", "mlp"], ["--optimizer", "adamw"], ["--amp"]):  # refused, in one line each
+        assert ray_dp.main(["compare", "--storage-path", str(tmp_path), "--dataset", "digits", *flags]) == 2
+        assert capsys.readouterr().err.count("\n") == 1

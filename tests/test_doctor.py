@@ -212,3 +212,12 @@ def test_another_torch_on_a_node_storage_it_cannot_write_and_a_hang_each_fail_wi
     assert "ProbeHang" in open(log).read()  # the workers' tracebacks: in the log, not on the console
     shutil.rmtree(os.path.dirname(log))
     assert time.time() - begun < 120  # the sleeping rank was not waited for
+
+
+def test_an_unreachable_address_is_named_as_typed_not_as_ray_reads_it(no_cluster, capsys):
+    """Ray reads 127.0.0.1 as this host's own address (192.0.2.2, say): the user typed 127.0.0.1."""
+    typed = "no Ray cluster answers at 127.0.0.1:1: start one"
+    assert ray_dp.main(["--address", "127.0.0.1:1", "--dataset", "digits"]) == 2
+    assert capsys.readouterr().err.startswith(f"ray_dp.py: error: {typed}")
+    assert ray_dp.main(["doctor", "--address", "127.0.0.1:1"]) == 1
+    assert lines_by_check(capsys.readouterr().out)["Ray"][1].startswith(typed)

@@ -64,7 +64,50 @@ def test_a_store_that_cannot_be_reached_is_one_line(s3, monkeypatch, no_cluster,
     assert error_of([*DIGITS, "--storage-path", "s3://runs/x"], capsys) == (
         f"ray_dp.py: error: --storage-path s3://runs/x: bucket 'runs' at {endpoint} (AWS_ENDPOINT_URL) cannot be "
         f"reached (AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 7, Could not connect to "
-        f"server)\n")
+        f"server): check that the store runs there\n")
+
+
+def test_s3_on_aws_is_one_line_naming_the_bucket_and_what_to_check(monkeypatch, no_cluster, capsys):
+    """Without AWS_ENDPOINT_URL, pyarrow asks AWS for the bucket's region as it opens the URI: here that fails at DNS
+    (no network; nothing is sent anywhere), elsewhere AWS answers that the bucket is missing or refused."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    from concurrent.futures import ThreadPoolExecutor
+    bucket = "ray-dp-tests-no-such-bucket-4611"
+    def refusal(argv):  # what main prints of the ConfigError
+        with pytest.raises(ray_dp.ConfigError) as refused:
+            ray_dp.parse_command(argv)
+        return f"ray_dp.py: error: {refused.value}\n"
+    with ThreadPoolExecutor(1) as side:  # each waits seconds for an answer: side by side
+        evaluation = side.submit(refusal, ["--eval-only", f"s3://{bucket}/ray-dp/run"])
+        storage = error_of([*DIGITS, "--storage-path", f"s3://{bucket}/ray-dp"], capsys)
+        for flag, err in (("--storage-path", storage), ("--eval-only", evaluation.result())):
+            assert err.startswith(f"ray_dp.py: error: {flag} s3://{bucket}/ray-dp") and f"bucket '{bucket}'" in err
+            assert err.rstrip().endswith(("(and for a store other than AWS's, set AWS_ENDPOINT_URL)",
+                                          "read the bucket", "read and write the bucket")), err
+
+
+@pytest.mark.parametrize("answer, problem", [
+    ("Bucket 'runs' not found", "bucket 'runs' does not exist: create it, or check its name (and for a store other "
+                                "than AWS's, set AWS_ENDPOINT_URL)"),
+    ("When resolving region for bucket 'runs': AWS Error ACCESS_DENIED during HeadBucket operation: No response body",
+     "the store refused access to bucket 'runs' (AWS Error ACCESS_DENIED during HeadBucket operation: No response "
+     "body): check the credentials"),
+    ("When resolving region for bucket 'runs': AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 6, "
+     "Could not resolve hostname; Details: Could not resolve host: runs.s3.us-east-1.amazonaws.com",
+     "bucket 'runs' cannot be reached (AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 6, Could "
+     "not resolve hostname): check this machine's network (and for a store other than AWS's, set AWS_ENDPOINT_URL)")])
+def test_each_answer_of_aws_to_pyarrows_region_request_is_one_line(monkeypatch, answer, problem):
+    """What pyarrow raises as it opens s3://runs/x on AWS (arrow's s3fs: the HeadBucket that finds the region)."""
+    import pyarrow
+
+    class FileSystem:
+        @staticmethod
+        def from_uri(uri):
+            raise OSError(answer)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setattr(pyarrow.fs, "FileSystem", FileSystem)
+    assert ray_dp.store_problem("s3://runs/x", "write").startswith(problem)
 
 
 def test_a_port_with_403_in_it_is_not_a_refusal(monkeypatch):

@@ -2,6 +2,7 @@
 ray_dp.train() as objects. What the driver checks before any cluster starts, what the run directory records, and
 what a rerun says when the file changed. (That N workers train them as one process does: test_differential; that
 they reach the workers of a cluster whose nodes lack the file: test_newcomer's notebook test.)"""
+import json
 import os
 import shutil
 import textwrap
@@ -216,6 +217,17 @@ def test_the_run_records_its_code_a_rerun_notes_a_changed_file_and_refuses_weigh
     err = error_of(flags, capsys)
     assert err.startswith(f"ray_dp.py: error: the checkpoint's weights do not fit --model {code}/mine.py:TabularMLP "
                           f"({code}/mine.py as it is now): size mismatch for net."), err
+
+
+def test_result_json_records_your_codes_file_and_hash_as_its_checkpoint_does(code):
+    import hashlib
+    cfg = ray_dp.Config(model=f"{code}/mine.py:TabularMLP", dataset=f"{code}/mine.py:wine", loss="mse")
+    record = ray_dp.run_record(cfg, {"epoch": 1}, {}, None)
+    assert json.loads(json.dumps(record))["code"] == {
+        flag: {"spec": spec, "file": f"{code}/mine.py",
+               "sha256": hashlib.sha256((code / "mine.py").read_bytes()).hexdigest()[:16]}
+        for flag, spec in (("model", cfg.model), ("dataset", cfg.dataset))}  # the built-in loss is no code
+    assert record["code"] == ray_dp.checkpoint_state({}, {}, 1, cfg, [], [])["code"]
 
 
 def test_train_takes_your_objects_and_names_them_by_module_and_name():

@@ -76,11 +76,46 @@ def test_run_as_a_script_its_setup_hook_and_controller_callbacks_reach_rays_proc
     hook, callbacks = ray.cloudpickle.loads(run_distributed(pickled_as_script, 1, str(tmp_path))[0])
     from ray._private import utils
     monkeypatch.setattr(utils, "set_sigterm_handler", utils.set_sigterm_handler)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(gcs_address="192.0.2.2:2222"))
+    monkeypatch.setenv("RAY_ADDRESS", "192.0.2.2:2222")  # (as the hook sets it: restored after the test)
     hook()
     assert getattr(utils.set_sigterm_handler, "graceful", False)  # Ray's SIGTERM handler becomes a graceful stop
     assert [type(c).__name__ for c in callbacks] == ["TensorBoardLogger", "FailureLog"]
     callbacks[1].add("a line", event="test")
     assert (tmp_path / "recovery.json").exists()
+
+
+def test_ray_dps_own_ray_asks_its_own_state_api_where_another_ray_runs_beside_it(monkeypatch):
+    """Ray Train's placement-group cleaner asks the State API without an address: Ray then scans this machine for a
+    GCS, and with another Ray running it raised (30 lines of traceback under --worker-output), or where `ray start`
+    recorded the other, asked that one."""
+    from ray._private import services
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: {"192.0.2.2:1111", "192.0.2.2:2222"})
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(gcs_address="192.0.2.2:2222"))
+    monkeypatch.setattr(ray_dp, "graceful_sigterm_in_ray_worker", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConnectionError, match="Found multiple active Ray instances"):
+        services.canonicalize_bootstrap_address_or_die(None)
+    try:
+        ray_dp.fresh_runtime_env()["worker_process_setup_hook"]()  # in each process of the Ray ray_dp starts
+        assert services.canonicalize_bootstrap_address_or_die(None) == "192.0.2.2:2222"
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+
+
+def test_worker_output_into_a_file_or_pipe_has_no_colour_codes(monkeypatch, capsys):
+    started = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **settings: started.update(settings))
+    monkeypatch.setattr(ray_dp, "RAY_STARTED", {})
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "")
+    monkeypatch.delenv("RAY_COLOR_PREFIX")  # (restored as it was after the test)
+    ray_dp.start_ray("", 2, worker_output=True)  # stdout: pytest's capture, not a terminal
+    assert started["log_to_driver"] is True
+    ray._private.worker.print_worker_logs({"pid": 7, "ip": "192.0.2.2", "localhost": "192.0.2.2",
+                                           "actor_name": "RayTrainWorker", "lines": ["hello"]}, sys.stdout)
+    assert capsys.readouterr().out == "(RayTrainWorker pid=7) hello\n"
 
 
 def pickled_as_script(logs):
@@ -95,7 +130,7 @@ def pickled_as_script(logs):
         pass
     finally:
         sys.argv = argv
-    return ray.cloudpickle.dumps([script["RUNTIME_ENV"]["worker_process_setup_hook"],
+    return ray.cloudpickle.dumps([script["fresh_runtime_env"]()["worker_process_setup_hook"],
                                   script["run_callbacks"](script["Config"](), logs, script["LoopOptions"](), 0,
                                                           True)])
 

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import helpers
 import ray_dp
@@ -260,8 +261,14 @@ def test_a_corrupt_latest_checkpoint_is_one_sentence_and_fresh_starts_over(tmp_p
     assert err.count("\n") == 1 and "run 'corrupt' cannot resume:" in err and "is not a readable checkpoint" in err
     assert "--fresh" in err
 
+    old = ray_dp.TensorBoardWriter(ray_dp.Config(logdir=str(tmp_path / "tb"), name="corrupt", epochs=20))
+    old.write({"epoch": 10, "train_loss": 9.0, "step_log": []})  # the curve of an earlier run under this name
+    old.writer.close()
     result = train(tmp_path, "corrupt", "--fresh")
     assert result["started_at_epoch"] == 1 and len(result["epochs"]) == 3
+    events = EventAccumulator(str(tmp_path / "tb" / "corrupt")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (m["epoch"], pytest.approx(m["train_loss"])) for m in result["epochs"]]  # the new run's alone
     assert_bitwise_equal(final_weights(result), reference)
 
 

@@ -48,6 +48,36 @@ def test_fresh_deletes_its_own_run_directory_and_nothing_else(tmp_path, capsys):
     assert "--fresh: deleted" in capsys.readouterr().out
 
 
+def curve(events, tag):
+    """The steps of a TensorBoard tag in the events of a run's directory, as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    return [event.step for event in EventAccumulator(str(events)).Reload().Scalars(tag)]
+
+
+def test_fresh_starts_the_runs_tensorboard_curves_over(tmp_path, capsys):
+    """The new run's train/loss is drawn alone, not after the old one's steps (one zig-zag line)."""
+    save_run(tmp_path / "runs" / "mine")
+    argv = ["--storage-path", str(tmp_path / "runs"), "--logdir", str(tmp_path / "tb"), "--name", "mine", *DIGITS]
+    _, cfg, _ = ray_dp.parse_command([*argv, "--epochs", "3"])
+    old = ray_dp.TensorBoardWriter(cfg)
+    for epoch in (1, 2, 3):
+        old.write({"epoch": epoch, "train_loss": 1.0, "step_log": [(5 * epoch - s, 1.0) for s in (4, 3, 2, 1, 0)]})
+    old.writer.close()
+    assert curve(tmp_path / "tb" / "mine", "train/loss_step") == list(range(1, 16))
+    (tmp_path / "tb" / "mine" / "notes.txt").write_text("mine")
+    _, cfg, _ = ray_dp.parse_command([*argv, "--fresh"])
+    capsys.readouterr()
+    ray_dp.start_fresh(cfg)
+    assert capsys.readouterr().out == (f"--fresh: deleted {tmp_path / 'runs' / 'mine'} and the run's TensorBoard "
+                                       f"events in {tmp_path / 'tb' / 'mine'}; starting run 'mine' over\n")
+    assert (tmp_path / "tb" / "mine" / "notes.txt").read_text() == "mine"  # only the events ray_dp wrote
+    new = ray_dp.TensorBoardWriter(cfg)
+    new.write({"epoch": 1, "train_loss": 0.5, "step_log": [(1, 0.5), (2, 0.4)]})
+    new.writer.close()
+    assert curve(tmp_path / "tb" / "mine", "train/loss_step") == [1, 2]
+    assert curve(tmp_path / "tb" / "mine", "train/loss") == [1]
+
+
 @pytest.mark.parametrize("name, flags, message", [
     ("documents", [], "is not a ray-dp run (no checkpoints, no result.json); not deleting it"),
     ("tensorboard", ["--logdir", "{runs}/tensorboard"], "holds --logdir"),  # ./runs/tensorboard by default
