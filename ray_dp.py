@@ -278,10 +278,6 @@ def fields_where(role: str, *values) -> set:
     return {f.name for f in fields(Config) if f.metadata[role] in values}
 
 
-def declared(role: str) -> dict:
-    return {f.name: f.metadata[role] for f in fields(Config) if f.metadata[role]}
-
-
 LESSON_DEFAULTS = {f.name: f.metadata["lesson"] for f in fields(Config)
                    if f.metadata["lesson"] is not NO_LESSON}
 RERUN_MAY_CHANGE = fields_where("rerun", "free", "adopt")
@@ -291,7 +287,7 @@ EVAL_FROM_CHECKPOINT = fields_where("evaluation", "checkpoint", "adopt")
 EVAL_FIXED = fields_where("evaluation", "checkpoint")
 DOCTOR_FLAGS = fields_where("doctor", True)
 PATH_FIELDS = fields_where("path", True)
-STORE_ACCESS, BOUNDS, SCRATCH_REFUSES = declared("store"), declared("bounds"), declared("scratch")
+STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
 FIELD_TYPES = {f.name: {"int": int, "float": (int, float), "str": str, "bool": bool,
                         "Optional[int]": (type(None), int),
                         "Optional[float]": (type(None), int, float),
@@ -2162,35 +2158,8 @@ DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     """The first thing wrong with the final configuration, in one line. The doctor trains nothing;
     a run that resumes starts from its checkpoint, not from --weights."""
-    for ok, message in declared_checks(cfg) + mode_checks(cfg):
-        if not ok:
-            raise ConfigError(message)
-    validate_names_and_places(cfg, doctor, resuming)
-
-
-def declared_checks(cfg: Config) -> list:
-    """(ok, message) of each value against its flag's bounds, and of what scratch mode refuses."""
-    checks = []
-    for name, interval in BOUNDS.items():
-        value, (low, high) = getattr(cfg, name), interval[1:-1].split(", ")
-        if value is None:
-            continue
-        above = value > float(low) if interval[0] == "(" else value >= float(low)
-        below = value < float(high) if interval[-1] == ")" else value <= float(high)
-        words = ("a positive number" if interval == "(0, inf)" else f"at least {low}"
-                 if high == "inf" else f"{low} to {high}" if interval[-1] == "]"
-                 else f"in {interval}")
-        checks.append((above and below,
-                       f"--{name.replace('_', '-')} must be {words}, got {value}"))
-    defaults = {f.name: f.default for f in fields(Config)}
-    return checks + [(cfg.mode != "scratch" or getattr(cfg, name) in (defaults[name], 0, ""),
-                      f"--{name.replace('_', '-')} needs --mode ddp (scratch mode: {reason})")
-                     for name, reason in SCRATCH_REFUSES.items()]
-
-
-def mode_checks(cfg: Config) -> list:
-    """(ok, message) of what the flags say together, the modes (scratch, dp) included."""
-    return [
+    check_declared(cfg)
+    checks = [
         (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
          f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {max(cfg.min_workers, 0)}:{cfg.workers}"),
         (not (cfg.min_workers and cfg.mode == "dp"),
@@ -2229,18 +2198,43 @@ def mode_checks(cfg: Config) -> list:
         (not cfg.predict_out or cfg.predict_out != cfg.eval_only,
          f"--predict-out {cfg.predict_out} is the checkpoint being evaluated"),
     ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    validate_names_and_places(cfg, doctor, resuming)
+
+
+def check_declared(cfg: Config) -> None:
+    """Each value within its flag's bounds; in scratch mode, what it refuses at its default."""
+    for f in fields(Config):
+        value, interval = getattr(cfg, f.name), f.metadata["bounds"]
+        flag = "--" + f.name.replace("_", "-")
+        if cfg.mode == "scratch" and f.metadata["scratch"] and value not in (f.default, 0, ""):
+            raise ConfigError(f"{flag} needs --mode ddp (scratch mode: {f.metadata['scratch']})")
+        if not interval or value is None:
+            continue
+        low, high = interval[1:-1].split(", ")
+        if not ((value > float(low) if interval[0] == "(" else value >= float(low))
+                and (value < float(high) if interval[-1] == ")" else value <= float(high))):
+            words = ("a positive number" if interval == "(0, inf)" else f"at least {low}"
+                     if high == "inf" else f"{low} to {high}" if interval[-1] == "]"
+                     else f"in {interval}")
+            raise ConfigError(f"{flag} must be {words}, got {value}")
 
 
 def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None:
-    """The model, the data set, the storage and the directories the configuration names."""
-    check_model_name(cfg.model)
-    if cfg.dataset not in DATASETS and not (is_code(cfg.dataset)
-                                            and user_code(cfg.dataset, "dataset")):
-        raise ConfigError(f"--dataset {cfg.dataset} is not a data set of this ray_dp.py "
-                          f"({', '.join(sorted(DATASETS))}, or your own: FILE.py:NAME)")
-    if cfg.loss not in LOSSES and not (is_code(cfg.loss) and user_code(cfg.loss, "loss")):
-        raise ConfigError(f"--loss {cfg.loss} is not a loss of ray_dp.py ({', '.join(LOSSES)}, "
-                          f"or your own: FILE.py:NAME)")
+    """The model, the data set, the loss, the storage and the directories the config names."""
+    for flag, ours in (("model", MODELS), ("dataset", DATASETS), ("loss", LOSSES)):
+        if is_code(spec := getattr(cfg, flag)):
+            user_code(spec, flag)
+        elif spec not in ours and (flag != "model"
+                                   or spec.removeprefix(TORCHVISION) not in torchvision_models()):
+            known = [*MODELS, *torchvision_names()] if flag == "model" else sorted(ours)
+            close = difflib.get_close_matches(spec, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            listed = "--model list shows them" if flag == "model" else ", ".join(known)
+            raise ConfigError(f"--{flag} {spec} is not a {flag} of ray_dp{hint} ({listed}, or "
+                              f"your own: FILE.py:NAME)")
     if cfg.sync_bn and not is_code(cfg.model) and not has_batchnorm(cfg.model):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
@@ -2256,10 +2250,11 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
         path = os.path.dirname(typed) if flag == "predict-out" else typed
         if (doctor and flag != "data-dir") or not path or is_uri(path):
             continue
-        if (blocker := not_a_directory(path)):
-            raise ConfigError(f"--{flag} {typed}: {blocker} is a file, not a directory")
-        if flag != "data-dir" and (blocker := not_writable(path)):
-            raise ConfigError(f"--{flag} {typed}: {blocker} is not writable")
+        existing = next(part for part in [Path(path), *Path(path).parents] if part.exists())
+        if not existing.is_dir():
+            raise ConfigError(f"--{flag} {typed}: {existing} is a file, not a directory")
+        if flag != "data-dir" and not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"--{flag} {typed}: {existing} is not writable")
     if not doctor and not cfg.eval_only:
         check_batch_split(cfg)
 
@@ -2287,32 +2282,14 @@ def check_batch_split(cfg: Config) -> None:
 def check_run_name(cfg: Config) -> None:
     if not cfg.storage_path:
         raise ConfigError("--storage-path, --logdir and --data-dir cannot be empty")
-    if not is_run_name(cfg.name):
+    name = cfg.name  # one path component: <storage-path>/<name> stays inside its root
+    if (name in (".", "..") or "/" in name or "\\" in name or not name.isprintable()
+            or (name and not name.strip()) or len(name.encode()) > 255):
         raise ConfigError(f"--name must be one directory name (printable; no '/', '\\', '.' or "
                           f"'..'; at most 255 bytes), got {cfg.name!r}")
     if is_uri(cfg.storage_path) and (marks := sorted(set(cfg.name) & set("?#%"))):
         raise ConfigError(f"--name {cfg.name}: '{marks[0]}' would change what the run's URI "
                           f"({cfg.run_dir}) names; choose a name without '?', '#' or '%'")
-
-
-def is_run_name(name: str) -> bool:
-    """One path component: <storage-path>/<name> and <logdir>/<name> stay inside their roots."""
-    return (name not in (".", "..") and not any(sep in name for sep in ("/", "\\"))
-            and name.isprintable() and (not name or name.strip()) and len(name.encode()) <= 255)
-
-
-def not_a_directory(path: str) -> Optional[str]:
-    for part in [Path(path), *Path(path).parents]:
-        if part.exists():
-            return None if part.is_dir() else str(part)
-    return None
-
-
-def not_writable(path: str) -> Optional[str]:
-    for part in [Path(path), *Path(path).parents]:
-        if part.exists():
-            return None if os.access(part, os.W_OK | os.X_OK) else str(part)
-    return None
 
 
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
@@ -2411,18 +2388,6 @@ def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
                                       and data.outputs == NUM_CLASSES):
         raise ConfigError(f"--mode scratch trains the lesson's LeNet on images of 10 classes held "
                           f"in memory; {cfg.dataset} has none (use --mode ddp)")
-
-
-def check_model_name(name: str) -> None:
-    if name in MODELS or name.removeprefix(TORCHVISION) in torchvision_models():
-        return
-    if is_code(name):
-        return user_code(name, "model") and None
-    import difflib
-    close = difflib.get_close_matches(name, [*MODELS, *torchvision_names()], n=3, cutoff=0.5)
-    hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    raise ConfigError(f"--model {name} is not a model of ray_dp or torchvision{hint} "
-                      f"(--model list shows them)")
 
 
 @functools.lru_cache(maxsize=64)
