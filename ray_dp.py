@@ -122,6 +122,11 @@ def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", do
                                             **argparse_kwargs})
 
 
+def setting(default, help, **facts):
+    """A flag of how to run, not of what is trained: a rerun or --eval-only may change it."""
+    return option(default, help, rerun="free", evaluation="free", **facts)
+
+
 ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store", "scratch", "bounds")
 
 
@@ -130,16 +135,15 @@ class Config:
     mode: str = option("ddp", "ddp: DistributedDataParallel, a process per worker; scratch: "
                        "d2l's functional LeNet, hand-written all-reduce and SGD; dp: "
                        "nn.DataParallel over --workers GPUs of one process", choices=MODES)
-    workers: int = option(2, "training processes, a GPU each on a GPU cluster; MIN:MAX: elastic, "
-                          "from the last checkpoint as workers come or go", metavar="N|MIN:MAX",
-                          rerun="free", evaluation="free", doctor=True, bounds="[1, inf)")
-    min_workers: int = option(0, "", cli=False, rerun="free", evaluation="free")  # MIN of MIN:MAX
-    cpus_per_worker: Optional[float] = option(
+    workers: int = setting(2, "training processes, a GPU each on a GPU cluster; MIN:MAX: elastic, "
+                           "from the last checkpoint as workers come or go", metavar="N|MIN:MAX",
+                           doctor=True, bounds="[1, inf)")
+    min_workers: int = setting(0, "", cli=False)  # MIN of MIN:MAX
+    cpus_per_worker: Optional[float] = setting(
         None, "CPU cores per worker, fractions allowed (default 1; more workers than a machine's "
-        "cores share them)", type=float, metavar="CPUS", rerun="free", evaluation="free",
-        doctor=True, bounds="(0, inf)")
-    gpu: Optional[bool] = option(None, "GPU workers (default: when the cluster has GPUs)",
-                                 rerun="free", evaluation="free", doctor=True)
+        "cores share them)", type=float, metavar="CPUS", doctor=True, bounds="(0, inf)")
+    gpu: Optional[bool] = setting(None, "GPU workers (default: when the cluster has GPUs)",
+                                  doctor=True)
     epochs: int = option(10, "passes over the training set", metavar="N", rerun="adopt",
                          lesson=20, bounds="[1, inf)")
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step over all workers "
@@ -188,10 +192,10 @@ class Config:
                        "module:NAME, a function or nn.Module class: (output, target) -> the mean "
                        "or per-sample losses", metavar="LOSS", evaluation="checkpoint",
                        scratch="the lesson's cross-entropy")
-    loader_workers: Optional[int] = option(
+    loader_workers: Optional[int] = setting(
         None, "loader processes per worker (0: in-memory data indexed on the device; default: 0 "
-        "in memory, 2 read per sample)", type=int, metavar="N", rerun="free", evaluation="free",
-        bounds="[0, inf)", scratch="the lesson's in-memory batches")
+        "in memory, 2 read per sample)", type=int, metavar="N", bounds="[0, inf)",
+        scratch="the lesson's in-memory batches")
     normalize: Optional[tuple] = option(None, "", cli=False, evaluation="checkpoint")  # mean, std
     synthetic_size: int = option(512, "--dataset synthetic: training images (100 test)",
                                  metavar="N", evaluation="checkpoint", bounds="[1, inf)")
@@ -202,52 +206,46 @@ class Config:
     data_dir: str = option("./data", "where data sets are, or are downloaded to; a folder's on "
                            "every node or in object storage", metavar="DIR", rerun="adopt",
                            evaluation="adopt", doctor=True, path=True, store="read")
-    download: bool = option(True, "download a missing Fashion-MNIST or CIFAR-10", rerun="free",
-                            evaluation="free", doctor=True)
+    download: bool = setting(True, "download a missing Fashion-MNIST or CIFAR-10", doctor=True)
     seed: int = option(0, "initial weights and data order; each sample's augmentation and each "
                        "worker's dropout draw streams of their own", metavar="N",
                        evaluation="checkpoint", bounds="[0, 4294967295]")
-    storage_path: str = option("./runs", "checkpoints and result.json (a directory, or s3://...)",
-                               metavar="PATH", rerun="free", evaluation="free", doctor=True,
-                               path=True, store="write")
-    name: str = option("", "run name under --storage-path: the same name resumes (default: "
-                       "mode-model-dataset-date-time-pid)", metavar="NAME", rerun="free",
-                       evaluation="free")
-    logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/",
-                         metavar="LOGDIR", rerun="free", evaluation="free", path=True)
+    storage_path: str = setting("./runs", "checkpoints and result.json (a directory, or "
+                                "s3://...)", metavar="PATH", doctor=True, path=True, store="write")
+    name: str = setting("", "run name under --storage-path: the same name resumes (default: "
+                        "mode-model-dataset-date-time-pid)", metavar="NAME")
+    logdir: str = setting("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/",
+                          metavar="LOGDIR", path=True)
     log_every: int = option(10, "the train loss to TensorBoard every this many steps",
                             metavar="STEPS", rerun="free", bounds="[1, inf)")
-    quiet: bool = option(False, "no progress bar", rerun="free", evaluation="free")
-    worker_output: bool = option(False, "show what Ray's workers print (your code's print() "
-                                 "calls, Ray's own lines): else they go to Ray's logs "
-                                 "(docs/monitoring.md)", rerun="free", evaluation="free")
-    max_failures: int = option(0, "restart the workers this many times from the last checkpoint "
-                               "(-1: no limit)", metavar="K", rerun="free", evaluation="free",
-                               bounds="[-1, inf)")
+    quiet: bool = setting(False, "no progress bar")
+    worker_output: bool = setting(False, "show what Ray's workers print (your code's print() "
+                                  "calls, Ray's own lines): else they go to Ray's logs "
+                                  "(docs/monitoring.md)")
+    max_failures: int = setting(0, "restart the workers this many times from the last checkpoint "
+                                "(-1: no limit)", metavar="K", bounds="[-1, inf)")
     checkpoint_every: str = option(
         "10m", "also checkpoint within an epoch every STEPS steps or Nm minutes (0: at epochs' "
         "ends only)", metavar="STEPS|Nm", rerun="free", lesson="0")
-    check_replicas: str = option(
+    check_replicas: str = setting(
         "auto", "compare the workers' replicas (every parameter and buffer) at each save and every "
         "STEPS steps (auto: as often as costs 1%% of training; off: never)",
-        metavar="off|auto|STEPS", rerun="free", evaluation="free")
-    timeout: float = option(1800.0, "seconds a collective waits for the slowest worker",
-                            metavar="SECONDS", rerun="free", evaluation="free", bounds="[1, inf)")
-    start_timeout: float = option(60.0, "seconds to wait for the workers to start",
-                                  metavar="SECONDS", rerun="free", evaluation="free", doctor=True,
-                                  bounds="[1, inf)")
-    keep_freed_memory: bool = option(
+        metavar="off|auto|STEPS")
+    timeout: float = setting(1800.0, "seconds a collective waits for the slowest worker",
+                             metavar="SECONDS", bounds="[1, inf)")
+    start_timeout: float = setting(60.0, "seconds to wait for the workers to start",
+                                   metavar="SECONDS", doctor=True, bounds="[1, inf)")
+    keep_freed_memory: bool = setting(
         True, "keep what a step frees for the next (glibc): faster steps, a higher peak of memory "
-        "(bench/memory.md)", rerun="free", evaluation="free")
+        "(bench/memory.md)")
     fresh: bool = option(False, "delete the run --name and start it over", rerun="free")
-    address: str = option("", "the Ray cluster ('auto' or host:port; default: a local one)",
-                          metavar="ADDRESS", rerun="free", evaluation="free", doctor=True)
-    eval_only: str = option("", "evaluate a checkpoint instead of training: a run directory, a "
-                            "checkpoint directory or file (a URI too)", metavar="PATH",
-                            rerun="free", evaluation="free", store="read")
-    predict_out: str = option("", "with --eval-only: each test sample's prediction to this CSV",
-                              metavar="FILE.csv", rerun="free", evaluation="free", path=True,
-                              store="write")
+    address: str = setting("", "the Ray cluster ('auto' or host:port; default: a local one)",
+                           metavar="ADDRESS", doctor=True)
+    eval_only: str = setting("", "evaluate a checkpoint instead of training: a run directory, a "
+                             "checkpoint directory or file (a URI too)", metavar="PATH",
+                             store="read")
+    predict_out: str = setting("", "with --eval-only: each test sample's prediction to this CSV",
+                               metavar="FILE.csv", path=True, store="write")
 
     @property
     def processes(self) -> int:  # --mode dp: one process drives --workers GPUs
