@@ -849,10 +849,10 @@ def user_code(spec: str, flag: str):
     if where == "__main__":
         raise ConfigError(f"--{flag} {spec} names an object of the script that called "
                           f"ray_dp.train(): pass it ({flag}=...), or name a file: FILE.py:NAME")
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise ConfigError(f"--{flag} {spec}: there is no file {where}")
     try:
         module = load_module(where)
-    except FileNotFoundError:
-        raise ConfigError(f"--{flag} {spec}: there is no file {where}") from None
     except Exception as exc:
         if isinstance(exc, ModuleNotFoundError) and f"{where}.".startswith(f"{exc.name}."):
             raise ConfigError(f"--{flag} {spec}: no module {exc.name} (a file's path ends in "
@@ -873,8 +873,6 @@ def load_module(where: str):
     if not where.endswith(".py"):
         return travels(importlib.import_module(where))
     path, before = os.path.abspath(where), set(sys.modules)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(path)
     folder, name = os.path.dirname(path), "ray_dp_code_" + re.sub(r"\W", "_", path)
     loader = importlib.util.spec_from_file_location(name, path)
     module = sys.modules[name] = importlib.util.module_from_spec(loader)
@@ -2415,7 +2413,7 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
 def check_model_fits(cfg: Config, data: DataInfo) -> None:
     """The model takes the data's inputs, or one line names the size that works."""
     shape = tuple(data.sample_shape)
-    if cfg.sync_bn and not has_batchnorm(cfg.model, shape, data.outputs):
+    if cfg.sync_bn and is_code(cfg.model) and not has_batchnorm(cfg.model, shape, data.outputs):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
     if is_code(cfg.model) or not is_image(shape):
