@@ -227,17 +227,15 @@ class Config:
     checkpoint_every: str = option(
         "10m", "also checkpoint within an epoch every STEPS steps or Nm minutes (0: at epochs' "
         "ends only)", metavar="STEPS|Nm", rerun="free", lesson="0")
-    check_replicas: str = setting(
-        "auto", "compare the workers' replicas (every parameter and buffer) at each save and every "
-        "STEPS steps (auto: as often as costs 1%% of training; off: never)",
-        metavar="off|auto|STEPS")
+    check_replicas: str = setting("auto", "compare the workers' replicas (every parameter and "
+                                  "buffer) at each save and every STEPS steps (auto: as often as "
+                                  "costs 1%% of training; off: never)", metavar="off|auto|STEPS")
     timeout: float = setting(1800.0, "seconds a collective waits for the slowest worker",
                              metavar="SECONDS", bounds="[1, inf)")
     start_timeout: float = setting(60.0, "seconds to wait for the workers to start",
                                    metavar="SECONDS", doctor=True, bounds="[1, inf)")
-    keep_freed_memory: bool = setting(
-        True, "keep what a step frees for the next (glibc): faster steps, a higher peak of memory "
-        "(bench/memory.md)")
+    keep_freed_memory: bool = setting(True, "keep what a step frees for the next (glibc): faster "
+                                      "steps, a higher peak of memory (bench/memory.md)")
     fresh: bool = option(False, "delete the run --name and start it over", rerun="free")
     address: str = setting("", "the Ray cluster ('auto' or host:port; default: a local one)",
                            metavar="ADDRESS", doctor=True)
