@@ -2287,8 +2287,7 @@ def check_run_name(cfg: Config) -> None:
 
 
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
-    """Load the data on the driver (a missing set fails before any worker starts); the config
-    with its normalisation, and what the driver learned."""
+    """The data loaded on the driver, before any worker starts: (config normalised, DataInfo)."""
     train_set, test_set = load_dataset(cfg)
     if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
@@ -4318,8 +4317,7 @@ def checkpoint_file(path: str) -> str:
 
 
 def checkpoint_classes(cfg: Config, checkpoint: dict, train_set, test_set) -> list:
-    """The names of the checkpoint's outputs, refused where the test set's names or labels say
-    its labels would be scored against another class's output."""
+    """The checkpoint's class names; refused where the test set's names or labels disagree."""
     names = checkpoint.get("classes") or class_names(train_set)
     if getattr(test_set, "classes", None):
         check_same_classes(cfg, names, class_names(test_set), "evaluate it on")
