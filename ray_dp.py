@@ -110,16 +110,24 @@ NO_LESSON = object()
 
 
 def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", doctor: bool = False,
-           lesson=NO_LESSON, path: bool = False, store: str = "", **argparse_kwargs):
+           lesson=NO_LESSON, path: bool = False, store: str = "", scratch: str = "",
+           bounds: str = "", **argparse_kwargs):
     """A flag with its facts. rerun: "fixed" (another typed value is refused), "adopt" (the run's
     unless typed), "free"; evaluation: "train" (refused), "checkpoint", "adopt", "free"; doctor:
-    it takes it; lesson: scratch's default; path: made absolute; store: a URI "read" or "write"."""
+    it takes it; lesson: scratch's default; path: made absolute; store: a URI "read" or "write";
+    scratch: why scratch mode refuses any value but the default; bounds: an interval, "[0, 1)"."""
     return field(default=default, metadata={"help": help, "rerun": rerun, "evaluation": evaluation,
                                             "doctor": doctor, "lesson": lesson, "path": path,
-                                            "store": store, **argparse_kwargs})
+                                            "store": store, "scratch": scratch, "bounds": bounds,
+                                            **argparse_kwargs})
 
 
-ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store")
+def setting(default, help, **facts):
+    """A flag of how to run, not of what is trained: a rerun or --eval-only may change it."""
+    return option(default, help, rerun="free", evaluation="free", **facts)
+
+
+ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store", "scratch", "bounds")
 
 
 @dataclass(frozen=True)
@@ -127,63 +135,70 @@ class Config:
     mode: str = option("ddp", "ddp: DistributedDataParallel, a process per worker; scratch: "
                        "d2l's functional LeNet, hand-written all-reduce and SGD; dp: "
                        "nn.DataParallel over --workers GPUs of one process", choices=MODES)
-    workers: int = option(2, "training workers (processes), a GPU each on a GPU cluster; MIN:MAX: "
-                          "elastic, from the last checkpoint as workers come or go",
-                          metavar="N|MIN:MAX", rerun="free", evaluation="free", doctor=True)
-    min_workers: int = option(0, "", cli=False, rerun="free", evaluation="free")  # MIN of MIN:MAX
-    cpus_per_worker: Optional[float] = option(
+    workers: int = setting(2, "training processes, a GPU each on a GPU cluster; MIN:MAX: elastic, "
+                           "from the last checkpoint as workers come or go", metavar="N|MIN:MAX",
+                           doctor=True, bounds="[1, inf)")
+    min_workers: int = setting(0, "", cli=False)  # MIN of MIN:MAX
+    cpus_per_worker: Optional[float] = setting(
         None, "CPU cores per worker, fractions allowed (default 1; more workers than a machine's "
-        "cores share them)", type=float, metavar="CPUS", rerun="free", evaluation="free",
-        doctor=True)
-    gpu: Optional[bool] = option(None, "GPU workers (default: when the cluster has GPUs)",
-                                 rerun="free", evaluation="free", doctor=True)
-    epochs: int = option(10, "passes over the training set (scratch and compare: 20)",
-                         metavar="N", rerun="adopt", lesson=20)
+        "cores share them)", type=float, metavar="CPUS", doctor=True, bounds="(0, inf)")
+    gpu: Optional[bool] = setting(None, "GPU workers (default: when the cluster has GPUs)",
+                                  doctor=True)
+    epochs: int = option(10, "passes over the training set", metavar="N", rerun="adopt",
+                         lesson=20, bounds="[1, inf)")
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step over all workers "
-                             "(a worker's micro-batch: batch-size / (workers x accum-steps); "
-                             "scratch and compare: 32)", metavar="N", lesson=32)
+                             "(a worker's micro-batch: batch-size / (workers x accum-steps))",
+                             metavar="N", lesson=32, bounds="[1, inf)")
     amp: bool = option(False, "bf16 autocast of the forward pass (no GradScaler needed)",
-                       evaluation="adopt")
-    compile: bool = option(False, "torch.compile the model", rerun="free")
-    lr: float = option(0.05, "peak learning rate (scratch and compare: 0.2)", metavar="LR",
-                       lesson=0.2)
-    lr_schedule: str = option("cosine", "cosine decay to 0 over --epochs, or constant (scratch "
-                              "and compare)", choices=("cosine", "constant"), lesson="constant")
-    momentum: float = option(0.9, "SGD momentum (compare: 0, the lesson's plain SGD)",
-                             metavar="M", lesson=0.0)
+                       evaluation="adopt", scratch="the lesson's plain fp32 code")
+    compile: bool = option(False, "torch.compile the model", rerun="free",
+                           scratch="the lesson's plain fp32 code")
+    lr: float = option(0.05, "peak learning rate", metavar="LR", lesson=0.2, bounds="(0, inf)")
+    lr_schedule: str = option("cosine", "cosine decay to 0 over --epochs, or constant",
+                              choices=("cosine", "constant"), lesson="constant")
+    momentum: float = option(0.9, "SGD momentum", metavar="M", lesson=0.0, bounds="[0, 1)")
     accum_steps: int = option(1, "micro-batches per optimizer step (gradients all-reduced on the "
-                              "last)", metavar="K")
+                              "last)", metavar="K", bounds="[1, inf)",
+                              scratch="no gradient accumulation")
     allreduce: str = option("naive", "scratch: naive (the lesson's: into rank 0 and back), ring, "
                             "or library (dist.all_reduce)", choices=ALLREDUCE_ALGORITHMS)
-    sync_bn: bool = option(False, "BatchNorm statistics over every worker's batch")
+    sync_bn: bool = option(False, "BatchNorm statistics over every worker's batch",
+                           scratch="a LeNet without BatchNorm")
     model: str = option("lenet", "lenet, mlp, resnet18 (the lessons'), any torchvision "
                         "classification model (--model list), or yours: FILE.py:NAME or "
                         "module:NAME, an nn.Module class or a function", metavar="NAME",
-                        evaluation="checkpoint")
+                        evaluation="checkpoint", scratch="the lesson's functional LeNet")
     weights: str = option("", "start from this state_dict (e.g. torchvision's .pth); tensors that "
                           "do not fit stay new; a file or a URI", metavar="PATH", path=True,
-                          store="read")
+                          store="read", scratch="the lesson's plain SGD")
     image_size: Optional[int] = option(
         None, "resize images to N x N (default: the set's own; a folder: 28 for lenet and mlp, 32 "
-        "for resnet18, else 224)", type=int, metavar="N", evaluation="checkpoint")
+        "for resnet18, else 224)", type=int, metavar="N", evaluation="checkpoint",
+        bounds="[1, inf)", scratch="the lesson's LeNet on 28 x 28 images")
     augment: bool = option(True, "--dataset folder: random resized crops and flips in training")
-    optimizer: str = option("sgd", "sgd (with --momentum) or adamw", choices=("sgd", "adamw"))
-    weight_decay: float = option(0.0, "weight decay, on weights only", metavar="WD")
+    optimizer: str = option("sgd", "sgd (with --momentum) or adamw", choices=("sgd", "adamw"),
+                            scratch="the lesson's plain SGD")
+    weight_decay: float = option(0.0, "weight decay, on weights only", metavar="WD",
+                                 bounds="[0, inf)", scratch="the lesson's plain SGD")
     warmup_epochs: int = option(0, "epochs of linear learning-rate warm-up", metavar="N")
-    clip_grad_norm: float = option(0.0, "clip the gradients' global norm (0: off)",
-                                   metavar="NORM")
-    label_smoothing: float = option(0.0, "label smoothing of the training loss", metavar="EPS")
+    clip_grad_norm: float = option(0.0, "clip the gradients' global norm (0: off)", metavar="NORM",
+                                   bounds="[0, inf)", scratch="the lesson's plain SGD")
+    label_smoothing: float = option(0.0, "label smoothing of the training loss", metavar="EPS",
+                                    bounds="[0, 1)", scratch="the lesson's plain SGD")
     find_unused_parameters: bool = option(False, "DDP's: for a model of yours whose parameters "
-                                          "are not all used in every step", rerun="free")
+                                          "are not all used in every step", rerun="free",
+                                          scratch="no DDP")
     loss: str = option("cross_entropy", "cross_entropy, mse, or your own: FILE.py:NAME or "
                        "module:NAME, a function or nn.Module class: (output, target) -> the mean "
-                       "or per-sample losses", metavar="LOSS", evaluation="checkpoint")
-    loader_workers: Optional[int] = option(
+                       "or per-sample losses", metavar="LOSS", evaluation="checkpoint",
+                       scratch="the lesson's cross-entropy")
+    loader_workers: Optional[int] = setting(
         None, "loader processes per worker (0: in-memory data indexed on the device; default: 0 "
-        "in memory, 2 read per sample)", type=int, metavar="N", rerun="free", evaluation="free")
+        "in memory, 2 read per sample)", type=int, metavar="N", bounds="[0, inf)",
+        scratch="the lesson's in-memory batches")
     normalize: Optional[tuple] = option(None, "", cli=False, evaluation="checkpoint")  # mean, std
     synthetic_size: int = option(512, "--dataset synthetic: training images (100 test)",
-                                 metavar="N", evaluation="checkpoint")
+                                 metavar="N", evaluation="checkpoint", bounds="[1, inf)")
     dataset: str = option("fashion-mnist", "fashion-mnist, cifar10, digits (no download), "
                           "synthetic; folder: --data-dir holding train/<class>/* and "
                           "val/<class>/*; or yours: FILE.py:NAME, a function returning (train, "
@@ -191,50 +206,44 @@ class Config:
     data_dir: str = option("./data", "where data sets are, or are downloaded to; a folder's on "
                            "every node or in object storage", metavar="DIR", rerun="adopt",
                            evaluation="adopt", doctor=True, path=True, store="read")
-    download: bool = option(True, "download a missing Fashion-MNIST or CIFAR-10", rerun="free",
-                            evaluation="free", doctor=True)
+    download: bool = setting(True, "download a missing Fashion-MNIST or CIFAR-10", doctor=True)
     seed: int = option(0, "initial weights and data order; each sample's augmentation and each "
                        "worker's dropout draw streams of their own", metavar="N",
-                       evaluation="checkpoint")
-    storage_path: str = option("./runs", "checkpoints and result.json (a directory, or s3://...)",
-                               metavar="PATH", rerun="free", evaluation="free", doctor=True,
-                               path=True, store="write")
-    name: str = option("", "run name under --storage-path: the same name resumes (default: "
-                       "mode-model-dataset-date-time-pid)", metavar="NAME", rerun="free",
-                       evaluation="free")
-    logdir: str = option("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/",
-                         metavar="LOGDIR", rerun="free", evaluation="free", path=True)
+                       evaluation="checkpoint", bounds="[0, 4294967295]")
+    storage_path: str = setting("./runs", "checkpoints and result.json (a directory, or "
+                                "s3://...)", metavar="PATH", doctor=True, path=True, store="write")
+    name: str = setting("", "run name under --storage-path: the same name resumes (default: "
+                        "mode-model-dataset-date-time-pid)", metavar="NAME")
+    logdir: str = setting("./runs/tensorboard", "TensorBoard events go to LOGDIR/<name>/",
+                          metavar="LOGDIR", path=True)
     log_every: int = option(10, "the train loss to TensorBoard every this many steps",
-                            metavar="STEPS", rerun="free")
-    quiet: bool = option(False, "no progress bar", rerun="free", evaluation="free")
-    worker_output: bool = option(False, "show what Ray's workers print (your code's print() "
-                                 "calls, Ray's own lines): else they go to Ray's logs "
-                                 "(docs/monitoring.md)", rerun="free", evaluation="free")
-    max_failures: int = option(0, "restart the workers this many times from the last checkpoint "
-                               "(-1: no limit)", metavar="K", rerun="free", evaluation="free")
+                            metavar="STEPS", rerun="free", bounds="[1, inf)")
+    quiet: bool = setting(False, "no progress bar")
+    worker_output: bool = setting(False, "show what Ray's workers print (your code's print() "
+                                  "calls, Ray's own lines): else they go to Ray's logs "
+                                  "(docs/monitoring.md)")
+    max_failures: int = setting(0, "restart the workers this many times from the last checkpoint "
+                                "(-1: no limit)", metavar="K", bounds="[-1, inf)")
     checkpoint_every: str = option(
         "10m", "also checkpoint within an epoch every STEPS steps or Nm minutes (0: at epochs' "
-        "ends only; scratch: 0)", metavar="STEPS|Nm", rerun="free", lesson="0")
-    check_replicas: str = option(
-        "auto", "compare the workers' replicas (every parameter and buffer) at each save and every "
-        "STEPS steps (auto: as often as costs 1%% of training; off: never)",
-        metavar="off|auto|STEPS", rerun="free", evaluation="free")
-    timeout: float = option(1800.0, "seconds a collective waits for the slowest worker",
-                            metavar="SECONDS", rerun="free", evaluation="free")
-    start_timeout: float = option(60.0, "seconds to wait for the workers to start",
-                                  metavar="SECONDS", rerun="free", evaluation="free", doctor=True)
-    keep_freed_memory: bool = option(
-        True, "keep what a step frees for the next (glibc): faster steps, a higher peak of memory "
-        "(bench/memory.md)", rerun="free", evaluation="free")
+        "ends only)", metavar="STEPS|Nm", rerun="free", lesson="0")
+    check_replicas: str = setting("auto", "compare the workers' replicas (every parameter and "
+                                  "buffer) at each save and every STEPS steps (auto: as often as "
+                                  "costs 1%% of training; off: never)", metavar="off|auto|STEPS")
+    timeout: float = setting(1800.0, "seconds a collective waits for the slowest worker",
+                             metavar="SECONDS", bounds="[1, inf)")
+    start_timeout: float = setting(60.0, "seconds to wait for the workers to start",
+                                   metavar="SECONDS", doctor=True, bounds="[1, inf)")
+    keep_freed_memory: bool = setting(True, "keep what a step frees for the next (glibc): faster "
+                                      "steps, a higher peak of memory (bench/memory.md)")
     fresh: bool = option(False, "delete the run --name and start it over", rerun="free")
-    address: str = option("", "the Ray cluster ('auto' or host:port; default: a local one)",
-                          metavar="ADDRESS", rerun="free", evaluation="free", doctor=True)
-    eval_only: str = option("", "evaluate a checkpoint instead of training: a run directory, a "
-                            "checkpoint directory or file (a URI too)", metavar="PATH",
-                            rerun="free", evaluation="free", store="read")
-    predict_out: str = option("", "with --eval-only: each test sample's prediction to this CSV",
-                              metavar="FILE.csv", rerun="free", evaluation="free", path=True,
-                              store="write")
+    address: str = setting("", "the Ray cluster ('auto' or host:port; default: a local one)",
+                           metavar="ADDRESS", doctor=True)
+    eval_only: str = setting("", "evaluate a checkpoint instead of training: a run directory, a "
+                             "checkpoint directory or file (a URI too)", metavar="PATH",
+                             store="read")
+    predict_out: str = setting("", "with --eval-only: each test sample's prediction to this CSV",
+                               metavar="FILE.csv", path=True, store="write")
 
     @property
     def processes(self) -> int:  # --mode dp: one process drives --workers GPUs
@@ -354,6 +363,8 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
+        if f.name in LESSON_DEFAULTS:
+            kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
         if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS):
             continue
         if f.name == "workers":
@@ -836,10 +847,10 @@ def user_code(spec: str, flag: str):
     if where == "__main__":
         raise ConfigError(f"--{flag} {spec} names an object of the script that called "
                           f"ray_dp.train(): pass it ({flag}=...), or name a file: FILE.py:NAME")
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise ConfigError(f"--{flag} {spec}: there is no file {where}")
     try:
         module = load_module(where)
-    except FileNotFoundError:
-        raise ConfigError(f"--{flag} {spec}: there is no file {where}") from None
     except Exception as exc:
         if isinstance(exc, ModuleNotFoundError) and f"{where}.".startswith(f"{exc.name}."):
             raise ConfigError(f"--{flag} {spec}: no module {exc.name} (a file's path ends in "
@@ -860,8 +871,6 @@ def load_module(where: str):
     if not where.endswith(".py"):
         return travels(importlib.import_module(where))
     path, before = os.path.abspath(where), set(sys.modules)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(path)
     folder, name = os.path.dirname(path), "ray_dp_code_" + re.sub(r"\W", "_", path)
     loader = importlib.util.spec_from_file_location(name, path)
     module = sys.modules[name] = importlib.util.module_from_spec(loader)
@@ -2138,34 +2147,22 @@ def list_models(cfg: None) -> None:
 # Pre-flight checks: the configuration, the data and the model, before any cluster starts.
 # ==================================================================================================
 DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
-MAX_SEED = 2 ** 32 - 1
 
 
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     """The first thing wrong with the final configuration, in one line. The doctor trains nothing;
     a run that resumes starts from its checkpoint, not from --weights."""
-    cpus = cfg.cpus_per_worker
+    check_declared(cfg)
     checks = [
-        (cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}"),
         (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
          f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {max(cfg.min_workers, 0)}:{cfg.workers}"),
         (not (cfg.min_workers and cfg.mode == "dp"),
          "--mode dp runs one worker; it cannot be elastic"),
-        (cpus is None or (math.isfinite(cpus) and cpus > 0),
-         f"--cpus-per-worker must be a positive number, got {cpus}"),
         (all((cfg.storage_path, cfg.logdir, cfg.data_dir)),
          "--storage-path, --logdir and --data-dir cannot be empty"),
         (not is_uri(cfg.data_dir) or cfg.dataset == "folder",
          f"--data-dir {cfg.data_dir}: only --dataset folder reads its data from object storage; "
          f"{cfg.dataset} is kept in a local directory"),
-        (cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}"),
-        (0 <= cfg.seed <= MAX_SEED, f"--seed must be 0 to {MAX_SEED}, got {cfg.seed}"),
-        (cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}"),
-        (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
-        (math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}"),
-        (cfg.log_every >= 1, f"--log-every must be at least 1, got {cfg.log_every}"),
-        (cfg.max_failures >= -1,
-         f"--max-failures must be -1 (no limit) or more, got {cfg.max_failures}"),
         (cfg.check_replicas in ("off", "auto") or (cfg.check_replicas.isdigit()
                                                    and int(cfg.check_replicas) >= 1),
          f"--check-replicas must be off, auto or a number of steps, got {cfg.check_replicas}"),
@@ -2174,58 +2171,12 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
          f"ends only), got {cfg.checkpoint_every}"),
         (not cfg.label_smoothing or cfg.loss == "cross_entropy",
          f"--label-smoothing is cross_entropy's; --loss {cfg.loss} does not smooth (drop it)"),
-        (not (cfg.mode == "scratch" and cfg.find_unused_parameters),
-         "--find-unused-parameters needs --mode ddp (scratch mode has no DDP)"),
-    ]
-    for ok, message in checks + mode_checks(cfg):
-        if not ok:
-            raise ConfigError(message)
-    validate_names_and_places(cfg, doctor, resuming)
-
-
-def mode_checks(cfg: Config) -> list:
-    """(ok, message) of what the modes (scratch, dp) and the other flags say together."""
-    scratch, lesson = cfg.mode == "scratch", "(scratch mode is the lesson's"
-    return [
-        (math.isfinite(cfg.timeout) and cfg.timeout >= 1,
-         f"--timeout must be a number of seconds, at least 1, got {cfg.timeout}"),
-        (math.isfinite(cfg.start_timeout) and cfg.start_timeout >= 1,
-         f"--start-timeout must be a number of seconds, at least 1, got {cfg.start_timeout}"),
-        (0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
-        (not (scratch and cfg.model != "lenet"),
-         f"--mode scratch trains the lesson's functional LeNet, not {cfg.model} (drop --model)"),
-        (not (scratch and cfg.accum_steps > 1),
-         "--accum-steps needs --mode ddp (scratch mode has none)"),
-        (not (scratch and cfg.loss != "cross_entropy"),
-         f"--loss needs --mode ddp {lesson} cross-entropy)"),
-        (not (scratch and cfg.sync_bn),
-         "--sync-bn needs --mode ddp (scratch mode's LeNet has no BatchNorm)"),
-        (not (scratch and (cfg.amp or cfg.compile)),
-         f"--amp and --compile need --mode ddp {lesson} plain fp32 code)"),
-        (cfg.loader_workers is None or cfg.loader_workers >= 0,
-         f"--loader-workers must be 0 (in memory) or more, got {cfg.loader_workers}"),
-        (not (scratch and (cfg.loader_workers or cfg.dataset == "folder")),
-         f"{'--loader-workers' if cfg.loader_workers else '--dataset folder'} needs --mode ddp "
-         f"(scratch mode slices the lesson's in-memory batches)"),
-        (not (scratch and (cfg.optimizer != "sgd" or cfg.weight_decay or cfg.weights
-                           or cfg.clip_grad_norm or cfg.label_smoothing)),
-         f"--optimizer, --weight-decay, --weights, --clip-grad-norm and --label-smoothing need "
-         f"--mode ddp {lesson} plain SGD)"),
-        (not (scratch and cfg.image_size),
-         f"--image-size needs --mode ddp {lesson} LeNet on 28 x 28 images)"),
-        (cfg.image_size is None or cfg.image_size >= 1,
-         f"--image-size must be at least 1 pixel, got {cfg.image_size}"),
+        (not (cfg.mode == "scratch" and cfg.dataset == "folder"),
+         "--dataset folder needs --mode ddp (scratch mode: the lesson's in-memory batches)"),
         (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
          f"--image-size {cfg.image_size} is too small for {cfg.model} (at least 14)"),
-        (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,
-         f"--weight-decay must be 0 or more, got {cfg.weight_decay}"),
         (0 <= cfg.warmup_epochs < cfg.epochs,
          f"--warmup-epochs must be 0 to --epochs - 1 = {cfg.epochs - 1}, got {cfg.warmup_epochs}"),
-        (math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm >= 0,
-         f"--clip-grad-norm must be 0 (off) or more, got {cfg.clip_grad_norm}"),
-        (0 <= cfg.label_smoothing < 1,
-         f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
-        (cfg.synthetic_size >= 1, f"--synthetic-size must be at least 1, got {cfg.synthetic_size}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
          "--sync-bn needs --mode ddp: nn.DataParallel keeps BatchNorm statistics per GPU replica"),
         (not (cfg.mode == "dp" and cfg.gpu is False),
@@ -2241,18 +2192,43 @@ def mode_checks(cfg: Config) -> list:
         (not cfg.predict_out or cfg.predict_out != cfg.eval_only,
          f"--predict-out {cfg.predict_out} is the checkpoint being evaluated"),
     ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    validate_names_and_places(cfg, doctor, resuming)
+
+
+def check_declared(cfg: Config) -> None:
+    """Each value within its flag's bounds; in scratch mode, what it refuses at its default."""
+    for f in fields(Config):
+        value, interval = getattr(cfg, f.name), f.metadata["bounds"]
+        flag = "--" + f.name.replace("_", "-")
+        if cfg.mode == "scratch" and f.metadata["scratch"] and value not in (f.default, 0, ""):
+            raise ConfigError(f"{flag} needs --mode ddp (scratch mode: {f.metadata['scratch']})")
+        if not interval or value is None:
+            continue
+        low, high = interval[1:-1].split(", ")
+        if not ((value > float(low) if interval[0] == "(" else value >= float(low))
+                and (value < float(high) if interval[-1] == ")" else value <= float(high))):
+            words = ("a positive number" if interval == "(0, inf)" else f"at least {low}"
+                     if high == "inf" else f"{low} to {high}" if interval[-1] == "]"
+                     else f"in {interval}")
+            raise ConfigError(f"{flag} must be {words}, got {value}")
 
 
 def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None:
-    """The model, the data set, the storage and the directories the configuration names."""
-    check_model_name(cfg.model)
-    if cfg.dataset not in DATASETS and not (is_code(cfg.dataset)
-                                            and user_code(cfg.dataset, "dataset")):
-        raise ConfigError(f"--dataset {cfg.dataset} is not a data set of this ray_dp.py "
-                          f"({', '.join(sorted(DATASETS))}, or your own: FILE.py:NAME)")
-    if cfg.loss not in LOSSES and not (is_code(cfg.loss) and user_code(cfg.loss, "loss")):
-        raise ConfigError(f"--loss {cfg.loss} is not a loss of ray_dp.py ({', '.join(LOSSES)}, "
-                          f"or your own: FILE.py:NAME)")
+    """The model, the data set, the loss, the storage and the directories the config names."""
+    for flag, ours in (("model", MODELS), ("dataset", DATASETS), ("loss", LOSSES)):
+        if is_code(spec := getattr(cfg, flag)):
+            user_code(spec, flag)
+        elif spec not in ours and (flag != "model"
+                                   or spec.removeprefix(TORCHVISION) not in torchvision_models()):
+            known = [*MODELS, *torchvision_names()] if flag == "model" else sorted(ours)
+            close = difflib.get_close_matches(spec, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            listed = "--model list shows them" if flag == "model" else ", ".join(known)
+            raise ConfigError(f"--{flag} {spec} is not a {flag} of ray_dp{hint} ({listed}, or "
+                              f"your own: FILE.py:NAME)")
     if cfg.sync_bn and not is_code(cfg.model) and not has_batchnorm(cfg.model):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
@@ -2268,10 +2244,11 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
         path = os.path.dirname(typed) if flag == "predict-out" else typed
         if (doctor and flag != "data-dir") or not path or is_uri(path):
             continue
-        if (blocker := not_a_directory(path)):
-            raise ConfigError(f"--{flag} {typed}: {blocker} is a file, not a directory")
-        if flag != "data-dir" and (blocker := not_writable(path)):
-            raise ConfigError(f"--{flag} {typed}: {blocker} is not writable")
+        existing = next(part for part in [Path(path), *Path(path).parents] if part.exists())
+        if not existing.is_dir():
+            raise ConfigError(f"--{flag} {typed}: {existing} is a file, not a directory")
+        if flag != "data-dir" and not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"--{flag} {typed}: {existing} is not writable")
     if not doctor and not cfg.eval_only:
         check_batch_split(cfg)
 
@@ -2299,7 +2276,9 @@ def check_batch_split(cfg: Config) -> None:
 def check_run_name(cfg: Config) -> None:
     if not cfg.storage_path:
         raise ConfigError("--storage-path, --logdir and --data-dir cannot be empty")
-    if not is_run_name(cfg.name):
+    name = cfg.name  # one path component: <storage-path>/<name> stays inside its root
+    if (name in (".", "..") or "/" in name or "\\" in name or not name.isprintable()
+            or (name and not name.strip()) or len(name.encode()) > 255):
         raise ConfigError(f"--name must be one directory name (printable; no '/', '\\', '.' or "
                           f"'..'; at most 255 bytes), got {cfg.name!r}")
     if is_uri(cfg.storage_path) and (marks := sorted(set(cfg.name) & set("?#%"))):
@@ -2307,29 +2286,8 @@ def check_run_name(cfg: Config) -> None:
                           f"({cfg.run_dir}) names; choose a name without '?', '#' or '%'")
 
 
-def is_run_name(name: str) -> bool:
-    """One path component: <storage-path>/<name> and <logdir>/<name> stay inside their roots."""
-    return (name not in (".", "..") and not any(sep in name for sep in ("/", "\\"))
-            and name.isprintable() and (not name or name.strip()) and len(name.encode()) <= 255)
-
-
-def not_a_directory(path: str) -> Optional[str]:
-    for part in [Path(path), *Path(path).parents]:
-        if part.exists():
-            return None if part.is_dir() else str(part)
-    return None
-
-
-def not_writable(path: str) -> Optional[str]:
-    for part in [Path(path), *Path(path).parents]:
-        if part.exists():
-            return None if os.access(part, os.W_OK | os.X_OK) else str(part)
-    return None
-
-
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
-    """Load the data on the driver (a missing set fails before any worker starts); the config
-    with its normalisation, and what the driver learned."""
+    """The data loaded on the driver, before any worker starts: (config normalised, DataInfo)."""
     train_set, test_set = load_dataset(cfg)
     if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
@@ -2425,18 +2383,6 @@ def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
                           f"in memory; {cfg.dataset} has none (use --mode ddp)")
 
 
-def check_model_name(name: str) -> None:
-    if name in MODELS or name.removeprefix(TORCHVISION) in torchvision_models():
-        return
-    if is_code(name):
-        return user_code(name, "model") and None
-    import difflib
-    close = difflib.get_close_matches(name, [*MODELS, *torchvision_names()], n=3, cutoff=0.5)
-    hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    raise ConfigError(f"--model {name} is not a model of ray_dp or torchvision{hint} "
-                      f"(--model list shows them)")
-
-
 @functools.lru_cache(maxsize=64)
 def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Optional[str]:
     try:
@@ -2464,7 +2410,7 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
 def check_model_fits(cfg: Config, data: DataInfo) -> None:
     """The model takes the data's inputs, or one line names the size that works."""
     shape = tuple(data.sample_shape)
-    if cfg.sync_bn and not has_batchnorm(cfg.model, shape, data.outputs):
+    if cfg.sync_bn and is_code(cfg.model) and not has_batchnorm(cfg.model, shape, data.outputs):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
     if is_code(cfg.model) or not is_image(shape):
@@ -4371,8 +4317,7 @@ def checkpoint_file(path: str) -> str:
 
 
 def checkpoint_classes(cfg: Config, checkpoint: dict, train_set, test_set) -> list:
-    """The names of the checkpoint's outputs, refused where the test set's names or labels say
-    its labels would be scored against another class's output."""
+    """The checkpoint's class names; refused where the test set's names or labels disagree."""
     names = checkpoint.get("classes") or class_names(train_set)
     if getattr(test_set, "classes", None):
         check_same_classes(cfg, names, class_names(test_set), "evaluate it on")

@@ -163,7 +163,7 @@ BAD = [
      "--dataset {tmp}/mine.py:holds_a_connection: its data sets cannot be sent to the workers (TypeError: cannot pickle "),
     (["--mode", "scratch", "--dataset", "digits", "--loss", "mse"], "--loss needs --mode ddp"),
     (["--mode", "scratch", "--dataset", "{tmp}/mine.py:wine"], "--mode scratch trains the lesson's LeNet on images"),
-    (["--loss", "huber"], "--loss huber is not a loss of ray_dp.py (cross_entropy, mse, or your own: FILE.py:NAME)"),
+    (["--loss", "huber"], "--loss huber is not a loss of ray_dp (cross_entropy, mse, or your own: FILE.py:NAME)"),
 ]
 
 

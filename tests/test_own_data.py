@@ -101,13 +101,13 @@ def test_weights_keep_what_fits_and_say_what_is_new(tmp_path):
     (["--model", "lenet", "--weights", "{resnet}"], "does not fit lenet: none of its"),
     (["--weights", "{notes}"], "is not a state_dict torch can load safely"),
     (["--weights", "{missing}"], "is not a file"),
-    (["--image-size", "0"], "--image-size must be at least 1 pixel"),
+    (["--image-size", "0"], "--image-size must be at least 1, got 0"),
     (["--model", "lenet", "--image-size", "8"], "--image-size 8 is too small for lenet"),
     (["--model", "mobilenet_v2x"], "did you mean mobilenet_v2"),
     (["--optimizer", "adam"], "argument --optimizer: invalid choice: 'adam'"),
     (["--warmup-epochs", "10"], "--warmup-epochs must be 0 to --epochs - 1 = 9"),
     (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1)"),
-    (["--mode", "scratch", "--weight-decay", "0.1"], "need --mode ddp (scratch mode is the lesson's plain SGD)"),
+    (["--mode", "scratch", "--weight-decay", "0.1"], "--weight-decay needs --mode ddp (scratch mode: the lesson's plain SGD)"),
     (["--mode", "scratch", "--dataset", "folder"], "--dataset folder needs --mode ddp"),
 ])
 def test_bad_own_data_and_model_flags_are_one_line(argv, message, tmp_path, no_cluster, capsys):

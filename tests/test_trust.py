@@ -426,7 +426,7 @@ def test_more_input_that_would_fail_after_ray_started_is_one_line(argv, message,
     (None, "its config names no model and data set"),
     ({"model": "lenet"}, "its config names no model and data set"),
     ({"model": "lenet", "dataset": "digits", "image_size": "32"}, "holds image_size = '32'"),
-    ({"model": "lenet", "dataset": "mine"}, "--dataset mine is not a data set of this ray_dp.py"),
+    ({"model": "lenet", "dataset": "mine"}, "--dataset mine is not a dataset of ray_dp"),
 ])
 def test_a_checkpoint_with_an_odd_config_is_one_line(config, message, tmp_path, no_cluster, capsys):
     path = tmp_path / "odd.pt"
