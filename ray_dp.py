@@ -347,10 +347,6 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
                             help="seconds every rank has to come to each probe collective before "
                                  "the ones that did not are named; also the longest one probe "
                                  "collective may take (the process group's timeout)")
-        parser.add_argument("--check-images", action="store_true",
-                            help="--dataset folder: also decode every image of train/ and val/ "
-                                 "on this machine, with a progress bar, and name each file that "
-                                 "is not a readable image")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
@@ -567,8 +563,7 @@ def read_image(path: str, data_dir: str, data: Optional[bytes] = None):
 
 def unreadable_image(path: str, data_dir: str, error: BaseException) -> str:
     return (f"{path} is not a readable image ({image_error(error)}): remove or replace it in "
-            f"{path.rsplit('/', 1)[0]}/ (ray_dp.py doctor --dataset folder --data-dir {data_dir} "
-            f"--check-images finds every such file)")
+            f"{path.rsplit('/', 1)[0]}/ (and any other such file in --data-dir {data_dir})")
 
 
 def image_error(error: BaseException) -> str:
@@ -5434,8 +5429,8 @@ class Doctor:
     """The checks in order; one that needs what an earlier one found is skipped if that failed.
     Node questions go to one task per node; the worker group is the one a run would start."""
 
-    def __init__(self, cfg: Config, hang_timeout: float, check_images: bool = False):
-        self.cfg, self.hang_timeout, self.check_images = cfg, hang_timeout, check_images
+    def __init__(self, cfg: Config, hang_timeout: float):
+        self.cfg, self.hang_timeout = cfg, hang_timeout
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")
         self.probe: Optional[dict] = None
         self.nodes: dict = {}
@@ -5444,32 +5439,27 @@ class Doctor:
         checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
                   ("resources", self.resources, "Ray"), ("storage", self.storage, "Ray"),
                   ("workers", self.workers, "resources"), ("all-reduce", self.allreduce, "workers"),
-                  ("data", self.data, "Ray")] + ([("images", self.images, "data")]
-                                                 if self.check_images else [])
+                  ("data", self.data, "Ray")]
         started, passed, log = time.time(), set(), os.path.join(self.logs, "ray.log")
         for name, check, needs in checks:
             if needs and needs not in passed:
                 print(f"skipped {name:<10} (needs {needs})", flush=True)
                 continue
-            result = self.checked(check)
+            try:
+                result = check()
+            except Exception as exc:
+                result = Check(False, f"{first_line(exc)} (the check itself failed)")
             passed.update([name] if result.ok else [])
             print(f"{'ok' if result.ok else 'FAILED':<7} {name:<10} {result.says}", flush=True)
-        failed = len(checks) - len(passed)
-        if not (failed and os.path.isfile(log)):
+        failed, seconds = len(checks) - len(passed), time.time() - started
+        kept = failed and os.path.isfile(log)
+        if not kept:
             shutil.rmtree(self.logs, ignore_errors=True)
-        where = f"; Ray's errors are in {log}" if failed and os.path.isfile(log) else ""
-        print(f"doctor: {failed} of {len(checks)} checks failed or were skipped "
-              f"({time.time() - started:.1f} s){where}" if failed else
-              f"doctor: all {len(checks)} checks passed in {time.time() - started:.1f} s",
+        where = f"; Ray's errors are in {log}" if kept else ""
+        print(f"doctor: {failed} of {len(checks)} checks failed or were skipped ({seconds:.1f} s)"
+              f"{where}" if failed else f"doctor: all {len(checks)} checks passed in {seconds:.1f} s",
               flush=True)
         return not failed
-
-    @staticmethod
-    def checked(check) -> Check:
-        try:
-            return check()
-        except Exception as exc:
-            return Check(False, f"{first_line(exc)} (the check itself failed)")
 
     def ray(self) -> Check:
         begun = time.time()
@@ -5567,8 +5557,11 @@ class Doctor:
         cfg = replace(self.cfg, download=False)
         try:
             here = data_files(cfg)
-        except DataError as exc:
-            return missing_data(self.cfg, exc)
+        except DataError as exc:  # a run downloads a built-in data set on the driver, then sends it
+            if self.cfg.download and cfg.dataset in ("fashion-mnist", "cifar10"):
+                return Check(True, f"{cfg.dataset} is not in {cfg.data_dir} yet: a run downloads "
+                                   f"it there first (not tried here)")
+            return Check(False, str(exc))
         if not here["per_sample"]:
             return Check(True, f"{cfg.dataset}: {here['train']} train / {here['test']} test "
                                f"samples on the driver, which sends them to the workers (their "
@@ -5585,22 +5578,6 @@ class Doctor:
         return Check(True, f"{cfg.dataset} {cfg.data_dir}: {here['train']} train / {here['test']} "
                            f"val images in {plural(len(here['classes']), 'class')}, the same on "
                            f"every node")
-
-    def images(self) -> Check:
-        """Every image of the folder decoded here (the data check found the same files on every
-        node)."""
-        begun = time.time()
-        paths = [path for split in load_dataset(replace(self.cfg, download=False))
-                 for path, _ in split.samples]
-        bad = unreadable_images(paths, self.cfg.data_dir)
-        seconds = time.time() - begun
-        pace = f"{seconds:.1f} s, {seconds / len(paths) * 10_000:.1f} s per 10,000"
-        if not bad:
-            return Check(True, f"all {len(paths)} images of {self.cfg.data_dir} decode ({pace})")
-        named = "; ".join(f"{path} ({reason})" for path, reason in bad[:3])
-        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        return Check(False, f"{len(bad)} of {len(paths)} images cannot be read: {named}{more}; "
-                            f"remove or replace them ({pace})")
 
     def on_every_node(self, function, *args) -> dict:
         """function(*args) on each node at once, by node name: its value, the exception it
@@ -5620,25 +5597,22 @@ class Doctor:
         return answers
 
 
-def doctor(cfg: Config, hang_timeout: float, check_images: bool = False) -> bool:
+def doctor(cfg: Config, hang_timeout: float) -> bool:
     where = f"the cluster at {cfg.address}" if cfg.address else "this machine (a local Ray)"
     print(f"ray-dp doctor: {where}, --workers {cfg.workers}, storage {cfg.storage_path}, "
           f"data {cfg.dataset}", flush=True)
-    return Doctor(cfg, hang_timeout, check_images).run()
+    return Doctor(cfg, hang_timeout).run()
 
 
 def doctor_config(args: dict) -> tuple[Config, dict]:
     """The doctor's flags checked as a run's, but --storage-path, which it tries on every node."""
-    hang_timeout, check_images = args.pop("hang_timeout"), args.pop("check_images")
+    hang_timeout = args.pop("hang_timeout")
     if not (math.isfinite(hang_timeout) and hang_timeout >= 1):
         raise ConfigError(f"--hang-timeout must be a number of seconds, at least 1, got "
                           f"{hang_timeout}")
     cfg = with_absolute_paths(replace(Config(**args), min_workers=0))  # MIN:MAX: MAX must start
     validate(cfg, doctor=True)
-    if check_images and cfg.dataset != "folder":
-        raise ConfigError(f"--check-images reads the image files of --dataset folder; "
-                          f"{cfg.dataset} has none")
-    return cfg, {"hang_timeout": hang_timeout, "check_images": check_images}
+    return cfg, {"hang_timeout": hang_timeout}
 
 
 SOFTWARE = ("python", "ray", "torch", "torchvision")
@@ -5730,48 +5704,10 @@ def data_files(cfg: Config) -> dict:
             "per_sample": not isinstance(train, TensorDataset)}
 
 
-def unreadable_images(paths: list, data_dir: str) -> list:
-    """(path, why) of each file PIL cannot decode, all read with a progress bar."""
-    from PIL import Image
-    from tqdm import tqdm
-    bad = []
-    for path in tqdm(paths, desc="decoding images", unit=" images",
-                     disable=not sys.stderr.isatty()):
-        source = io.BytesIO(stored_image(path, data_dir)) if is_uri(path) else path
-        try:
-            with Image.open(source) as image:
-                image.load()
-        except BROKEN_IMAGE as exc:
-            bad.append((path, image_error(exc)))
-    return bad
-
-
 def classes_of(seen: dict, other: dict) -> str:
     names, others = seen["classes"] or [], other["classes"] or []
     only = [name for name in names if name not in others]
     return plural(len(names), "class") + (f" (only here: {', '.join(only)})" if only else "")
-
-
-def missing_data(cfg: Config, error: DataError) -> Check:
-    """A data set not on the driver's disk: fine if a run can download it (the driver does)."""
-    import socket
-    import urllib.parse
-    from torchvision.datasets import CIFAR10, FashionMNIST
-    source = {"fashion-mnist": FashionMNIST.mirrors[0], "cifar10": CIFAR10.url}.get(cfg.dataset)
-    if not cfg.download or source is None:
-        return Check(False, str(error))
-    where = urllib.parse.urlsplit(source)
-    try:
-        socket.create_connection((where.hostname, where.port or {"http": 80}.get(where.scheme,
-                                                                                  443)),
-                                 timeout=5).close()
-    except OSError as exc:
-        return Check(False, f"{cfg.dataset} is not in {cfg.data_dir} and {where.hostname} cannot "
-                            f"be reached to download it ({exc.strerror or exc}): copy its files "
-                            f"there on the driver's machine (--data-dir), or use --dataset digits "
-                            f"(offline)")
-    return Check(True, f"{cfg.dataset} is not in {cfg.data_dir} yet; {where.hostname} answers, so "
-                       f"a run downloads it there first (the driver only: it sends the data on)")
 
 
 PROBE_BYTES = (4 << 10, 256 << 10, 16 << 20, 64 << 20)

@@ -42,7 +42,7 @@ def test_an_unreachable_address_fails_the_first_check_and_skips_the_rest(no_clus
 def test_the_doctors_flags_are_checked_before_any_cluster_starts(no_cluster, flags, message):
     if message is None:
         cfg, options = ray_dp.doctor_config(vars(ray_dp.build_parser("doctor").parse_args(flags)))
-        assert cfg.storage_path == "foo://bar" and options == {"hang_timeout": 30.0, "check_images": False}
+        assert cfg.storage_path == "foo://bar" and options == {"hang_timeout": 30.0}
         return
     with pytest.raises(ray_dp.ConfigError, match=re.escape(message)):
         ray_dp.parse_command(["doctor", *flags])
@@ -99,6 +99,21 @@ def test_a_folder_with_a_file_that_is_no_image_fails_the_data_check(tmp_path):
     cfg = ray_dp.Config(dataset="folder", data_dir=str(tmp_path))
     with pytest.raises(Exception, match="cannot identify image file"):
         ray_dp.data_files(cfg)
+
+
+def test_a_built_in_data_set_not_yet_on_the_driver_passes_only_when_a_run_may_download_it(tmp_path):
+    cfg = ray_dp.Config(dataset="fashion-mnist", data_dir=str(tmp_path))
+    doctor = ray_dp.Doctor(cfg, 30)
+    try:
+        assert doctor.data() == ray_dp.Check(True, f"fashion-mnist is not in {tmp_path} yet: a run downloads it "
+                                                   f"there first (not tried here)")
+        doctor.cfg = ray_dp.replace(cfg, download=False)
+        check = doctor.data()
+        assert not check.ok and check.says.startswith(f"FashionMNIST is not in {tmp_path} (--no-download): put its "
+                                                      f"files there")
+    finally:
+        shutil.rmtree(doctor.logs)
+    assert os.listdir(tmp_path) == []  # nothing downloaded, nothing left
 
 
 def test_bus_bandwidth_is_nccl_tests_busbw():
