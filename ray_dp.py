@@ -5457,8 +5457,8 @@ class Doctor:
             shutil.rmtree(self.logs, ignore_errors=True)
         where = f"; Ray's errors are in {log}" if kept else ""
         print(f"doctor: {failed} of {len(checks)} checks failed or were skipped ({seconds:.1f} s)"
-              f"{where}" if failed else f"doctor: all {len(checks)} checks passed in {seconds:.1f} s",
-              flush=True)
+              f"{where}" if failed else
+              f"doctor: all {len(checks)} checks passed in {seconds:.1f} s", flush=True)
         return not failed
 
     def ray(self) -> Check:
@@ -5476,7 +5476,7 @@ class Doctor:
         here, nodes = node_software(), self.on_every_node(node_software)
         for node, found in nodes.items():
             if isinstance(found, Exception):
-                return Check(False, f"node {node} did not answer: {said(found)}")
+                return Check(False, f"node {node} did not answer: {first_line(found)}")
             differ = [f"{key} {found[key]} (the driver {here[key]})"
                       for key in SOFTWARE if found[key] != here[key]]
             if differ:
@@ -5513,8 +5513,8 @@ class Doctor:
         folder = f"{root}/.ray-dp-doctor-{os.getpid()}-{time.time():.0f}"
         written = self.on_every_node(write_marker, folder)
         seen = self.on_every_node(read_markers, folder)
-        made = {self.nodes[name]: answer["created"] for name, answer in written.items()
-                if isinstance(answer, dict) and answer["created"]}
+        made = {self.nodes[name]: created for name, created in written.items()
+                if isinstance(created, str)}
         self.on_every_node(remove_markers, folder, made)
         return storage_verdict(self.cfg.storage_path, written, seen, self.nodes)
 
@@ -5568,7 +5568,7 @@ class Doctor:
                                f"nodes need no files)")
         for node, found in self.on_every_node(data_files, cfg).items():
             if isinstance(found, Exception):
-                return Check(False, f"node {node}: {said(found)} (every node that trains "
+                return Check(False, f"node {node}: {first_line(found)} (every node that trains "
                                     f"reads the images itself)")
             if found != here:
                 return Check(False, f"node {node} sees {found['train']} train / {found['test']} "
@@ -5634,32 +5634,25 @@ def node_names(nodes: list) -> dict:
             node["NodeID"] for node, address in zip(nodes, addresses)}
 
 
-def write_marker(folder: str) -> dict:
-    """On one node: a file named after its node ID in folder; {"error", "created": the first
-    directory that did not exist}."""
-    from pyarrow import ArrowException, fs
-    try:
-        files, path = files_at(folder)
-        created = next((str(part) for part in reversed(PurePosixPath(path).parents)
-                        if str(part) not in (".", "/")
-                        and files.get_file_info(str(part)).type == fs.FileType.NotFound), None)
-        if not is_uri(folder):
-            files.create_dir(path, recursive=True)
-        with files.open_output_stream(f"{path}/{ray.get_runtime_context().get_node_id()}") as f:
-            f.write(b"written by ray_dp.py doctor\n")
-    except (OSError, ArrowException, ValueError) as exc:
-        return {"error": " ".join(str(exc).split()), "created": None}
-    return {"error": None, "created": created}
+def write_marker(folder: str) -> Optional[str]:
+    """On one node: a file named after its node ID in folder; the first directory it made."""
+    from pyarrow import fs
+    files, path = files_at(folder)
+    created = next((str(part) for part in reversed(PurePosixPath(path).parents)
+                    if str(part) not in (".", "/")
+                    and files.get_file_info(str(part)).type == fs.FileType.NotFound), None)
+    if not is_uri(folder):
+        files.create_dir(path, recursive=True)
+    with files.open_output_stream(f"{path}/{ray.get_runtime_context().get_node_id()}") as f:
+        f.write(b"written by ray_dp.py doctor\n")
+    return created
 
 
-def read_markers(folder: str):
-    from pyarrow import ArrowException, fs
-    try:
-        files, path = files_at(folder)
-        return [info.base_name for info in
-                files.get_file_info(fs.FileSelector(path, allow_not_found=True))]
-    except (OSError, ArrowException, ValueError) as exc:
-        return " ".join(str(exc).split())
+def read_markers(folder: str) -> list:
+    from pyarrow import fs
+    files, path = files_at(folder)
+    return [info.base_name for info in
+            files.get_file_info(fs.FileSelector(path, allow_not_found=True))]
 
 
 def remove_markers(folder: str, created: dict) -> None:
@@ -5672,15 +5665,16 @@ def remove_markers(folder: str, created: dict) -> None:
 
 
 def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> Check:
+    """written: each node's first directory made (or None), seen: the markers it listed; or the
+    exception it raised."""
     for node, answer in written.items():
-        error = answer if isinstance(answer, BaseException) else answer["error"]
-        if error is not None:
-            return Check(False, f"node {node} cannot write under {storage}: {said(error)}; "
+        if isinstance(answer, BaseException):
+            return Check(False, f"node {node} cannot write under {storage}: {first_line(answer)}; "
                                 f"choose a --storage-path every node can write (s3://... or a "
                                 f"shared file system)")
     for reader, markers in seen.items():
-        if not isinstance(markers, list):
-            return Check(False, f"node {reader} cannot read {storage}: {said(markers)}")
+        if isinstance(markers, BaseException):
+            return Check(False, f"node {reader} cannot read {storage}: {first_line(markers)}")
         if (missing := [writer for writer in written if node_ids[writer] not in markers]):
             return Check(False, f"node {reader} cannot see what node {missing[0]} wrote under "
                                 f"{storage}: use s3:// or a shared file system (rank 0 saves the "
@@ -5689,10 +5683,6 @@ def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> 
         return Check(True, f"{storage}: the node wrote a marker and read it back")
     return Check(True, f"{storage}: {len(written)} nodes each wrote a marker and each read all "
                        f"{len(written)} back (shared)")
-
-
-def said(answer) -> str:
-    return first_line(answer) if isinstance(answer, BaseException) else str(answer)
 
 
 def data_files(cfg: Config) -> dict:

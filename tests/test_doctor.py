@@ -55,7 +55,7 @@ def test_the_doctor_takes_only_its_own_flags(no_cluster, capsys):
 
 def test_storage_is_shared_only_when_every_node_reads_what_every_node_wrote():
     ids = {"10.0.0.1": "id-a", "10.0.0.2": "id-b"}
-    wrote = {"error": None, "created": None}
+    wrote = None  # the node made no directory: the storage path was there
     written = {"10.0.0.1": wrote, "10.0.0.2": wrote}
     shared = ray_dp.storage_verdict("/nfs/runs", written, {"10.0.0.1": ["id-a", "id-b"],
                                                           "10.0.0.2": ["id-b", "id-a"]}, ids)
@@ -69,10 +69,10 @@ def test_storage_is_shared_only_when_every_node_reads_what_every_node_wrote():
     apart = ray_dp.storage_verdict("/runs", dict.fromkeys(same_host, wrote),
                                    {"10.0.0.1 (id-a)": ["id-a"], "10.0.0.1 (id-b)": ["id-b"]}, same_host)
     assert not apart.ok and "cannot see what node 10.0.0.1 (id-b) wrote" in apart.says
-    unwritable = ray_dp.storage_verdict("/runs", {"10.0.0.1": wrote, "10.0.0.2": {"error": "Permission denied",
-                                                                                "created": None}},
+    unwritable = ray_dp.storage_verdict("/runs", {"10.0.0.1": wrote, "10.0.0.2": PermissionError("Permission denied")},
                                         {"10.0.0.1": ["id-a"], "10.0.0.2": ["id-a"]}, ids)
-    assert not unwritable.ok and unwritable.says.startswith("node 10.0.0.2 cannot write under /runs: Permission denied")
+    assert not unwritable.ok and unwritable.says.startswith(
+        "node 10.0.0.2 cannot write under /runs: PermissionError: Permission denied")
     lost = ray_dp.storage_verdict("/runs", {"10.0.0.1": wrote, "10.0.0.2": TimeoutError("no answer within 60 s")},
                                   {}, ids)
     assert lost.says.startswith("node 10.0.0.2 cannot write under /runs: TimeoutError: no answer within 60 s")
