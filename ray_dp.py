@@ -4786,11 +4786,11 @@ def missing_dataset(dataset_class, root: str, download: bool, error: Exception) 
     reason = " ".join(str(error).split())
     tried = (f" and could not be downloaded ({reason})" if "download=True" not in reason
              else " and could not be downloaded") if download else " (--no-download)"
-    if hasattr(dataset_class, "resources"):
-        folder = os.path.join(root, dataset_class.__name__, "raw")
-        names = [os.path.splitext(os.path.basename(url))[0] for url, _ in dataset_class.resources]
+    folder = os.path.join(root, own_entries(dataset_class)[0])
+    if hasattr(dataset_class, "resources"):  # MNIST's kind, in folder/raw
+        folder, names = os.path.join(folder, "raw"), [
+            os.path.splitext(os.path.basename(url))[0] for url, _ in dataset_class.resources]
     else:
-        folder = os.path.join(root, dataset_class.base_folder)
         names = ([name for name, _ in dataset_class.train_list + dataset_class.test_list]
                  + [dataset_class.meta["filename"]])
     return (f"{dataset_class.__name__} is not in {root}{tried}: put its files there ({folder}/ "
@@ -4799,8 +4799,8 @@ def missing_dataset(dataset_class, root: str, download: bool, error: Exception) 
 
 
 def own_entries(dataset_class) -> tuple:
-    folder = (dataset_class.__name__ if hasattr(dataset_class, "resources")
-              else dataset_class.base_folder)
+    """What torchvision makes in root for the data set: its folder, and its archive if any."""
+    folder = getattr(dataset_class, "base_folder", dataset_class.__name__)
     return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
 
 
@@ -4826,16 +4826,13 @@ def download_lock(root: str, name: str):
     from filelock import FileLock
     try:
         os.makedirs(root, exist_ok=True)
-        lock = FileLock(os.path.join(root, f".{name}.lock"))
-        lock.acquire()
+        held = FileLock(os.path.join(root, f".{name}.lock")).acquire()
     except OSError as exc:
         raise DataError(f"--data-dir {root}: cannot create the download's lock file there "
                         f"({exc.strerror or exc}); use a writable --data-dir, or --no-download "
                         f"where the files already are") from None
-    try:
+    with held:
         yield
-    finally:
-        lock.release()
 
 
 def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console") -> None:
@@ -4844,7 +4841,7 @@ def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console
     if cfg.dataset != "folder" or is_uri(cfg.data_dir):
         return
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
-    mine = []
+    lacks, images, folders = [], 0, 0
     for split, listed in zip(("train", "val"), data):
         if listed is None:  # --eval-only reads val/ alone
             continue
@@ -4852,23 +4849,21 @@ def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console
         here = {path[len(root) + 1:] for path, _ in make_dataset(
             root, listed.class_to_idx, IMG_EXTENSIONS, allow_empty=True)}
         wanted = [path[len(listed.root.rstrip("/")) + 1:] for path, _ in listed.samples]
-        lacks = [f"{split}/{name}" for name in wanted if name not in here]
-        folders = [name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))
-                   and name not in listed.class_to_idx] if os.path.isdir(root) else []
-        more = (len(here - set(wanted)), len(folders)) if split == "train" else (0, 0)
-        mine.append((lacks[:1], len(lacks), *more))
-    found = [(node_name(), mine)] * worker.world
+        lacks += [f"{split}/{name}" for name in wanted if name not in here]
+        if split == "train" and os.path.isdir(root):
+            images = len(here - set(wanted))
+            folders = sum(os.path.isdir(os.path.join(root, name))
+                          and name not in listed.class_to_idx for name in os.listdir(root))
+    found = [(node_name(), lacks[:1], len(lacks), images, folders)] * worker.world
     if worker.world > 1:
-        dist.all_gather_object(found, (node_name(), mine))
-    for rank, (node, splits) in enumerate(found):
-        for first, lacks, *_ in splits:
-            if lacks:
-                raise DataError(f"node {node} (rank {rank}) lacks {plural(lacks, 'image')} of the "
-                                f"run's list in --data-dir {cfg.data_dir}, e.g. {first[0]}: copy "
-                                f"the same folder to every node (cluster.yaml's file_mounts), or "
-                                f"keep it in object storage (s3://...)")
-    for node, splits in found:
-        images, folders = (sum(split[i] for split in splits) for i in (2, 3))
+        dist.all_gather_object(found, found[0])
+    for rank, (node, first, lacking, _, _) in enumerate(found):
+        if lacking:
+            raise DataError(f"node {node} (rank {rank}) lacks {plural(lacking, 'image')} of the "
+                            f"run's list in --data-dir {cfg.data_dir}, e.g. {first[0]}: copy the "
+                            f"same folder to every node (cluster.yaml's file_mounts), or keep it "
+                            f"in object storage (s3://...)")
+    for node, _, _, images, folders in found:
         if images or folders:
             more = plural(images, "image") + (f" and {plural(folders, 'class folder')}"
                                                if folders else "")
