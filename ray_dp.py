@@ -4936,11 +4936,10 @@ class TorchrunLauncher:
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
         if state is not None:
             save_checkpoint(self.cfg.run_dir, state, epoch, step)
-        if step:
-            return
-        ray.train.report(metrics)
-        if self.tensorboard:
-            self.tensorboard.write(metrics)
+        if not step:
+            ray.train.report(metrics)
+            if self.tensorboard:
+                self.tensorboard.write(metrics)
 
 
 def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0) -> None:
@@ -4958,14 +4957,12 @@ def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0) -> Non
 
 
 def under_torchrun() -> bool:
-    """Started by torchrun: Ray Train's local mode runs the loop in each of its processes. (Ray's
-    own workers have RANK, WORLD_SIZE, ... too, not torchrun's run id.)"""
+    """Started by torchrun (its run ID: Ray's own workers have RANK, WORLD_SIZE, ... too)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and ray_joins_torchrun()
 
 
 def torchrun_follower() -> bool:
-    """A torchrun process other than rank 0: it takes the run's configuration, checkpoint and data
-    from rank 0, which checks them all before training."""
+    """A torchrun process other than rank 0, which resolves and checks the run for every rank."""
     return under_torchrun() and os.environ.get("RANK") != "0"
 
 
@@ -5010,16 +5007,10 @@ class Cluster:
     def most(self) -> Optional[dict]:
         if self.node_types is None:
             return None
-        most = {}
-        for resources, count in self.node_types:
-            for kind, amount in resources.items():
-                if amount and count:
-                    most[kind] = most.get(kind, 0) + amount * count
-        return most
-
-    def hosts(self, per_worker: dict) -> bool:
-        return any(count and fits(per_worker, resources)
-                   for resources, count in self.node_types or [])
+        kinds = dict.fromkeys(kind for resources, count in self.node_types if count
+                              for kind, amount in resources.items() if amount)
+        return {kind: sum(resources.get(kind, 0) * count for resources, count in self.node_types)
+                for kind in kinds}
 
 
 def fits(need: dict, have: dict) -> bool:
@@ -5053,8 +5044,8 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
     if (cluster.local and cfg.cpus_per_worker is None
             and cfg.processes > cluster.now.get("CPU", 0) and not cfg.gpu):
         cfg = share_cores(cfg, cluster.now.get("CPU", 0))
-    fewest = cfg.min_workers or cfg.processes  # an elastic run starts once its minimum fits
-    need = {kind: amount * fewest for kind, amount in resources_per_worker(cfg).items()}
+    fewest, per_worker = cfg.min_workers or cfg.processes, resources_per_worker(cfg)
+    need = {kind: amount * fewest for kind, amount in per_worker.items()}  # elastic: its minimum
     if fits(need, cluster.now):
         return cfg
     have = f"{cluster.now.get('CPU', 0):g} CPUs and {cluster.now.get('GPU', 0):g} GPUs"
@@ -5067,9 +5058,9 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
                  f"its node types add up to at most {cluster.most}")
         raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} "
                           f"GPUs but {limit} (lower --workers or --cpus-per-worker)")
-    if cluster.node_types is not None and not cluster.hosts(resources_per_worker(cfg)):
-        raise ConfigError(f"one worker needs {resources_per_worker(cfg)} and no node type of the "
-                          f"cluster has that much (lower --cpus-per-worker)")
+    if not any(count and fits(per_worker, resources) for resources, count in cluster.node_types):
+        raise ConfigError(f"one worker needs {per_worker} and no node type of the cluster has "
+                          f"that much (lower --cpus-per-worker)")
     print(f"note: waiting for the cluster to grow to {need} (it has {have} now)", flush=True)
     return cfg
 
@@ -5096,10 +5087,7 @@ def autoscaler_node_types(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[li
         return None
     import yaml
     with open(path) as f:
-        return node_types_from_yaml(yaml.safe_load(f))
-
-
-def node_types_from_yaml(cluster_yaml: dict) -> list:
+        cluster_yaml = yaml.safe_load(f)
     head = cluster_yaml.get("head_node_type")
     return [(node_type.get("resources", {}), node_type.get("max_workers", 0) + (name == head))
             for name, node_type in cluster_yaml.get("available_node_types", {}).items()]
@@ -5126,8 +5114,7 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
                           f"on this machine") from None
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-KEPT_FREED_BYTES = 1 << 30
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEPT_FREED_BYTES = -1, -3, 1 << 30
 MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                    "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")  # a user's own, left as they are
 memory_kept = False
