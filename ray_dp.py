@@ -5160,10 +5160,9 @@ RAY_CHECKED = "2.60.0"
 _noted = set()
 
 
-def ray_internal(module: str, name: Optional[str] = None):
+def ray_internal(module: str, name: str):
     try:
-        found = importlib.import_module(module)
-        return getattr(found, name) if name else found
+        return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None
 
@@ -5193,11 +5192,8 @@ def ray_joins_torchrun() -> bool:
 
 
 HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"  # a rank's process or node died
-# Ray's memory monitor's words for the workers it killed (every unexpected exit's error lists "the
-# OOM killer" among possible causes: not the word "memory")
+# the memory monitor's words (every unexpected exit lists "the OOM killer" as a possible cause)
 RAY_OOM_KILLED = re.compile(r"low on memory|memory pressure|OUT_OF_MEMORY")
-
-
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of committed checkpoints
 SNAPSHOT_REREAD_S = 1.0
 SNAPSHOT_WAYS_ON = ("--eval-only one of the run's checkpoint_epoch_* directories, or rerun with "
@@ -5234,16 +5230,15 @@ def ray_snapshot(run_dir: str) -> Optional[dict]:
 def snapshot_shape(state) -> bool:
     """What ray_dp reads, as Ray's _CheckpointManagerState has it: each committed checkpoint's
     directory name and metrics, and the latest reported (None, or one of them)."""
-    if not isinstance(state, dict) or not isinstance(state.get("checkpoint_results"), list):
+    def listed(entry) -> bool:
+        return (isinstance(entry, dict) and isinstance(entry.get("checkpoint_dir_name"), str)
+                and isinstance(entry.get("metrics"), dict))
+    committed = state.get("checkpoint_results") if isinstance(state, dict) else None
+    if not isinstance(committed, list) or not all(map(listed, committed)):
         return False
-    committed, latest = state["checkpoint_results"], state.get("latest_checkpoint_result")
-    if not all(isinstance(entry, dict) and isinstance(entry.get("checkpoint_dir_name"), str)
-               and isinstance(entry.get("metrics"), dict) for entry in committed):
-        return False
-    names = {entry["checkpoint_dir_name"] for entry in committed}
-    return latest is None or (isinstance(latest, dict)
-                              and isinstance(latest.get("checkpoint_dir_name"), str)
-                              and latest["checkpoint_dir_name"] in names)
+    latest = state.get("latest_checkpoint_result")
+    return latest is None or (listed(latest) and latest["checkpoint_dir_name"] in {
+        entry["checkpoint_dir_name"] for entry in committed})
 
 
 def checkpoint_config(cfg: Config) -> CheckpointConfig:
@@ -5293,21 +5288,15 @@ def gcs_address(address: str) -> Optional[str]:
 
 
 def set_ray_train_knobs(cfg: Config) -> None:
-    """Ray Train's environment knobs, which it hands its controller and workers: a report (and its
-    checkpoint) collected once a poll, 2 s by default; --start-timeout; a print printed once, not
-    logged too (--worker-output would show both)."""
+    """Ray Train's knobs: a report collected each 0.2 s poll (2 s by default), --start-timeout, a
+    print printed once (not logged too); its placement-group cleaner's waits for the State API
+    (the dashboard, not installed), 10 s a question and 12 s a run (bench/startup.md), cut to 1 s."""
+    import inspect
     if ray_internal(*SIGTERM_SETTER) is None:
         internal_note(".".join(SIGTERM_SETTER), SIGTERM_LOST)
-    shorten_placement_group_cleaner_waits()
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)
-
-
-def shorten_placement_group_cleaner_waits() -> None:
-    """Ray Train's placement-group cleaner asks the State API (the dashboard, not installed) 10 s
-    a question and every fit waits for it: 12 s a run (bench/startup.md); 1 s keeps its job."""
-    import inspect
     cleaner = ray_internal("ray.train.v2._internal.callbacks.placement_group_callback",
                            "PlacementGroupCleanerCallback")
     parameters = list(inspect.signature(cleaner.__init__).parameters) if cleaner else []
@@ -5347,15 +5336,14 @@ class FailureLog(ray.train.UserCallback):
         quiet_ray_train()
 
     def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        epoch = metrics[0]["epoch"]
         if not self.events or self.events[-1]["event"] == "failed":  # a worker group's first
+            for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
+                failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
             self.node_ips = {rank: m.get("node") for rank, m in enumerate(metrics)}
             nodes = sorted(set(self.node_ips.values()) - {None})
             self.add(f"{plural(len(metrics), 'worker')} started on {', '.join(nodes)}"
                      if self.events else None, event="started", workers=len(metrics), nodes=nodes)
-        epoch = metrics[0]["epoch"]
-        for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
-            failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
-            self.save()
         self.done = epoch - 1 if "step" in metrics[0] else epoch
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
@@ -5365,12 +5353,10 @@ class FailureLog(ray.train.UserCallback):
         limit = self.cfg.max_failures
         append_log(self.logs, "\n".join(f"rank {rank}: {error}" for rank, error in
                                         sorted(worker_exceptions.items())))
-        if limit != -1 and self.failures > limit:
-            then = f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
-        else:
-            of = "no limit" if limit == -1 else f"{limit} allowed"
-            then = (f"failure {self.failures} (--max-failures: {of}): restarting the workers from "
-                    f"the last checkpoint")
+        of = "no limit" if limit == -1 else f"{limit} allowed"
+        then = (f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
+                if limit != -1 and self.failures > limit else f"failure {self.failures} "
+                f"(--max-failures: {of}): restarting the workers from the last checkpoint")
         what = describe_worker_failures(worker_exceptions, self.node_ips)
         self.add(f"{what} during epoch {self.done + 1}; {then}", event="failed",
                  failure=self.failures, during_epoch=self.done + 1, what=what,

@@ -335,7 +335,7 @@ def test_ray_trains_placement_group_cleaner_waits_one_second_per_question_and_no
     # run waited 3 s for the cleaner to stop (README, Performance). A Ray upgrade that changes the
     # callback fails here.
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    ray_dp.shorten_placement_group_cleaner_waits()
+    ray_dp.set_ray_train_knobs(ray_dp.Config())
     callback = PlacementGroupCleanerCallback()
     assert (callback._check_interval_s, callback._get_actor_timeout_s, callback._stop_timeout) == (1.0, 1.0, 0.1)
 
