@@ -5040,10 +5040,15 @@ def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
 
 def settle_device(cfg: Config, cluster: Cluster) -> Config:
     """The config with its device, once the workers are known to fit (Ray would wait forever)."""
-    cfg = replace(cfg, gpu=decide_gpu(cfg, cluster))
-    if (cluster.local and cfg.cpus_per_worker is None
-            and cfg.processes > cluster.now.get("CPU", 0) and not cfg.gpu):
-        cfg = share_cores(cfg, cluster.now.get("CPU", 0))
+    cfg, cores = replace(cfg, gpu=decide_gpu(cfg, cluster)), cluster.now.get("CPU", 0)
+    if cluster.local and cfg.cpus_per_worker is None and cfg.processes > cores and not cfg.gpu:
+        share = math.floor(cores / cfg.processes * 10_000) / 10_000  # Ray counts in 0.0001 CPU
+        if not share:
+            raise ConfigError(f"{cfg.processes} workers cannot share {cores:g} cores (Ray's "
+                              f"smallest share is 0.0001 CPU): lower --workers")
+        print(f"note: {cfg.processes} workers share this machine's {cores:g} cores: {share:g} CPU "
+              f"and 1 thread each (--cpus-per-worker sets it)", flush=True)
+        cfg = replace(cfg, cpus_per_worker=share)  # an equal share each, as under torchrun
     fewest, per_worker = cfg.min_workers or cfg.processes, resources_per_worker(cfg)
     need = {kind: amount * fewest for kind, amount in per_worker.items()}  # elastic: its minimum
     if fits(need, cluster.now):
@@ -5063,18 +5068,6 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
                           f"that much (lower --cpus-per-worker)")
     print(f"note: waiting for the cluster to grow to {need} (it has {have} now)", flush=True)
     return cfg
-
-
-def share_cores(cfg: Config, cores: float) -> Config:
-    """More workers than cores, and no --cpus-per-worker: each gets an equal share, as under
-    torchrun."""
-    share = math.floor(cores / cfg.processes * 10_000) / 10_000  # Ray counts in 0.0001 CPU
-    if not share:
-        raise ConfigError(f"{cfg.processes} workers cannot share {cores:g} cores (Ray's smallest "
-                          f"share is 0.0001 CPU): lower --workers")
-    print(f"note: {cfg.processes} workers share this machine's {cores:g} cores: {share:g} CPU and "
-          f"1 thread each (--cpus-per-worker sets it)", flush=True)
-    return replace(cfg, cpus_per_worker=share)
 
 
 BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"  # what `ray up` leaves on the head node
@@ -5138,9 +5131,8 @@ def keep_freed_memory() -> None:
 
 
 def worker_env(cfg: Config) -> dict:
-    """The training workers' environment: torch's flight recorder of their collectives (hang
-    records); glibc's one arena, since a thread's own (Ray trains in one) serves blocks over 64
-    MiB from mmap whatever the thresholds say. A variable the user set stays theirs."""
+    """The workers' environment (a variable the user set stays theirs): torch's flight recorder
+    (hang records); glibc's one arena, as a thread's own serves blocks over 64 MiB from mmap."""
     env = {"TORCH_FR_BUFFER_SIZE": "2000"}
     if cfg.keep_freed_memory and not any(name in os.environ for name in MALLOC_SETTINGS):
         env["MALLOC_ARENA_MAX"] = "1"
@@ -5367,12 +5359,6 @@ class FailureLog(ray.train.UserCallback):
         if message:
             self.say(f"ray-dp: {message}")
         self.events.append({"at": time.time(), **event})
-        self.save()
-
-    def say(self, line: str) -> None:
-        self.board.say.remote(line) if self.board is not None else print(line, flush=True)
-
-    def save(self) -> None:
         try:
             write_json(os.path.join(self.logs, "recovery.json"), {"events": self.events})
         except OSError as exc:
@@ -5380,6 +5366,9 @@ class FailureLog(ray.train.UserCallback):
                 self.say(f"ray-dp: cannot write {self.logs}/recovery.json ({exc}); training goes "
                          f"on without it")
             self.save_failed = True
+
+    def say(self, line: str) -> None:
+        self.board.say.remote(line) if self.board is not None else print(line, flush=True)
 
 
 # ==================================================================================================
@@ -5609,10 +5598,7 @@ def write_marker(folder: str) -> Optional[str]:
     created = next((str(part) for part in reversed(PurePosixPath(path).parents)
                     if str(part) not in (".", "/")
                     and files.get_file_info(str(part)).type == fs.FileType.NotFound), None)
-    if not is_uri(folder):
-        files.create_dir(path, recursive=True)
-    with files.open_output_stream(f"{path}/{ray.get_runtime_context().get_node_id()}") as f:
-        f.write(b"written by ray_dp.py doctor\n")
+    write_stored(f"{folder}/{ray.get_runtime_context().get_node_id()}", b"ray_dp.py doctor\n")
     return created
 
 
