@@ -5018,9 +5018,8 @@ def fits(need: dict, have: dict) -> bool:
 
 
 def cluster_of(cfg: Config) -> Cluster:
-    attached = bool(cfg.address)
-    return Cluster(ray.cluster_resources(), autoscaler_node_types() if attached else None,
-                   local=not attached)
+    return Cluster(ray.cluster_resources(), autoscaler_node_types() if cfg.address else None,
+                   local=not cfg.address)
 
 
 def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
@@ -5205,8 +5204,7 @@ def ray_snapshot(run_dir: str) -> Optional[dict]:
     then whole): a reader mid-rewrite reads again for up to SNAPSHOT_REREAD_S."""
     from pyarrow import fs
     storage, path = files_at(run_dir)
-    snapshot = f"{path}/{RAY_SNAPSHOT}"
-    deadline = time.monotonic() + SNAPSHOT_REREAD_S
+    snapshot, deadline = f"{path}/{RAY_SNAPSHOT}", time.monotonic() + SNAPSHOT_REREAD_S
     while storage.get_file_info(snapshot).type != fs.FileType.NotFound:
         with storage.open_input_stream(snapshot) as f:
             text = f.read()
@@ -5270,8 +5268,7 @@ def gcs_address(address: str) -> Optional[str]:
         if address != "auto":
             return address
         internal_note("ray._private.services.canonicalize_bootstrap_address",
-                      "--address auto is not checked before Ray attaches (which may retry for "
-                      "minutes)")
+                      "--address auto goes unchecked to Ray, which may retry for minutes")
         return None
     try:
         return canonicalize(address) or ""
@@ -5309,8 +5306,7 @@ def quiet_ray_train() -> None:
 
 RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_ray_worker}
 if __name__ != "__main__":
-    # Imported (a notebook, another program): Ray's processes unpickle its functions by reference,
-    # so Ray ships this file to every process it starts (run as a script, they go by value).
+    # imported: Ray's processes unpickle its functions by reference (a script's go by value)
     RUNTIME_ENV["py_modules"] = [sys.modules[__name__]]
 
 
@@ -5389,8 +5385,7 @@ class Doctor:
     def __init__(self, cfg: Config, hang_timeout: float):
         self.cfg, self.hang_timeout = cfg, hang_timeout
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")
-        self.probe: Optional[dict] = None
-        self.nodes: dict = {}
+        self.probe, self.nodes = None, {}  # what the workers check found; node name: node ID
 
     def run(self) -> bool:
         checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
@@ -5435,12 +5430,12 @@ class Doctor:
             if isinstance(found, Exception):
                 return Check(False, f"node {node} did not answer: {first_line(found)}")
             differ = [f"{key} {found[key]} (the driver {here[key]})"
-                      for key in SOFTWARE if found[key] != here[key]]
+                      for key in here if key != "host" and found[key] != here[key]]
             if differ:
                 return Check(False, f"node {node} ({found['host']}) has {', '.join(differ)}: "
                                     f"install requirements.txt into the same Python on every "
                                     f"node (cluster.yaml's setup_commands)")
-        same = ", ".join(f"{key} {here[key]}" for key in SOFTWARE)
+        same = ", ".join(f"{key} {here[key]}" for key in here if key != "host")
         return Check(True, f"{plural(len(nodes), 'node')}, the same as the driver's: {same}")
 
     def resources(self) -> Check:
@@ -5570,9 +5565,6 @@ def doctor_config(args: dict) -> tuple[Config, dict]:
     cfg = with_absolute_paths(replace(Config(**args), min_workers=0))  # MIN:MAX: MAX must start
     validate(cfg, doctor=True)
     return cfg, {"hang_timeout": hang_timeout}
-
-
-SOFTWARE = ("python", "ray", "torch", "torchvision")
 
 
 def node_software() -> dict:
