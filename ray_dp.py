@@ -5611,8 +5611,7 @@ def remove_markers(folder: str, created: dict) -> None:
 
 
 def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> Check:
-    """written: each node's first directory made (or None), seen: the markers it listed; or the
-    exception it raised."""
+    """Each node's answers (the first directory it made, the markers it saw) or its exception."""
     for node, answer in written.items():
         if isinstance(answer, BaseException):
             return Check(False, f"node {node} cannot write under {storage}: {first_line(answer)}; "
@@ -5721,9 +5720,8 @@ def three_figures(value: float) -> str:
 
 
 def rate(bytes_per_second: float) -> str:
-    if bytes_per_second >= 1e9:
-        return f"{three_figures(bytes_per_second / 1e9)} GB/s"
-    return f"{three_figures(bytes_per_second / 1e6)} MB/s"
+    scale, unit = (1e9, "GB/s") if bytes_per_second >= 1e9 else (1e6, "MB/s")
+    return f"{three_figures(bytes_per_second / scale)} {unit}"
 
 
 if __name__ == "__main__":
