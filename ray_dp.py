@@ -4787,7 +4787,7 @@ def missing_dataset(dataset_class, root: str, download: bool, error: Exception) 
     tried = (f" and could not be downloaded ({reason})" if "download=True" not in reason
              else " and could not be downloaded") if download else " (--no-download)"
     folder = os.path.join(root, own_entries(dataset_class)[0])
-    if hasattr(dataset_class, "resources"):  # MNIST's kind, in folder/raw
+    if hasattr(dataset_class, "resources"):
         folder, names = os.path.join(folder, "raw"), [
             os.path.splitext(os.path.basename(url))[0] for url, _ in dataset_class.resources]
     else:
@@ -4799,7 +4799,6 @@ def missing_dataset(dataset_class, root: str, download: bool, error: Exception) 
 
 
 def own_entries(dataset_class) -> tuple:
-    """What torchvision makes in root for the data set: its folder, and its archive if any."""
     folder = getattr(dataset_class, "base_folder", dataset_class.__name__)
     return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
 
@@ -4967,8 +4966,7 @@ def torchrun_follower() -> bool:
 
 
 def torchrun_launch(command: str, args: dict, typed: set) -> dict:
-    """torchrun decides the workers (WORLD_SIZE) and the device (CUDA if there is): the config
-    says what will really run."""
+    """torchrun decides the workers (WORLD_SIZE) and the device (CUDA if there is one)."""
     world = os.environ["WORLD_SIZE"]
     if not world.isdigit() or int(world) < 1:
         raise ConfigError(f"torchrun's WORLD_SIZE must be a positive whole number, got {world!r}")
@@ -5047,7 +5045,7 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
                               f"smallest share is 0.0001 CPU): lower --workers")
         print(f"note: {cfg.processes} workers share this machine's {cores:g} cores: {share:g} CPU "
               f"and 1 thread each (--cpus-per-worker sets it)", flush=True)
-        cfg = replace(cfg, cpus_per_worker=share)  # an equal share each, as under torchrun
+        cfg = replace(cfg, cpus_per_worker=share)
     fewest, per_worker = cfg.min_workers or cfg.processes, resources_per_worker(cfg)
     need = {kind: amount * fewest for kind, amount in per_worker.items()}  # elastic: its minimum
     if fits(need, cluster.now):
@@ -5277,9 +5275,8 @@ def gcs_address(address: str) -> Optional[str]:
 
 
 def set_ray_train_knobs(cfg: Config) -> None:
-    """Ray Train's knobs: a report collected each 0.2 s poll (2 s by default), --start-timeout, a
-    print printed once (not logged too); its placement-group cleaner's waits for the State API
-    (the dashboard, not installed), 10 s a question and 12 s a run (bench/startup.md), cut to 1 s."""
+    """Ray Train's knobs: reports collected every 0.2 s (not 2 s), --start-timeout, prints not
+    logged too; its placement-group cleaner's waits (no dashboard: 12 s a run) cut to 1 s."""
     import inspect
     if ray_internal(*SIGTERM_SETTER) is None:
         internal_note(".".join(SIGTERM_SETTER), SIGTERM_LOST)
@@ -5385,7 +5382,7 @@ class Doctor:
     def __init__(self, cfg: Config, hang_timeout: float):
         self.cfg, self.hang_timeout = cfg, hang_timeout
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")
-        self.probe, self.nodes = None, {}  # what the workers check found; node name: node ID
+        self.probe, self.nodes = None, {}
 
     def run(self) -> bool:
         checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
@@ -5509,7 +5506,7 @@ class Doctor:
         cfg = replace(self.cfg, download=False)
         try:
             here = data_files(cfg)
-        except DataError as exc:  # a run downloads a built-in data set on the driver, then sends it
+        except DataError as exc:
             if self.cfg.download and cfg.dataset in ("fashion-mnist", "cifar10"):
                 return Check(True, f"{cfg.dataset} is not in {cfg.data_dir} yet: a run downloads "
                                    f"it there first (not tried here)")
