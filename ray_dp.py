@@ -5303,7 +5303,7 @@ def quiet_ray_train() -> None:
 
 RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_ray_worker}
 if __name__ != "__main__":
-    # imported: Ray's processes unpickle its functions by reference (a script's go by value)
+    # imported, its functions reach Ray's processes by reference: Ray ships them this file
     RUNTIME_ENV["py_modules"] = [sys.modules[__name__]]
 
 
