@@ -356,10 +356,6 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
                             help="seconds every rank has to come to each probe collective before "
                                  "the ones that did not are named; also the longest one probe "
                                  "collective may take (the process group's timeout)")
-        parser.add_argument("--check-images", action="store_true",
-                            help="--dataset folder: also decode every image of train/ and val/ "
-                                 "on this machine, with a progress bar, and name each file that "
-                                 "is not a readable image")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
@@ -578,8 +574,7 @@ def read_image(path: str, data_dir: str, data: Optional[bytes] = None):
 
 def unreadable_image(path: str, data_dir: str, error: BaseException) -> str:
     return (f"{path} is not a readable image ({image_error(error)}): remove or replace it in "
-            f"{path.rsplit('/', 1)[0]}/ (ray_dp.py doctor --dataset folder --data-dir {data_dir} "
-            f"--check-images finds every such file)")
+            f"{path.rsplit('/', 1)[0]}/ (and any other such file in --data-dir {data_dir})")
 
 
 def image_error(error: BaseException) -> str:
@@ -4736,11 +4731,11 @@ def missing_dataset(dataset_class, root: str, download: bool, error: Exception) 
     reason = " ".join(str(error).split())
     tried = (f" and could not be downloaded ({reason})" if "download=True" not in reason
              else " and could not be downloaded") if download else " (--no-download)"
+    folder = os.path.join(root, own_entries(dataset_class)[0])
     if hasattr(dataset_class, "resources"):
-        folder = os.path.join(root, dataset_class.__name__, "raw")
-        names = [os.path.splitext(os.path.basename(url))[0] for url, _ in dataset_class.resources]
+        folder, names = os.path.join(folder, "raw"), [
+            os.path.splitext(os.path.basename(url))[0] for url, _ in dataset_class.resources]
     else:
-        folder = os.path.join(root, dataset_class.base_folder)
         names = ([name for name, _ in dataset_class.train_list + dataset_class.test_list]
                  + [dataset_class.meta["filename"]])
     return (f"{dataset_class.__name__} is not in {root}{tried}: put its files there ({folder}/ "
@@ -4749,8 +4744,7 @@ def missing_dataset(dataset_class, root: str, download: bool, error: Exception) 
 
 
 def own_entries(dataset_class) -> tuple:
-    folder = (dataset_class.__name__ if hasattr(dataset_class, "resources")
-              else dataset_class.base_folder)
+    folder = getattr(dataset_class, "base_folder", dataset_class.__name__)
     return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
 
 
@@ -4776,16 +4770,13 @@ def download_lock(root: str, name: str):
     from filelock import FileLock
     try:
         os.makedirs(root, exist_ok=True)
-        lock = FileLock(os.path.join(root, f".{name}.lock"))
-        lock.acquire()
+        held = FileLock(os.path.join(root, f".{name}.lock")).acquire()
     except OSError as exc:
         raise DataError(f"--data-dir {root}: cannot create the download's lock file there "
                         f"({exc.strerror or exc}); use a writable --data-dir, or --no-download "
                         f"where the files already are") from None
-    try:
+    with held:
         yield
-    finally:
-        lock.release()
 
 
 def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console") -> None:
@@ -4794,7 +4785,7 @@ def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console
     if cfg.dataset != "folder" or is_uri(cfg.data_dir):
         return
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
-    mine = []
+    lacks, images, folders = [], 0, 0
     for split, listed in zip(("train", "val"), data):
         if listed is None:  # --eval-only reads val/ alone
             continue
@@ -4802,23 +4793,21 @@ def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console
         here = {path[len(root) + 1:] for path, _ in make_dataset(
             root, listed.class_to_idx, IMG_EXTENSIONS, allow_empty=True)}
         wanted = [path[len(listed.root.rstrip("/")) + 1:] for path, _ in listed.samples]
-        lacks = [f"{split}/{name}" for name in wanted if name not in here]
-        folders = [name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))
-                   and name not in listed.class_to_idx] if os.path.isdir(root) else []
-        more = (len(here - set(wanted)), len(folders)) if split == "train" else (0, 0)
-        mine.append((lacks[:1], len(lacks), *more))
-    found = [(node_name(), mine)] * worker.world
+        lacks += [f"{split}/{name}" for name in wanted if name not in here]
+        if split == "train" and os.path.isdir(root):
+            images = len(here - set(wanted))
+            folders = sum(os.path.isdir(os.path.join(root, name))
+                          and name not in listed.class_to_idx for name in os.listdir(root))
+    found = [(node_name(), lacks[:1], len(lacks), images, folders)] * worker.world
     if worker.world > 1:
-        dist.all_gather_object(found, (node_name(), mine))
-    for rank, (node, splits) in enumerate(found):
-        for first, lacks, *_ in splits:
-            if lacks:
-                raise DataError(f"node {node} (rank {rank}) lacks {plural(lacks, 'image')} of the "
-                                f"run's list in --data-dir {cfg.data_dir}, e.g. {first[0]}: copy "
-                                f"the same folder to every node (cluster.yaml's file_mounts), or "
-                                f"keep it in object storage (s3://...)")
-    for node, splits in found:
-        images, folders = (sum(split[i] for split in splits) for i in (2, 3))
+        dist.all_gather_object(found, found[0])
+    for rank, (node, first, lacking, _, _) in enumerate(found):
+        if lacking:
+            raise DataError(f"node {node} (rank {rank}) lacks {plural(lacking, 'image')} of the "
+                            f"run's list in --data-dir {cfg.data_dir}, e.g. {first[0]}: copy the "
+                            f"same folder to every node (cluster.yaml's file_mounts), or keep it "
+                            f"in object storage (s3://...)")
+    for node, _, _, images, folders in found:
         if images or folders:
             more = plural(images, "image") + (f" and {plural(folders, 'class folder')}"
                                                if folders else "")
@@ -4891,11 +4880,10 @@ class TorchrunLauncher:
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
         if state is not None:
             save_checkpoint(self.cfg.run_dir, state, epoch, step)
-        if step:
-            return
-        ray.train.report(metrics)
-        if self.tensorboard:
-            self.tensorboard.write(metrics)
+        if not step:
+            ray.train.report(metrics)
+            if self.tensorboard:
+                self.tensorboard.write(metrics)
 
 
 def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0) -> None:
@@ -4913,20 +4901,17 @@ def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0) -> Non
 
 
 def under_torchrun() -> bool:
-    """Started by torchrun: Ray Train's local mode runs the loop in each of its processes. (Ray's
-    own workers have RANK, WORLD_SIZE, ... too, not torchrun's run id.)"""
+    """Started by torchrun (its run ID: Ray's own workers have RANK, WORLD_SIZE, ... too)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and ray_joins_torchrun()
 
 
 def torchrun_follower() -> bool:
-    """A torchrun process other than rank 0: it takes the run's configuration, checkpoint and data
-    from rank 0, which checks them all before training."""
+    """A torchrun process other than rank 0, which resolves and checks the run for every rank."""
     return under_torchrun() and os.environ.get("RANK") != "0"
 
 
 def torchrun_launch(command: str, args: dict, typed: set) -> dict:
-    """torchrun decides the workers (WORLD_SIZE) and the device (CUDA if there is): the config
-    says what will really run."""
+    """torchrun decides the workers (WORLD_SIZE) and the device (CUDA if there is one)."""
     world = os.environ["WORLD_SIZE"]
     if not world.isdigit() or int(world) < 1:
         raise ConfigError(f"torchrun's WORLD_SIZE must be a positive whole number, got {world!r}")
@@ -4965,16 +4950,10 @@ class Cluster:
     def most(self) -> Optional[dict]:
         if self.node_types is None:
             return None
-        most = {}
-        for resources, count in self.node_types:
-            for kind, amount in resources.items():
-                if amount and count:
-                    most[kind] = most.get(kind, 0) + amount * count
-        return most
-
-    def hosts(self, per_worker: dict) -> bool:
-        return any(count and fits(per_worker, resources)
-                   for resources, count in self.node_types or [])
+        kinds = dict.fromkeys(kind for resources, count in self.node_types if count
+                              for kind, amount in resources.items() if amount)
+        return {kind: sum(resources.get(kind, 0) * count for resources, count in self.node_types)
+                for kind in kinds}
 
 
 def fits(need: dict, have: dict) -> bool:
@@ -4982,9 +4961,8 @@ def fits(need: dict, have: dict) -> bool:
 
 
 def cluster_of(cfg: Config) -> Cluster:
-    attached = bool(cfg.address)
-    return Cluster(ray.cluster_resources(), autoscaler_node_types() if attached else None,
-                   local=not attached)
+    return Cluster(ray.cluster_resources(), autoscaler_node_types() if cfg.address else None,
+                   local=not cfg.address)
 
 
 def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
@@ -5004,12 +4982,17 @@ def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
 
 def settle_device(cfg: Config, cluster: Cluster) -> Config:
     """The config with its device, once the workers are known to fit (Ray would wait forever)."""
-    cfg = replace(cfg, gpu=decide_gpu(cfg, cluster))
-    if (cluster.local and cfg.cpus_per_worker is None
-            and cfg.processes > cluster.now.get("CPU", 0) and not cfg.gpu):
-        cfg = share_cores(cfg, cluster.now.get("CPU", 0))
-    fewest = cfg.min_workers or cfg.processes  # an elastic run starts once its minimum fits
-    need = {kind: amount * fewest for kind, amount in resources_per_worker(cfg).items()}
+    cfg, cores = replace(cfg, gpu=decide_gpu(cfg, cluster)), cluster.now.get("CPU", 0)
+    if cluster.local and cfg.cpus_per_worker is None and cfg.processes > cores and not cfg.gpu:
+        share = math.floor(cores / cfg.processes * 10_000) / 10_000  # Ray counts in 0.0001 CPU
+        if not share:
+            raise ConfigError(f"{cfg.processes} workers cannot share {cores:g} cores (Ray's "
+                              f"smallest share is 0.0001 CPU): lower --workers")
+        print(f"note: {cfg.processes} workers share this machine's {cores:g} cores: {share:g} CPU "
+              f"and 1 thread each (--cpus-per-worker sets it)", flush=True)
+        cfg = replace(cfg, cpus_per_worker=share)
+    fewest, per_worker = cfg.min_workers or cfg.processes, resources_per_worker(cfg)
+    need = {kind: amount * fewest for kind, amount in per_worker.items()}  # elastic: its minimum
     if fits(need, cluster.now):
         return cfg
     have = f"{cluster.now.get('CPU', 0):g} CPUs and {cluster.now.get('GPU', 0):g} GPUs"
@@ -5022,23 +5005,11 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
                  f"its node types add up to at most {cluster.most}")
         raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} "
                           f"GPUs but {limit} (lower --workers or --cpus-per-worker)")
-    if cluster.node_types is not None and not cluster.hosts(resources_per_worker(cfg)):
-        raise ConfigError(f"one worker needs {resources_per_worker(cfg)} and no node type of the "
-                          f"cluster has that much (lower --cpus-per-worker)")
+    if not any(count and fits(per_worker, resources) for resources, count in cluster.node_types):
+        raise ConfigError(f"one worker needs {per_worker} and no node type of the cluster has "
+                          f"that much (lower --cpus-per-worker)")
     print(f"note: waiting for the cluster to grow to {need} (it has {have} now)", flush=True)
     return cfg
-
-
-def share_cores(cfg: Config, cores: float) -> Config:
-    """More workers than cores, and no --cpus-per-worker: each gets an equal share, as under
-    torchrun."""
-    share = math.floor(cores / cfg.processes * 10_000) / 10_000  # Ray counts in 0.0001 CPU
-    if not share:
-        raise ConfigError(f"{cfg.processes} workers cannot share {cores:g} cores (Ray's smallest "
-                          f"share is 0.0001 CPU): lower --workers")
-    print(f"note: {cfg.processes} workers share this machine's {cores:g} cores: {share:g} CPU and "
-          f"1 thread each (--cpus-per-worker sets it)", flush=True)
-    return replace(cfg, cpus_per_worker=share)
 
 
 BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"  # what `ray up` leaves on the head node
@@ -5051,10 +5022,7 @@ def autoscaler_node_types(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[li
         return None
     import yaml
     with open(path) as f:
-        return node_types_from_yaml(yaml.safe_load(f))
-
-
-def node_types_from_yaml(cluster_yaml: dict) -> list:
+        cluster_yaml = yaml.safe_load(f)
     head = cluster_yaml.get("head_node_type")
     return [(node_type.get("resources", {}), node_type.get("max_workers", 0) + (name == head))
             for name, node_type in cluster_yaml.get("available_node_types", {}).items()]
@@ -5081,8 +5049,7 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
                           f"on this machine") from None
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-KEPT_FREED_BYTES = 1 << 30
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEPT_FREED_BYTES = -1, -3, 1 << 30
 MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                    "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")  # a user's own, left as they are
 memory_kept = False
@@ -5106,9 +5073,8 @@ def keep_freed_memory() -> None:
 
 
 def worker_env(cfg: Config) -> dict:
-    """The training workers' environment: torch's flight recorder of their collectives (hang
-    records); glibc's one arena, since a thread's own (Ray trains in one) serves blocks over 64
-    MiB from mmap whatever the thresholds say. A variable the user set stays theirs."""
+    """The workers' environment (a variable the user set stays theirs): torch's flight recorder
+    (hang records); glibc's one arena, as a thread's own serves blocks over 64 MiB from mmap."""
     env = {"TORCH_FR_BUFFER_SIZE": "2000"}
     if cfg.keep_freed_memory and not any(name in os.environ for name in MALLOC_SETTINGS):
         env["MALLOC_ARENA_MAX"] = "1"
@@ -5128,10 +5094,9 @@ RAY_CHECKED = "2.60.0"
 _noted = set()
 
 
-def ray_internal(module: str, name: Optional[str] = None):
+def ray_internal(module: str, name: str):
     try:
-        found = importlib.import_module(module)
-        return getattr(found, name) if name else found
+        return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None
 
@@ -5161,11 +5126,8 @@ def ray_joins_torchrun() -> bool:
 
 
 HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"  # a rank's process or node died
-# Ray's memory monitor's words for the workers it killed (every unexpected exit's error lists "the
-# OOM killer" among possible causes: not the word "memory")
+# the memory monitor's words (every unexpected exit lists "the OOM killer" as a possible cause)
 RAY_OOM_KILLED = re.compile(r"low on memory|memory pressure|OUT_OF_MEMORY")
-
-
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of committed checkpoints
 SNAPSHOT_REREAD_S = 1.0
 SNAPSHOT_WAYS_ON = ("--eval-only one of the run's checkpoint_epoch_* directories, or rerun with "
@@ -5185,8 +5147,7 @@ def ray_snapshot(run_dir: str) -> Optional[dict]:
     then whole): a reader mid-rewrite reads again for up to SNAPSHOT_REREAD_S."""
     from pyarrow import fs
     storage, path = files_at(run_dir)
-    snapshot = f"{path}/{RAY_SNAPSHOT}"
-    deadline = time.monotonic() + SNAPSHOT_REREAD_S
+    snapshot, deadline = f"{path}/{RAY_SNAPSHOT}", time.monotonic() + SNAPSHOT_REREAD_S
     while storage.get_file_info(snapshot).type != fs.FileType.NotFound:
         with storage.open_input_stream(snapshot) as f:
             text = f.read()
@@ -5202,16 +5163,15 @@ def ray_snapshot(run_dir: str) -> Optional[dict]:
 def snapshot_shape(state) -> bool:
     """What ray_dp reads, as Ray's _CheckpointManagerState has it: each committed checkpoint's
     directory name and metrics, and the latest reported (None, or one of them)."""
-    if not isinstance(state, dict) or not isinstance(state.get("checkpoint_results"), list):
+    def listed(entry) -> bool:
+        return (isinstance(entry, dict) and isinstance(entry.get("checkpoint_dir_name"), str)
+                and isinstance(entry.get("metrics"), dict))
+    committed = state.get("checkpoint_results") if isinstance(state, dict) else None
+    if not isinstance(committed, list) or not all(map(listed, committed)):
         return False
-    committed, latest = state["checkpoint_results"], state.get("latest_checkpoint_result")
-    if not all(isinstance(entry, dict) and isinstance(entry.get("checkpoint_dir_name"), str)
-               and isinstance(entry.get("metrics"), dict) for entry in committed):
-        return False
-    names = {entry["checkpoint_dir_name"] for entry in committed}
-    return latest is None or (isinstance(latest, dict)
-                              and isinstance(latest.get("checkpoint_dir_name"), str)
-                              and latest["checkpoint_dir_name"] in names)
+    latest = state.get("latest_checkpoint_result")
+    return latest is None or (listed(latest) and latest["checkpoint_dir_name"] in {
+        entry["checkpoint_dir_name"] for entry in committed})
 
 
 def checkpoint_config(cfg: Config) -> CheckpointConfig:
@@ -5251,8 +5211,7 @@ def gcs_address(address: str) -> Optional[str]:
         if address != "auto":
             return address
         internal_note("ray._private.services.canonicalize_bootstrap_address",
-                      "--address auto is not checked before Ray attaches (which may retry for "
-                      "minutes)")
+                      "--address auto goes unchecked to Ray, which may retry for minutes")
         return None
     try:
         return canonicalize(address) or ""
@@ -5261,21 +5220,14 @@ def gcs_address(address: str) -> Optional[str]:
 
 
 def set_ray_train_knobs(cfg: Config) -> None:
-    """Ray Train's environment knobs, which it hands its controller and workers: a report (and its
-    checkpoint) collected once a poll, 2 s by default; --start-timeout; a print printed once, not
-    logged too (--worker-output would show both)."""
+    """Ray Train's knobs: reports collected every 0.2 s (not 2 s), --start-timeout, prints not
+    logged too; its placement-group cleaner's waits (no dashboard: 12 s a run) cut to 1 s."""
+    import inspect
     if ray_internal(*SIGTERM_SETTER) is None:
         internal_note(".".join(SIGTERM_SETTER), SIGTERM_LOST)
-    shorten_placement_group_cleaner_waits()
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)
-
-
-def shorten_placement_group_cleaner_waits() -> None:
-    """Ray Train's placement-group cleaner asks the State API (the dashboard, not installed) 10 s
-    a question and every fit waits for it: 12 s a run (bench/startup.md); 1 s keeps its job."""
-    import inspect
     cleaner = ray_internal("ray.train.v2._internal.callbacks.placement_group_callback",
                            "PlacementGroupCleanerCallback")
     parameters = list(inspect.signature(cleaner.__init__).parameters) if cleaner else []
@@ -5296,8 +5248,7 @@ def quiet_ray_train() -> None:
 
 RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_ray_worker}
 if __name__ != "__main__":
-    # Imported (a notebook, another program): Ray's processes unpickle its functions by reference,
-    # so Ray ships this file to every process it starts (run as a script, they go by value).
+    # imported, its functions reach Ray's processes by reference: Ray ships them this file
     RUNTIME_ENV["py_modules"] = [sys.modules[__name__]]
 
 
@@ -5315,15 +5266,14 @@ class FailureLog(ray.train.UserCallback):
         quiet_ray_train()
 
     def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        epoch = metrics[0]["epoch"]
         if not self.events or self.events[-1]["event"] == "failed":  # a worker group's first
+            for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
+                failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
             self.node_ips = {rank: m.get("node") for rank, m in enumerate(metrics)}
             nodes = sorted(set(self.node_ips.values()) - {None})
             self.add(f"{plural(len(metrics), 'worker')} started on {', '.join(nodes)}"
                      if self.events else None, event="started", workers=len(metrics), nodes=nodes)
-        epoch = metrics[0]["epoch"]
-        for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
-            failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
-            self.save()
         self.done = epoch - 1 if "step" in metrics[0] else epoch
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
@@ -5333,12 +5283,10 @@ class FailureLog(ray.train.UserCallback):
         limit = self.cfg.max_failures
         append_log(self.logs, "\n".join(f"rank {rank}: {error}" for rank, error in
                                         sorted(worker_exceptions.items())))
-        if limit != -1 and self.failures > limit:
-            then = f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
-        else:
-            of = "no limit" if limit == -1 else f"{limit} allowed"
-            then = (f"failure {self.failures} (--max-failures: {of}): restarting the workers from "
-                    f"the last checkpoint")
+        of = "no limit" if limit == -1 else f"{limit} allowed"
+        then = (f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
+                if limit != -1 and self.failures > limit else f"failure {self.failures} "
+                f"(--max-failures: {of}): restarting the workers from the last checkpoint")
         what = describe_worker_failures(worker_exceptions, self.node_ips)
         self.add(f"{what} during epoch {self.done + 1}; {then}", event="failed",
                  failure=self.failures, during_epoch=self.done + 1, what=what,
@@ -5349,12 +5297,6 @@ class FailureLog(ray.train.UserCallback):
         if message:
             self.say(f"ray-dp: {message}")
         self.events.append({"at": time.time(), **event})
-        self.save()
-
-    def say(self, line: str) -> None:
-        self.board.say.remote(line) if self.board is not None else print(line, flush=True)
-
-    def save(self) -> None:
         try:
             write_json(os.path.join(self.logs, "recovery.json"), {"events": self.events})
         except OSError as exc:
@@ -5362,6 +5304,9 @@ class FailureLog(ray.train.UserCallback):
                 self.say(f"ray-dp: cannot write {self.logs}/recovery.json ({exc}); training goes "
                          f"on without it")
             self.save_failed = True
+
+    def say(self, line: str) -> None:
+        self.board.say.remote(line) if self.board is not None else print(line, flush=True)
 
 
 # ==================================================================================================
@@ -5379,42 +5324,36 @@ class Doctor:
     """The checks in order; one that needs what an earlier one found is skipped if that failed.
     Node questions go to one task per node; the worker group is the one a run would start."""
 
-    def __init__(self, cfg: Config, hang_timeout: float, check_images: bool = False):
-        self.cfg, self.hang_timeout, self.check_images = cfg, hang_timeout, check_images
+    def __init__(self, cfg: Config, hang_timeout: float):
+        self.cfg, self.hang_timeout = cfg, hang_timeout
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")
-        self.probe: Optional[dict] = None
-        self.nodes: dict = {}
+        self.probe, self.nodes = None, {}
 
     def run(self) -> bool:
         checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
                   ("resources", self.resources, "Ray"), ("storage", self.storage, "Ray"),
                   ("workers", self.workers, "resources"), ("all-reduce", self.allreduce, "workers"),
-                  ("data", self.data, "Ray")] + ([("images", self.images, "data")]
-                                                 if self.check_images else [])
+                  ("data", self.data, "Ray")]
         started, passed, log = time.time(), set(), os.path.join(self.logs, "ray.log")
         for name, check, needs in checks:
             if needs and needs not in passed:
                 print(f"skipped {name:<10} (needs {needs})", flush=True)
                 continue
-            result = self.checked(check)
+            try:
+                result = check()
+            except Exception as exc:
+                result = Check(False, f"{first_line(exc)} (the check itself failed)")
             passed.update([name] if result.ok else [])
             print(f"{'ok' if result.ok else 'FAILED':<7} {name:<10} {result.says}", flush=True)
-        failed = len(checks) - len(passed)
-        if not (failed and os.path.isfile(log)):
+        failed, seconds = len(checks) - len(passed), time.time() - started
+        kept = failed and os.path.isfile(log)
+        if not kept:
             shutil.rmtree(self.logs, ignore_errors=True)
-        where = f"; Ray's errors are in {log}" if failed and os.path.isfile(log) else ""
-        print(f"doctor: {failed} of {len(checks)} checks failed or were skipped "
-              f"({time.time() - started:.1f} s){where}" if failed else
-              f"doctor: all {len(checks)} checks passed in {time.time() - started:.1f} s",
-              flush=True)
+        where = f"; Ray's errors are in {log}" if kept else ""
+        print(f"doctor: {failed} of {len(checks)} checks failed or were skipped ({seconds:.1f} s)"
+              f"{where}" if failed else
+              f"doctor: all {len(checks)} checks passed in {seconds:.1f} s", flush=True)
         return not failed
-
-    @staticmethod
-    def checked(check) -> Check:
-        try:
-            return check()
-        except Exception as exc:
-            return Check(False, f"{first_line(exc)} (the check itself failed)")
 
     def ray(self) -> Check:
         begun = time.time()
@@ -5431,14 +5370,14 @@ class Doctor:
         here, nodes = node_software(), self.on_every_node(node_software)
         for node, found in nodes.items():
             if isinstance(found, Exception):
-                return Check(False, f"node {node} did not answer: {said(found)}")
+                return Check(False, f"node {node} did not answer: {first_line(found)}")
             differ = [f"{key} {found[key]} (the driver {here[key]})"
-                      for key in SOFTWARE if found[key] != here[key]]
+                      for key in here if key != "host" and found[key] != here[key]]
             if differ:
                 return Check(False, f"node {node} ({found['host']}) has {', '.join(differ)}: "
                                     f"install requirements.txt into the same Python on every "
                                     f"node (cluster.yaml's setup_commands)")
-        same = ", ".join(f"{key} {here[key]}" for key in SOFTWARE)
+        same = ", ".join(f"{key} {here[key]}" for key in here if key != "host")
         return Check(True, f"{plural(len(nodes), 'node')}, the same as the driver's: {same}")
 
     def resources(self) -> Check:
@@ -5468,8 +5407,8 @@ class Doctor:
         folder = f"{root}/.ray-dp-doctor-{os.getpid()}-{time.time():.0f}"
         written = self.on_every_node(write_marker, folder)
         seen = self.on_every_node(read_markers, folder)
-        made = {self.nodes[name]: answer["created"] for name, answer in written.items()
-                if isinstance(answer, dict) and answer["created"]}
+        made = {self.nodes[name]: created for name, created in written.items()
+                if isinstance(created, str)}
         self.on_every_node(remove_markers, folder, made)
         return storage_verdict(self.cfg.storage_path, written, seen, self.nodes)
 
@@ -5513,14 +5452,17 @@ class Doctor:
         try:
             here = data_files(cfg)
         except DataError as exc:
-            return missing_data(self.cfg, exc)
+            if self.cfg.download and cfg.dataset in ("fashion-mnist", "cifar10"):
+                return Check(True, f"{cfg.dataset} is not in {cfg.data_dir} yet: a run downloads "
+                                   f"it there first (not tried here)")
+            return Check(False, str(exc))
         if not here["per_sample"]:
             return Check(True, f"{cfg.dataset}: {here['train']} train / {here['test']} test "
                                f"samples on the driver, which sends them to the workers (their "
                                f"nodes need no files)")
         for node, found in self.on_every_node(data_files, cfg).items():
             if isinstance(found, Exception):
-                return Check(False, f"node {node}: {said(found)} (every node that trains "
+                return Check(False, f"node {node}: {first_line(found)} (every node that trains "
                                     f"reads the images itself)")
             if found != here:
                 return Check(False, f"node {node} sees {found['train']} train / {found['test']} "
@@ -5530,22 +5472,6 @@ class Doctor:
         return Check(True, f"{cfg.dataset} {cfg.data_dir}: {here['train']} train / {here['test']} "
                            f"val images in {plural(len(here['classes']), 'class')}, the same on "
                            f"every node")
-
-    def images(self) -> Check:
-        """Every image of the folder decoded here (the data check found the same files on every
-        node)."""
-        begun = time.time()
-        paths = [path for split in load_dataset(replace(self.cfg, download=False))
-                 for path, _ in split.samples]
-        bad = unreadable_images(paths, self.cfg.data_dir)
-        seconds = time.time() - begun
-        pace = f"{seconds:.1f} s, {seconds / len(paths) * 10_000:.1f} s per 10,000"
-        if not bad:
-            return Check(True, f"all {len(paths)} images of {self.cfg.data_dir} decode ({pace})")
-        named = "; ".join(f"{path} ({reason})" for path, reason in bad[:3])
-        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        return Check(False, f"{len(bad)} of {len(paths)} images cannot be read: {named}{more}; "
-                            f"remove or replace them ({pace})")
 
     def on_every_node(self, function, *args) -> dict:
         """function(*args) on each node at once, by node name: its value, the exception it
@@ -5565,28 +5491,22 @@ class Doctor:
         return answers
 
 
-def doctor(cfg: Config, hang_timeout: float, check_images: bool = False) -> bool:
+def doctor(cfg: Config, hang_timeout: float) -> bool:
     where = f"the cluster at {cfg.address}" if cfg.address else "this machine (a local Ray)"
     print(f"ray-dp doctor: {where}, --workers {cfg.workers}, storage {cfg.storage_path}, "
           f"data {cfg.dataset}", flush=True)
-    return Doctor(cfg, hang_timeout, check_images).run()
+    return Doctor(cfg, hang_timeout).run()
 
 
 def doctor_config(args: dict) -> tuple[Config, dict]:
     """The doctor's flags checked as a run's, but --storage-path, which it tries on every node."""
-    hang_timeout, check_images = args.pop("hang_timeout"), args.pop("check_images")
+    hang_timeout = args.pop("hang_timeout")
     if not (math.isfinite(hang_timeout) and hang_timeout >= 1):
         raise ConfigError(f"--hang-timeout must be a number of seconds, at least 1, got "
                           f"{hang_timeout}")
     cfg = with_absolute_paths(replace(Config(**args), min_workers=0))  # MIN:MAX: MAX must start
     validate(cfg, doctor=True)
-    if check_images and cfg.dataset != "folder":
-        raise ConfigError(f"--check-images reads the image files of --dataset folder; "
-                          f"{cfg.dataset} has none")
-    return cfg, {"hang_timeout": hang_timeout, "check_images": check_images}
-
-
-SOFTWARE = ("python", "ray", "torch", "torchvision")
+    return cfg, {"hang_timeout": hang_timeout}
 
 
 def node_software() -> dict:
@@ -5605,32 +5525,22 @@ def node_names(nodes: list) -> dict:
             node["NodeID"] for node, address in zip(nodes, addresses)}
 
 
-def write_marker(folder: str) -> dict:
-    """On one node: a file named after its node ID in folder; {"error", "created": the first
-    directory that did not exist}."""
-    from pyarrow import ArrowException, fs
-    try:
-        files, path = files_at(folder)
-        created = next((str(part) for part in reversed(PurePosixPath(path).parents)
-                        if str(part) not in (".", "/")
-                        and files.get_file_info(str(part)).type == fs.FileType.NotFound), None)
-        if not is_uri(folder):
-            files.create_dir(path, recursive=True)
-        with files.open_output_stream(f"{path}/{ray.get_runtime_context().get_node_id()}") as f:
-            f.write(b"written by ray_dp.py doctor\n")
-    except (OSError, ArrowException, ValueError) as exc:
-        return {"error": " ".join(str(exc).split()), "created": None}
-    return {"error": None, "created": created}
+def write_marker(folder: str) -> Optional[str]:
+    """On one node: a file named after its node ID in folder; the first directory it made."""
+    from pyarrow import fs
+    files, path = files_at(folder)
+    created = next((str(part) for part in reversed(PurePosixPath(path).parents)
+                    if str(part) not in (".", "/")
+                    and files.get_file_info(str(part)).type == fs.FileType.NotFound), None)
+    write_stored(f"{folder}/{ray.get_runtime_context().get_node_id()}", b"ray_dp.py doctor\n")
+    return created
 
 
-def read_markers(folder: str):
-    from pyarrow import ArrowException, fs
-    try:
-        files, path = files_at(folder)
-        return [info.base_name for info in
-                files.get_file_info(fs.FileSelector(path, allow_not_found=True))]
-    except (OSError, ArrowException, ValueError) as exc:
-        return " ".join(str(exc).split())
+def read_markers(folder: str) -> list:
+    from pyarrow import fs
+    files, path = files_at(folder)
+    return [info.base_name for info in
+            files.get_file_info(fs.FileSelector(path, allow_not_found=True))]
 
 
 def remove_markers(folder: str, created: dict) -> None:
@@ -5643,15 +5553,15 @@ def remove_markers(folder: str, created: dict) -> None:
 
 
 def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> Check:
+    """Each node's answers (the first directory it made, the markers it saw) or its exception."""
     for node, answer in written.items():
-        error = answer if isinstance(answer, BaseException) else answer["error"]
-        if error is not None:
-            return Check(False, f"node {node} cannot write under {storage}: {said(error)}; "
+        if isinstance(answer, BaseException):
+            return Check(False, f"node {node} cannot write under {storage}: {first_line(answer)}; "
                                 f"choose a --storage-path every node can write (s3://... or a "
                                 f"shared file system)")
     for reader, markers in seen.items():
-        if not isinstance(markers, list):
-            return Check(False, f"node {reader} cannot read {storage}: {said(markers)}")
+        if isinstance(markers, BaseException):
+            return Check(False, f"node {reader} cannot read {storage}: {first_line(markers)}")
         if (missing := [writer for writer in written if node_ids[writer] not in markers]):
             return Check(False, f"node {reader} cannot see what node {missing[0]} wrote under "
                                 f"{storage}: use s3:// or a shared file system (rank 0 saves the "
@@ -5660,10 +5570,6 @@ def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> 
         return Check(True, f"{storage}: the node wrote a marker and read it back")
     return Check(True, f"{storage}: {len(written)} nodes each wrote a marker and each read all "
                        f"{len(written)} back (shared)")
-
-
-def said(answer) -> str:
-    return first_line(answer) if isinstance(answer, BaseException) else str(answer)
 
 
 def data_files(cfg: Config) -> dict:
@@ -5675,48 +5581,10 @@ def data_files(cfg: Config) -> dict:
             "per_sample": not isinstance(train, TensorDataset)}
 
 
-def unreadable_images(paths: list, data_dir: str) -> list:
-    """(path, why) of each file PIL cannot decode, all read with a progress bar."""
-    from PIL import Image
-    from tqdm import tqdm
-    bad = []
-    for path in tqdm(paths, desc="decoding images", unit=" images",
-                     disable=not sys.stderr.isatty()):
-        source = io.BytesIO(stored_image(path, data_dir)) if is_uri(path) else path
-        try:
-            with Image.open(source) as image:
-                image.load()
-        except BROKEN_IMAGE as exc:
-            bad.append((path, image_error(exc)))
-    return bad
-
-
 def classes_of(seen: dict, other: dict) -> str:
     names, others = seen["classes"] or [], other["classes"] or []
     only = [name for name in names if name not in others]
     return plural(len(names), "class") + (f" (only here: {', '.join(only)})" if only else "")
-
-
-def missing_data(cfg: Config, error: DataError) -> Check:
-    """A data set not on the driver's disk: fine if a run can download it (the driver does)."""
-    import socket
-    import urllib.parse
-    from torchvision.datasets import CIFAR10, FashionMNIST
-    source = {"fashion-mnist": FashionMNIST.mirrors[0], "cifar10": CIFAR10.url}.get(cfg.dataset)
-    if not cfg.download or source is None:
-        return Check(False, str(error))
-    where = urllib.parse.urlsplit(source)
-    try:
-        socket.create_connection((where.hostname, where.port or {"http": 80}.get(where.scheme,
-                                                                                  443)),
-                                 timeout=5).close()
-    except OSError as exc:
-        return Check(False, f"{cfg.dataset} is not in {cfg.data_dir} and {where.hostname} cannot "
-                            f"be reached to download it ({exc.strerror or exc}): copy its files "
-                            f"there on the driver's machine (--data-dir), or use --dataset digits "
-                            f"(offline)")
-    return Check(True, f"{cfg.dataset} is not in {cfg.data_dir} yet; {where.hostname} answers, so "
-                       f"a run downloads it there first (the driver only: it sends the data on)")
 
 
 PROBE_BYTES = (4 << 10, 256 << 10, 16 << 20, 64 << 20)
@@ -5794,9 +5662,8 @@ def three_figures(value: float) -> str:
 
 
 def rate(bytes_per_second: float) -> str:
-    if bytes_per_second >= 1e9:
-        return f"{three_figures(bytes_per_second / 1e9)} GB/s"
-    return f"{three_figures(bytes_per_second / 1e6)} MB/s"
+    scale, unit = (1e9, "GB/s") if bytes_per_second >= 1e9 else (1e6, "MB/s")
+    return f"{three_figures(bytes_per_second / scale)} {unit}"
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def test_an_unreachable_address_fails_the_first_check_and_skips_the_rest(no_clus
 def test_the_doctors_flags_are_checked_before_any_cluster_starts(no_cluster, flags, message):
     if message is None:
         cfg, options = ray_dp.doctor_config(vars(ray_dp.build_parser("doctor").parse_args(flags)))
-        assert cfg.storage_path == "foo://bar" and options == {"hang_timeout": 30.0, "check_images": False}
+        assert cfg.storage_path == "foo://bar" and options == {"hang_timeout": 30.0}
         return
     with pytest.raises(ray_dp.ConfigError, match=re.escape(message)):
         ray_dp.parse_command(["doctor", *flags])
@@ -55,7 +55,7 @@ def test_the_doctor_takes_only_its_own_flags(no_cluster, capsys):
 
 def test_storage_is_shared_only_when_every_node_reads_what_every_node_wrote():
     ids = {"10.0.0.1": "id-a", "10.0.0.2": "id-b"}
-    wrote = {"error": None, "created": None}
+    wrote = None  # the node made no directory: the storage path was there
     written = {"10.0.0.1": wrote, "10.0.0.2": wrote}
     shared = ray_dp.storage_verdict("/nfs/runs", written, {"10.0.0.1": ["id-a", "id-b"],
                                                           "10.0.0.2": ["id-b", "id-a"]}, ids)
@@ -69,10 +69,10 @@ def test_storage_is_shared_only_when_every_node_reads_what_every_node_wrote():
     apart = ray_dp.storage_verdict("/runs", dict.fromkeys(same_host, wrote),
                                    {"10.0.0.1 (id-a)": ["id-a"], "10.0.0.1 (id-b)": ["id-b"]}, same_host)
     assert not apart.ok and "cannot see what node 10.0.0.1 (id-b) wrote" in apart.says
-    unwritable = ray_dp.storage_verdict("/runs", {"10.0.0.1": wrote, "10.0.0.2": {"error": "Permission denied",
-                                                                                "created": None}},
+    unwritable = ray_dp.storage_verdict("/runs", {"10.0.0.1": wrote, "10.0.0.2": PermissionError("Permission denied")},
                                         {"10.0.0.1": ["id-a"], "10.0.0.2": ["id-a"]}, ids)
-    assert not unwritable.ok and unwritable.says.startswith("node 10.0.0.2 cannot write under /runs: Permission denied")
+    assert not unwritable.ok and unwritable.says.startswith(
+        "node 10.0.0.2 cannot write under /runs: PermissionError: Permission denied")
     lost = ray_dp.storage_verdict("/runs", {"10.0.0.1": wrote, "10.0.0.2": TimeoutError("no answer within 60 s")},
                                   {}, ids)
     assert lost.says.startswith("node 10.0.0.2 cannot write under /runs: TimeoutError: no answer within 60 s")
@@ -99,6 +99,21 @@ def test_a_folder_with_a_file_that_is_no_image_fails_the_data_check(tmp_path):
     cfg = ray_dp.Config(dataset="folder", data_dir=str(tmp_path))
     with pytest.raises(Exception, match="cannot identify image file"):
         ray_dp.data_files(cfg)
+
+
+def test_a_built_in_data_set_not_yet_on_the_driver_passes_only_when_a_run_may_download_it(tmp_path):
+    cfg = ray_dp.Config(dataset="fashion-mnist", data_dir=str(tmp_path))
+    doctor = ray_dp.Doctor(cfg, 30)
+    try:
+        assert doctor.data() == ray_dp.Check(True, f"fashion-mnist is not in {tmp_path} yet: a run downloads it "
+                                                   f"there first (not tried here)")
+        doctor.cfg = ray_dp.replace(cfg, download=False)
+        check = doctor.data()
+        assert not check.ok and check.says.startswith(f"FashionMNIST is not in {tmp_path} (--no-download): put its "
+                                                      f"files there")
+    finally:
+        shutil.rmtree(doctor.logs)
+    assert os.listdir(tmp_path) == []  # nothing downloaded, nothing left
 
 
 def test_bus_bandwidth_is_nccl_tests_busbw():

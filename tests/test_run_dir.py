@@ -293,7 +293,7 @@ def shipped_cluster_yaml():
 def test_a_fresh_ray_up_cluster_with_gpu_node_types_but_no_gpu_yet_trains_on_gpus(tmp_path):
     bootstrap = tmp_path / "ray_bootstrap_config.yaml"
     bootstrap.write_text(yaml.safe_dump(shipped_cluster_yaml()))
-    node_types = ray_dp.node_types_from_yaml(yaml.safe_load(bootstrap.read_text()))
+    node_types = ray_dp.autoscaler_node_types(str(bootstrap))
     fresh = ray_dp.Cluster(now={"CPU": 0}, node_types=node_types, local=False)  # only the CPU:0 head is up
     assert fresh.most == {"CPU": 32, "GPU": 4}  # 4 g5.2xlarge workers; the head has CPU 0
     cfg = ray_dp.Config(address="auto", workers=4, model="resnet18")
@@ -335,7 +335,7 @@ def test_ray_trains_placement_group_cleaner_waits_one_second_per_question_and_no
     # run waited 3 s for the cleaner to stop (README, Performance). A Ray upgrade that changes the
     # callback fails here.
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    ray_dp.shorten_placement_group_cleaner_waits()
+    ray_dp.set_ray_train_knobs(ray_dp.Config())
     callback = PlacementGroupCleanerCallback()
     assert (callback._check_interval_s, callback._get_actor_timeout_s, callback._stop_timeout) == (1.0, 1.0, 0.1)
 
