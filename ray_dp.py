@@ -320,7 +320,7 @@ COMMAND_HELP = {
     "train": __doc__.split("\n\n")[0],
     "compare": "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with "
                "each all-reduce), same global batch and seed, and print the lesson's table; "
-               "writes compare.csv, .md and .png to <storage-path>/<name>/. Its rows set --mode "
+               "writes compare.csv and .md to <storage-path>/<name>/. Its rows set --mode "
                "and --allreduce and train the lesson's LeNet with plain SGD in fp32: flags of "
                "--mode ddp alone (--model, --optimizer, --amp, ...) are refused",
     "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
@@ -4528,8 +4528,9 @@ def compare(base: Config, scale_lr: bool, typed=()) -> list[dict]:
     summaries = [run(cfg, resume, data) if summary is None else finished(cfg, summary, resume.done)
                  for cfg, resume, data, summary in resolved]
     rows = compare_rows(configs, summaries)
-    print(write_compare(base.run_dir, rows, [s["epochs"] for s in summaries]))
-    print(f"wrote compare.csv, compare.md and compare.png to {base.run_dir}", flush=True)
+    print(write_compare(base.run_dir, rows))
+    print(f"wrote compare.csv and compare.md to {base.run_dir} (TensorBoard draws every row: "
+          f"tensorboard --logdir {os.path.join(base.logdir, base.name)})", flush=True)
     return rows
 
 
@@ -4553,8 +4554,8 @@ def compare_rows(configs: list[Config], summaries: list[dict]) -> list[dict]:
     return rows
 
 
-def write_compare(out_dir: str, rows: list[dict], histories: list[list[dict]]) -> str:
-    """compare.csv, compare.md (the table, returned) and compare.png."""
+def write_compare(out_dir: str, rows: list[dict]) -> str:
+    """compare.csv and compare.md (the table, returned)."""
     import csv
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=list(rows[0]))
@@ -4564,63 +4565,7 @@ def write_compare(out_dir: str, rows: list[dict], histories: list[list[dict]]) -
     table = "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])] +
                       ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows])
     write_stored(os.path.join(out_dir, "compare.md"), (table + "\n").encode())
-    plot_compare(os.path.join(out_dir, "compare.png"), rows, histories)
     return table
-
-
-# a dash and a marker per run, markers shrinking: runs that learn alike stay visible
-LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"),
-               ((0, (1, 3)), "X")]
-
-
-def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> None:
-    """Accuracy and loss per epoch of every run; seconds per epoch; speedup against N x."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-    fig, ((acc_axes, loss_axes), (time_axes, speed_axes)) = plt.subplots(2, 2, figsize=(13, 9))
-    for i, (row, history, (dash, marker)) in enumerate(
-            zip(rows, histories, LINE_STYLES * len(rows))):
-        epochs = [m["epoch"] for m in history]
-        style = dict(linestyle=dash, marker=marker, markersize=11 - 1.3 * i,
-                     markerfacecolor="none" if i % 2 else None, alpha=0.85, label=row["run"])
-        acc_axes.plot(epochs, [m["test_acc"] for m in history], **style)
-        loss_axes.plot(epochs, [m["train_loss"] for m in history], **style)
-    acc_axes.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy per epoch",
-                 ylim=(0, 1))
-    loss_axes.set(xlabel="epoch", ylabel="train loss",
-                  title="train loss per epoch (mean over all workers)")
-    last_epoch = max(m["epoch"] for history in histories for m in history)
-    for axis in (acc_axes, loss_axes):
-        if last_epoch <= 10:
-            axis.set_xticks(range(1, last_epoch + 1))
-        else:
-            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.set_xlim(0.5, last_epoch + 0.5)
-        axis.grid(alpha=0.3)
-    acc_axes.legend(fontsize=8)
-    names = [row["run"] for row in rows]
-    epochs_timed = max(len(histories[0]) - 1, 1)
-    time_axes.bar(names, [row["sec_per_epoch"] for row in rows], color="tab:blue")
-    time_axes.set(ylabel="seconds per epoch",
-                  title=(f"seconds per epoch: median of epochs 2-{epochs_timed + 1} of 1 run each"
-                         if epochs_timed > 1 else "seconds per epoch"))
-    speed_axes.bar(names, [row["speedup"] for row in rows], color="tab:green", label="measured")
-    speed_axes.hlines([row["workers"] for row in rows], [i - 0.4 for i in range(len(rows))],
-                      [i + 0.4 for i in range(len(rows))], colors="black", linestyles="--",
-                      label="ideal: N x on N workers")
-    speed_axes.set(ylabel="speedup", title="speedup: sec/epoch of the same mode on 1 worker / "
-                   "this run's", ylim=(0, 1.3 * max(row["workers"] for row in rows)))
-    speed_axes.legend(fontsize=8, loc="upper left", ncol=2)
-    for axis in (time_axes, speed_axes):
-        axis.tick_params(axis="x", labelrotation=30)
-        axis.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
-    plt.close(fig)
-    write_stored(path, png.getvalue())
 
 
 # ==================================================================================================
