@@ -2666,24 +2666,10 @@ def load_checkpoint(path: str) -> dict:
             and isinstance(config.get("dataset"), str)):
         raise ConfigError(f"{path} is not a ray-dp checkpoint (its config names no model and "
                           f"data set)")
-    return renumbered(state)
-
-
-def renumbered(record: dict) -> dict:
-    """A checkpoint or result.json from before format 2 (epochs counted from 0), as today's."""
-    if record.get("format", 1) >= 2:
-        return record
-
-    def later(metrics):
-        return ({**metrics, "epoch": metrics["epoch"] + 1}
-                if isinstance(metrics, dict) and isinstance(metrics.get("epoch"), int) else metrics)
-    renamed = {key: [later(m) for m in record[key]] for key in ("history", "epochs")
-               if isinstance(record.get(key), list)}
-    if isinstance(record.get("epoch"), int):
-        renamed["epoch"] = record["epoch"] + 1
-    if isinstance(record.get("final"), dict):
-        renamed["final"] = later(record["final"])
-    return {**record, **renamed, "format": CHECKPOINT_FORMAT}
+    if state.get("format", 1) < CHECKPOINT_FORMAT:
+        raise ConfigError(f"{path} is a format-1 checkpoint (epochs counted from 0), which this "
+                          f"ray_dp.py no longer reads: train the run again")
+    return state
 
 
 def epoch_checkpoints(run_dir: str) -> list[str]:
@@ -3010,7 +2996,7 @@ def finished_result(cfg: Config, resume: Resume) -> Optional[dict]:
     if resume.done < cfg.epochs:
         return None
     try:
-        summary = renumbered(json.loads(read_stored(os.path.join(cfg.run_dir, "result.json"))))
+        summary = json.loads(read_stored(os.path.join(cfg.run_dir, "result.json")))
         return summary if summary["epochs"][-1]["epoch"] == resume.done else None
     except (OSError, ValueError, AttributeError, KeyError, IndexError, TypeError):
         return None
