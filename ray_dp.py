@@ -2009,7 +2009,7 @@ def main(argv=None) -> int:
     except OSError as exc:
         if not disk_full(exc):
             raise
-        return fail(f"error: {full_device(cfg, exc)}: free space and run the same command again", 1)
+        return fail(f"error: {storage_full(cfg, exc)}", 1)
     except KeyboardInterrupt:
         return fail(interrupted(command, cfg), 130)
     return 1 if command == "doctor" and not outcome else 0
@@ -3067,47 +3067,53 @@ def append_log(folder: str, text: str) -> None:
 
 def disk_full(error: BaseException) -> bool:
     """A write failed for want of space, here or (as text) on a worker or Ray's controller."""
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        return True
     texts = [error, getattr(error, "controller_failure", None),
              *getattr(error, "worker_failures", {}).values()]
-    return any(text is not None and "No space left on device" in str(text) for text in texts)
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC
+            or any("No space left on device" in str(text) for text in texts))
 
 
-def storage_full(cfg: Config, error: Optional[BaseException] = None) -> str:
-    """Where space ran out, the last checkpoint that is safe, and how to go on."""
-    try:
-        latest = latest_committed(cfg.run_dir)
-        state = load_checkpoint(latest) if latest else None
-    except BrokenSnapshot as exc:  # cut short by the full disk as Ray rewrote it
-        return f"{full_device(cfg, error)}; {exc.fact}: once there is space, {SNAPSHOT_WAYS_ON}"
-    except (ConfigError, OSError):
-        latest = None
-    if latest is None:
-        safe = "no checkpoint was saved, so the same command starts it over once there is space"
-    else:
-        step = (state.get("partial") or {}).get("step", 0)
-        at = (f"epoch {state['epoch'] + 1} of {cfg.epochs}, step {step}" if step
-              else f"epoch {state['epoch']} of {cfg.epochs}")
-        safe = (f"the last checkpoint that is safe is {os.path.dirname(latest)} ({at}): once "
-                f"there is space, the same command resumes from it")
-    return f"{full_device(cfg, error)}; {safe}"
-
-
-def full_device(cfg: Config, error: Optional[BaseException]) -> str:
-    """The file a write failed on, else the fullest of --storage-path's and --logdir's disks."""
-    if getattr(error, "filename", None):
-        return f"no space left on the device of {error.filename}"
+def storage_full(cfg: Config, error: BaseException) -> str:
+    """Where space ran out (the file, else the fullest disk of --storage-path and --logdir), the
+    last checkpoint that is safe, and how to go on."""
     free = {}
     for flag, path in (("storage-path", cfg.storage_path), ("logdir", cfg.logdir)):
         existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
         if not is_uri(path) and existing is not None:
             with contextlib.suppress(OSError):
                 free[flag, path] = shutil.disk_usage(existing).free
-    if not free:
-        return f"no space left on a device the run writes to (--storage-path {cfg.storage_path})"
-    (flag, path), left = min(free.items(), key=lambda item: item[1])
-    return f"no space left on the device of --{flag} {path} ({human_bytes(left)} free)"
+    where = f"no space left on a device the run writes to (--storage-path {cfg.storage_path})"
+    if getattr(error, "filename", None):
+        where = f"no space left on the device of {error.filename}"
+    elif free:
+        (flag, path), left = min(free.items(), key=lambda item: item[1])
+        where = f"no space left on the device of --{flag} {path} ({human_bytes(left)} free)"
+    try:
+        latest, place = last_saved(cfg)
+    except BrokenSnapshot as exc:  # cut short by the full disk as Ray rewrote it
+        return f"{where}; {exc.fact}: once there is space, {SNAPSHOT_WAYS_ON}"
+    except OSError:
+        latest = None
+    if latest is None:
+        return (f"{where}; no checkpoint was saved, so the same command starts it over once there "
+                f"is space")
+    return (f"{where}; the last checkpoint that is safe is {os.path.dirname(latest)} ({place}): "
+            f"once there is space, the same command resumes from it")
+
+
+def last_saved(cfg: Config) -> tuple[Optional[str], str]:
+    """The checkpoint the same command resumes from, and where: "after epoch 3 of 10", "at epoch 4
+    of 10, step 40"; raises BrokenSnapshot."""
+    latest = latest_committed(cfg.run_dir)
+    if latest is None:
+        return None, ""
+    try:
+        state = load_checkpoint(latest)
+        done, step = state["epoch"], (state.get("partial") or {}).get("step", 0)
+    except ConfigError:
+        done, step = checkpoint_order(Path(latest).parent.name) or (0, 0)
+    return latest, (f"at epoch {done + 1} of {cfg.epochs}, step {step}" if step
+                    else f"after epoch {done} of {cfg.epochs}")
 
 
 def interrupted(command: str, cfg: Optional[Config]) -> str:
@@ -3116,20 +3122,13 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
         return (f"interrupted; the same command with --name {cfg.name} resumes the rows "
                 f"(finished ones are kept)")
     try:
-        latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
+        latest, place = last_saved(cfg) if command == "train" and cfg else (None, "")
     except BrokenSnapshot as exc:
         return f"interrupted; {exc}"
     if latest is None:
         return "interrupted; nothing was saved"
-    try:
-        state = load_checkpoint(latest)
-        done, step = state["epoch"], (state.get("partial") or {}).get("step", 0)
-    except ConfigError:
-        done, step = checkpoint_order(Path(latest).parent.name) or (0, 0)
-    where = (f"at epoch {done + 1} of {cfg.epochs}, step {step}" if step
-             else f"after epoch {done} of {cfg.epochs}")
     same = "the same command without --fresh" if cfg.fresh else "the same command"
-    return (f"interrupted {where} (saved in {cfg.run_dir}); {same} with --name {cfg.name} "
+    return (f"interrupted {place} (saved in {cfg.run_dir}); {same} with --name {cfg.name} "
             f"resumes it")
 
 

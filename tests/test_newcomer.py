@@ -165,7 +165,7 @@ def test_a_full_disk_is_one_line_naming_the_last_safe_checkpoint_and_leaves_no_t
     assert err.startswith(f"ray_dp.py: training failed: no space left on the device of --storage-path "
                           f"{tmp_path / 'runs'} (")
     assert err.rstrip().endswith(f"free); the last checkpoint that is safe is {run / 'checkpoint_epoch_003'} "
-                                 f"(epoch 3 of 10): once there is space, the same command resumes from it")
+                                 f"(after epoch 3 of 10): once there is space, the same command resumes from it")
     assert not list(run.rglob("*.tmp")) and not (run / "result.json").exists()
 
 
