@@ -1900,9 +1900,9 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
     # SIGTERM to the driver: rank 0 hears of it at its next beat (--mode ddp under Ray)
     stop = graceful_stop() if training and options.board else None
     if stop is not None:
-        stop.on_ask = functools.partial(board_heard, options.board)
+        stop.on_ask = functools.partial(ask_board, options.board, "ask_stop", timeout=10)
     quiet = contextlib.redirect_stdout(io.StringIO()) if follower else contextlib.nullcontext()
-    relay = Relay(options.board, options.progress) if options.board else contextlib.nullcontext()
+    relay = relayed(options.board, options.progress) if options.board else contextlib.nullcontext()
     if options.torchrun:  # torchrun's process group is this very process's
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", worker_env(cfg)["env_vars"].get(
             "TORCH_FR_BUFFER_SIZE", "2000"))
@@ -3160,7 +3160,7 @@ class Checkpointer:
         self.console = Console.of(options, worker)
         self.every_steps, self.every_seconds = (checkpoint_interval(cfg.checkpoint_every)
                                                 if checkpoint_of else (0, 0.0))
-        board = options.board if worker.is_main and told(options.board, "restarted") else None
+        board = options.board if worker.is_main and ask_board(options.board, "restarted") else None
         self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
         self.watchdog = Watchdog(cfg, worker, options.board)
         self.model = unwrap(model) if isinstance(model, nn.Module) else model  # scratch: params
@@ -3913,9 +3913,10 @@ class Board:
         self.heard_at = time.time()
         return self.stop
 
-    def restarted(self) -> None:
+    def restarted(self) -> bool:
         self.redone, self.since = self.redone + self.since, 0
         self.attempts.append(None)
+        return True
 
     def ledgers(self) -> list:
         return [attempt for attempt in self.attempts if attempt]
@@ -3940,21 +3941,12 @@ def new_board():
     return ray.remote(num_cpus=0, scheduling_strategy=here)(Board).remote()
 
 
-def board_heard(board) -> bool:
-    try:
-        return ray.get(board.ask_stop.remote(), timeout=10)
-    except (ray.exceptions.RayError, TimeoutError):
-        return False
-
-
-def told(board, method: str) -> bool:
-    if board is None:
-        return False
-    try:
-        ray.get(getattr(board, method).remote(), timeout=30)
-        return True
-    except (ray.exceptions.RayError, TimeoutError):
-        return False
+def ask_board(board, method: str, timeout: float = 30):
+    """The Board's answer to `method`; None without a Board or when it does not answer."""
+    if board is not None:
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            return ray.get(getattr(board, method).remote(), timeout=timeout)
+    return None
 
 
 class Console:
@@ -3962,23 +3954,18 @@ class Console:
     shown here under torchrun (its terminal is rank 0's)."""
 
     def __init__(self, board=None, progress: bool = False, main: bool = True):
-        self.board, self.main, self.shown = board, main, 0.0
-        self.progress_wanted = progress and main
-        self.bar = Bar() if self.progress_wanted and board is None else None
+        self.board, self.main, self.progress_wanted = board, main, progress and main
+        self.bar, self.shown = Bar(self.progress_wanted) if board is None else None, 0.0
 
     @classmethod
     def of(cls, options: LoopOptions, worker: Worker) -> "Console":
         return cls(options.board, options.progress, worker.is_main)
 
     def say(self, line: str) -> None:
-        if not self.main:
-            return
-        if self.board is not None:
+        if self.main and self.board is not None:
             self.board.say.remote(line)
-        elif self.bar is not None:
+        elif self.main:
             self.bar.write(line)
-        else:
-            print(line, flush=True)
 
     def progress(self, state: Optional[tuple]) -> None:
         """(epoch, steps done, steps, loss, samples/s, epochs), at most twice a second; None: the
@@ -3986,25 +3973,22 @@ class Console:
         if not self.progress_wanted or (state and time.monotonic() - self.shown < 0.5):
             return
         self.shown = time.monotonic()
-        if self.board is not None:
-            self.board.show.remote(state)
-        else:
-            self.bar.show(state)
+        self.board.show.remote(state) if self.board is not None else self.bar.show(state)
 
     def flush(self) -> None:
-        if self.main and self.board is not None:
-            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-                ray.get(self.board.beat.remote(), timeout=30)
+        if self.main:
+            ask_board(self.board, "beat")
 
 
 class Bar:
+    """Lines printed above tqdm's bar of the epoch's steps (with `progress`)."""
 
-    def __init__(self):
-        self.tqdm, self.epoch = None, None
+    def __init__(self, progress: bool = True):
+        self.progress, self.tqdm, self.epoch = progress, None, None
 
     def show(self, state: Optional[tuple]) -> None:
         from tqdm import tqdm
-        if state is None:
+        if state is None or not self.progress:
             return self.close()
         epoch, done, steps, loss, rate, epochs = state
         if self.tqdm is None or epoch != self.epoch:
@@ -4026,36 +4010,26 @@ class Bar:
         self.tqdm = None
 
 
-class Relay:
+@contextlib.contextmanager
+def relayed(board, progress: bool):
+    """A thread of the driver's that prints what the Board holds, five times a second."""
+    bar, done = Bar(progress), threading.Event()
 
-    def __init__(self, board, progress: bool):
-        self.board, self.bar, self.done = board, Bar() if progress else None, threading.Event()
-        self.thread = threading.Thread(target=self.relaying, daemon=True, name="ray-dp console")
-
-    def __enter__(self) -> "Relay":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *error) -> None:
-        self.done.set()
-        self.thread.join()
-        self.show()
-        if self.bar is not None:
-            self.bar.close()
-
-    def relaying(self) -> None:
-        while not self.done.wait(0.2):
-            self.show()
-
-    def show(self) -> None:
-        try:
-            lines, bar = ray.get(self.board.take.remote(), timeout=10)
-        except (ray.exceptions.RayError, TimeoutError):
-            return
-        for line in lines:
-            self.bar.write(line) if self.bar is not None else print(line, flush=True)
-        if self.bar is not None:
-            self.bar.show(bar)
+    def relay() -> None:
+        while not done.is_set():
+            done.wait(0.2)
+            if (taken := ask_board(board, "take", timeout=10)):
+                for line in taken[0]:
+                    bar.write(line)
+                bar.show(taken[1])
+    thread = threading.Thread(target=relay, daemon=True, name="ray-dp console")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        bar.close()
 
 
 def plural(count: int, noun: str) -> str:
