@@ -4092,12 +4092,17 @@ EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "tes
                  "comm/allreduce_busbw_gbps": "allreduce_busbw_gbps"}
 
 
-class TensorBoardWriter:
+class TensorBoardWriter(ray.train.UserCallback):
     """An epoch's metrics as TensorBoard events in LOGDIR/<name>/: the per-step losses, the
-    epoch's scalars, and at the last epoch the hyperparameters."""
+    epoch's scalars, at the last epoch the hyperparameters. Under Ray, Ray Train's controller
+    writes them, on the driver's node, where the user runs TensorBoard."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.writer = cfg, None
+
+    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        if "step" not in metrics[0]:  # a mid-epoch checkpoint's report has no epoch's metrics
+            self.write(metrics[0])
 
     def write(self, m: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -4119,18 +4124,6 @@ class TensorBoardWriter:
         self.writer.flush()
 
 
-class TensorBoardLogger(ray.train.UserCallback):
-    """TensorBoardWriter in Ray Train's controller, on the driver's node: the events land where
-    the user runs TensorBoard, whichever node rank 0 is on."""
-
-    def __init__(self, cfg: Config):
-        self.tensorboard = TensorBoardWriter(cfg)
-
-    def after_report(self, run_context, metrics: list, checkpoint) -> None:
-        if "step" not in metrics[0]:  # a mid-epoch checkpoint's report has no epoch's metrics
-            self.tensorboard.write(metrics[0])
-
-
 def local_run_dir(cfg: Config) -> str:
     """Where the driver's node keeps a run's logs: the run directory, or for cloud storage
     LOGDIR/<name>."""
@@ -4139,7 +4132,7 @@ def local_run_dir(cfg: Config) -> str:
 
 def run_callbacks(cfg: Config, logs: Optional[str], options: LoopOptions, done: int,
                   training: bool) -> list:
-    callbacks = [TensorBoardLogger(cfg)] if training and not options.torchrun else []
+    callbacks = [TensorBoardWriter(cfg)] if training and not options.torchrun else []
     return callbacks + ([FailureLog(cfg, logs, options.board, done)] if logs else [])
 
 
@@ -4219,27 +4212,34 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
                plural(cfg.workers, f"{kind} worker"))
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
     dropped = data.sizes[0] - samples_per_epoch(cfg, data.sizes[0])
-    left_out = (f" ({dropped} train sample{'s' * (dropped != 1)} left out per epoch: whole global "
-                "batches only)" if dropped else "")
+    left_out = (f" ({plural(dropped, 'train sample')} left out per epoch: whole global batches "
+                f"only)" if dropped else "")
     return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
             f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
             f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
-            f"lr {cfg.lr} ({cfg.lr_schedule}), {optimizer_name(cfg)}, "
-            f"{', '.join(switches(cfg, data))}, {plural(cfg.epochs, 'epoch')}, "
-            f"run dir {cfg.run_dir}")
+            f"lr {cfg.lr} ({cfg.lr_schedule}), {', '.join(switches(cfg, data))}, "
+            f"{plural(cfg.epochs, 'epoch')}, run dir {cfg.run_dir}")
 
 
 def switches(cfg: Config, data: DataInfo) -> list:
+    """The optimizer, then each setting that is on."""
+    plain = cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum)
     loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
-    said = [f"{plural(loaders, 'loader process')} per worker" if loaders
-            else "batches indexed in memory"]
-    if cfg.accum_steps > 1:
-        said.append(f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)")
-    if cfg.sync_bn:
-        said.append("SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)"))
-    said += ["bf16 autocast (--amp)"] * cfg.amp + ["torch.compile"] * cfg.compile
-    return said + [plural(cfg.threads, "thread") + " per worker"]
+    said = [(True, "plain SGD" if plain else "AdamW" if cfg.optimizer == "adamw"
+             else f"SGD momentum {cfg.momentum}"),
+            (cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
+            (cfg.warmup_epochs, plural(cfg.warmup_epochs, "warm-up epoch")),
+            (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
+            (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}"),
+            (True, f"{plural(loaders, 'loader process')} per worker" if loaders
+             else "batches indexed in memory"),
+            (cfg.accum_steps > 1,
+             f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)"),
+            (cfg.sync_bn, "SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)")),
+            (cfg.amp, "bf16 autocast (--amp)"), (cfg.compile, "torch.compile"),
+            (True, plural(cfg.threads, "thread") + " per worker")]
+    return [text for on, text in said if on]
 
 
 def images(cfg: Config, data: DataInfo) -> str:
@@ -4257,18 +4257,6 @@ def images(cfg: Config, data: DataInfo) -> str:
     mean, std = cfg.normalize or ([], [])
     return (f", {len(data.classes)} classes, images {size} x {size} px, {augment}, normalised with "
             f"mean {mean} std {std}")
-
-
-def optimizer_name(cfg: Config) -> str:
-    if cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum):
-        name = "plain SGD"
-    else:
-        name = "AdamW" if cfg.optimizer == "adamw" else f"SGD momentum {cfg.momentum}"
-    knobs = [(cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
-             (cfg.warmup_epochs, f"{plural(cfg.warmup_epochs, 'warm-up epoch')}"),
-             (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
-             (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}")]
-    return ", ".join([name, *(text for value, text in knobs if value)])
 
 
 # ==================================================================================================
@@ -4805,7 +4793,7 @@ def check_classes_agree(classes: list, device: torch.device) -> None:
 
 class RayLauncher:
     """Ray Train's workers: Ray finds the run's latest checkpoint, its controller commits rank 0's
-    and writes the TensorBoard events (TensorBoardLogger)."""
+    and writes the TensorBoard events (TensorBoardWriter)."""
 
     def __init__(self, resume_from: Optional[object] = None):
         self.resume_from, self.restore_seconds = resume_from, 0.0
