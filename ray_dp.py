@@ -2605,8 +2605,8 @@ def checkpoint_dir_name(epoch: int, step: int = 0) -> str:
 
 
 def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
-    match = CHECKPOINT_DIR.fullmatch(name)
-    if not match:
+    """(epochs done, steps into the next) that a checkpoint directory's name says; None if none."""
+    if not (match := CHECKPOINT_DIR.fullmatch(name)):
         return None
     epoch, step = int(match[1]), int(match[2] or 0)
     return (epoch - 1, step) if step else (epoch, 0)
@@ -2675,17 +2675,13 @@ def load_checkpoint(path: str) -> dict:
 def epoch_checkpoints(run_dir: str) -> list[str]:
     """A run's checkpoint files in the order they were trained (by number, not as text)."""
     from pyarrow import fs
-    run_dir = str(run_dir)
-    storage, path = files_at(run_dir)
-    found = {}
-    for info in storage.get_file_info(fs.FileSelector(path, allow_not_found=True)):
-        order = checkpoint_order(info.base_name)
-        if order and info.type == fs.FileType.Directory:
-            found[order] = f"{info.path}/{CHECKPOINT_FILE}"
-    orders = sorted(found)
-    kinds = storage.get_file_info([found[order] for order in orders])
-    return [f"{run_dir.rstrip('/')}/{Path(found[order]).parent.name}/{CHECKPOINT_FILE}"
-            for order, kind in zip(orders, kinds) if kind.type == fs.FileType.File]
+    storage, path = files_at(str(run_dir))
+    found = sorted((order, info.path, info.base_name) for info in storage.get_file_info(
+        fs.FileSelector(path, allow_not_found=True)) if info.type == fs.FileType.Directory
+        and (order := checkpoint_order(info.base_name)))
+    kinds = storage.get_file_info([f"{folder}/{CHECKPOINT_FILE}" for _, folder, _ in found])
+    return [f"{str(run_dir).rstrip('/')}/{name}/{CHECKPOINT_FILE}"
+            for (_, _, name), kind in zip(found, kinds) if kind.type == fs.FileType.File]
 
 
 def latest_committed(run_dir: str) -> Optional[str]:
@@ -2735,8 +2731,13 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
         latest, listed = resume_point(cfg.run_dir)
     except BrokenSnapshot as exc:
         raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}") from None
-    if listed:
-        note_epochs_beyond_rays(cfg, latest)
+    highest = epoch_checkpoints(cfg.run_dir)[-1:] if listed else []
+    below = checkpoint_order(Path(latest).parent.name) if latest else (-1, 0)
+    if highest and below and checkpoint_order(Path(highest[0]).parent.name) > below:
+        start = Path(latest).parent.name if latest else "the start"
+        print(f"note: run '{cfg.name}' has {Path(highest[0]).parent.name}, beyond the latest "
+              f"checkpoint Ray lists: Ray resumes from {start} and trains those epochs again "
+              f"(under torchrun the run resumes from the highest epoch)", flush=True)
     if latest is None:
         return cfg, Resume()
     try:
@@ -2760,20 +2761,6 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
               f"{learning_rate(cfg, done):.4g}", flush=True)
     return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0),
                        None if listed else latest, state.get("samples"), latest)
-
-
-def note_epochs_beyond_rays(cfg: Config, latest: Optional[str]) -> None:
-    """A checkpoint beyond Ray's latest (torchrun's, or one cut short as Ray stopped): Ray trains
-    its epochs again."""
-    files = epoch_checkpoints(cfg.run_dir)
-    highest = Path(files[-1]).parent.name if files else None
-    listed = Path(latest).parent.name if latest else None
-    listed_order = checkpoint_order(listed) if listed else (-1, 0)
-    if highest and listed_order and checkpoint_order(highest) > listed_order:
-        from_ = f"from {listed}" if listed else "from the start"
-        print(f"note: run '{cfg.name}' has {highest}, beyond the latest checkpoint Ray lists: Ray "
-              f"resumes {from_} and trains those epochs again (under torchrun the run resumes "
-              f"from the highest epoch)", flush=True)
 
 
 def stored_config(state: dict) -> dict:
@@ -2871,7 +2858,8 @@ def check_deletable(cfg: Config, storage, run_dir: str) -> None:
         raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target[1]}, outside --storage-path; "
                           f"not deleting it")
     for name in sorted((PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path"}):
-        if (path := getattr(cfg, name)) and within(location(path), target):
+        place = location(path) if (path := getattr(cfg, name)) else ("", "")
+        if place[0] == target[0] and f"{place[1]}/".startswith(f"{target[1]}/"):
             raise ConfigError(f"--fresh: {cfg.run_dir} holds --{name.replace('_', '-')} {path}; "
                               f"not deleting it")
 
@@ -2881,10 +2869,6 @@ def location(path: str) -> tuple:
     if storage.type_name == "local":
         return "local", os.path.realpath(where)
     return storage.type_name, where.rstrip("/")
-
-
-def within(place: tuple, folder: tuple) -> bool:
-    return place[0] == folder[0] and f"{place[1]}/".startswith(f"{folder[1]}/")
 
 
 def start_fresh(cfg: Config) -> None:
@@ -2915,36 +2899,29 @@ def write_stored(path: str, data: bytes) -> None:
         f.write(data)
 
 
-def write_atomically(path: str, data: Union[str, bytes]) -> None:
-    """Written beside the file, flushed to the disk, renamed over it, the directory flushed; a
-    failed write leaves the file as it was. (A renamed file never flushed can be empty after a
-    power loss.)"""
+def write_atomically(path: str, data: bytes) -> None:
+    """Written beside the file, flushed to the disk, renamed over it, the new entries' folders
+    flushed: a failed write (or a power loss) leaves the file as it was."""
     folder = os.path.dirname(os.path.abspath(path))
     made = [part for part in [folder, *Path(folder).parents] if not os.path.isdir(part)]
     os.makedirs(folder, exist_ok=True)
     try:
-        with open(path + ".tmp", "wb" if isinstance(data, bytes) else "w",
-                  **({} if isinstance(data, bytes) else {"newline": ""})) as f:
+        with open(path + ".tmp", "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-        for part in [folder, *(os.path.dirname(str(new)) for new in made)]:
-            sync_directory(part)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path + ".tmp")
         raise
-
-
-def sync_directory(folder: str) -> None:
-    """Best effort: a directory this process may not read, or a file system that flushes none."""
-    with contextlib.suppress(OSError):
-        descriptor = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+    for part in [folder, *(os.path.dirname(str(new)) for new in made)]:
+        with contextlib.suppress(OSError):  # a directory this process may not read
+            descriptor = os.open(part, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
 
 
 def read_stored(path: str) -> bytes:
@@ -2966,16 +2943,19 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     """result.json of a finished run: medians of the epochs after the first (a shared machine's
     stalls skew means), what it survived, its start-up."""
     out = result.return_value
-    history = out["history"]
+    history, last = out["history"], out["history"][-1]["epoch"]
     timed = history[1:] or history
     whole = [m for m in timed if not m.get("resumed_at_step")] or timed
     recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
     if recovery and board is not None:
         recovery["steps_redone"] = ray.get(board.steps_redone.remote())
     ledger = record_ledger(cfg, out, board, recovery)
-    write_ledger_events(cfg, ledger, history[-1]["epoch"])
+    write_ledger_events(cfg, ledger, last)
+    checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(last), CHECKPOINT_FILE)
+    if not (is_uri(checkpoint) or os.path.isfile(checkpoint)):
+        checkpoint = latest_committed(cfg.run_dir) or checkpoint
     summary = run_record(
-        cfg, history[-1], out, last_checkpoint(cfg, history[-1]["epoch"]), epochs=history,
+        cfg, history[-1], out, checkpoint, epochs=history,
         sec_per_epoch=statistics.median(m["epoch_seconds"] for m in whole),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
         started_at_epoch=out["started_at_epoch"], node_ranks=out["node_ranks"],
@@ -2983,13 +2963,6 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
         ledger=ledger, startup=out["startup"])
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
-
-
-def last_checkpoint(cfg: Config, epoch: int) -> str:
-    path = os.path.join(cfg.run_dir, checkpoint_dir_name(epoch), CHECKPOINT_FILE)
-    if is_uri(path) or os.path.isfile(path):
-        return path
-    return latest_committed(cfg.run_dir) or path
 
 
 def finished_result(cfg: Config, resume: Resume) -> Optional[dict]:
