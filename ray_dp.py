@@ -2615,8 +2615,7 @@ def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
 def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config,
                      history: list, classes: list, partial: Optional[dict] = None,
                      samples: Optional[str] = None) -> dict:
-    """A checkpoint after `epoch` epochs (and `partial`: the steps of the next one): the bare
-    model's weights made contiguous, the names of its outputs, the list of samples' fingerprint."""
+    """The state after `epoch` epochs (and `partial`'s steps of the next), weights contiguous."""
     model_state = {key: value.contiguous() for key, value in model_state.items()}
     return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch,
             "certificate": certificate(model_state, optimizer_state, cfg.seed, epoch, partial),
@@ -2689,8 +2688,7 @@ def latest_committed(run_dir: str) -> Optional[str]:
 
 
 def resume_point(run_dir: str) -> tuple[Optional[str], bool]:
-    """The checkpoint a rerun resumes from, and whether Ray listed it: under Ray the latest one Ray
-    reported, as Ray resumes; where Ray lists none, and under torchrun, the highest epoch."""
+    """The checkpoint a rerun resumes from (Ray's latest, else the highest) and whether Ray did."""
     state = None if under_torchrun() else ray_snapshot(run_dir)
     if state is None:
         files = epoch_checkpoints(run_dir)
@@ -2715,8 +2713,7 @@ class Resume:
 
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Resume]:
-    """A rerun, resolved before validation: --fresh deletes only this run; the checkpoint must load
-    and have trained as the command says, which takes from it what it leaves unsaid."""
+    """A rerun before validation: its checkpoint, trained as the command says, fills in the rest."""
     from pyarrow import fs
     storage, run_dir = files_at(cfg.run_dir)
     kind = storage.get_file_info(run_dir).type
@@ -2775,8 +2772,7 @@ def stored_config(state: dict) -> dict:
 
 
 def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
-    """A rerun's untyped training settings come from the run it resumes, whatever today's
-    defaults."""
+    """A rerun's untyped settings come from the run it resumes, whatever today's defaults."""
     if typed is None:
         return cfg
     check_code_named(stored, typed, f"run '{cfg.name}'")
@@ -2833,8 +2829,7 @@ def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> None:
 
 
 def samples_fingerprint(data) -> Optional[str]:
-    """A data set's list of samples (classes, each file relative to its folder, its label) in 16
-    hex digits; None for data without such a list."""
+    """16 hex digits of a data set's classes and (file in its folder, label) list; else None."""
     import hashlib
     try:
         root = os.fspath(data.root).rstrip("/")
@@ -2846,8 +2841,7 @@ def samples_fingerprint(data) -> Optional[str]:
 
 
 def check_deletable(cfg: Config, storage, run_dir: str) -> None:
-    """--fresh deletes <storage-path>/<name>/ only if it is a ray-dp run inside --storage-path
-    holding neither --logdir nor --data-dir."""
+    """--fresh deletes only a ray-dp run inside --storage-path that holds no other path flag's."""
     from pyarrow import fs
     names = {Path(info.path).name for info in storage.get_file_info(fs.FileSelector(run_dir))}
     if not (names & set(RUN_MARKERS) or any(checkpoint_order(n) for n in names)):
@@ -2900,8 +2894,7 @@ def write_stored(path: str, data: bytes) -> None:
 
 
 def write_atomically(path: str, data: bytes) -> None:
-    """Written beside the file, flushed to the disk, renamed over it, the new entries' folders
-    flushed: a failed write (or a power loss) leaves the file as it was."""
+    """Written beside, flushed, renamed over, folders flushed: a failure leaves the old file."""
     folder = os.path.dirname(os.path.abspath(path))
     made = [part for part in [folder, *Path(folder).parents] if not os.path.isdir(part)]
     os.makedirs(folder, exist_ok=True)
@@ -2940,8 +2933,7 @@ def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Option
 
 
 def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
-    """result.json of a finished run: medians of the epochs after the first (a shared machine's
-    stalls skew means), what it survived, its start-up."""
+    """result.json of a finished run: medians of the epochs after the first (stalls skew means)."""
     out = result.return_value
     history, last = out["history"], out["history"][-1]["epoch"]
     timed = history[1:] or history
@@ -3009,8 +3001,7 @@ class RunFailed(RuntimeError):
 
 
 def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None) -> str:
-    """result.json, ray.log and the ledger of a run that failed; the one-line reason (a hang's:
-    the rank its records name)."""
+    """result.json, ray.log and the ledger of a failed run; the one-line reason."""
     logs = local_run_dir(cfg)
     recovery = recovery_summary(os.path.join(logs, "recovery.json"))
     failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
@@ -3047,8 +3038,7 @@ def disk_full(error: BaseException) -> bool:
 
 
 def storage_full(cfg: Config, error: BaseException) -> str:
-    """Where space ran out (the file, else the fullest disk of --storage-path and --logdir), the
-    last checkpoint that is safe, and how to go on."""
+    """Where space ran out, the last checkpoint that is safe, and how to go on."""
     free = {}
     for flag, path in (("storage-path", cfg.storage_path), ("logdir", cfg.logdir)):
         existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
@@ -3075,8 +3065,7 @@ def storage_full(cfg: Config, error: BaseException) -> str:
 
 
 def last_saved(cfg: Config) -> tuple[Optional[str], str]:
-    """The checkpoint the same command resumes from, and where: "after epoch 3 of 10", "at epoch 4
-    of 10, step 40"; raises BrokenSnapshot."""
+    """The checkpoint a rerun resumes from, and where ("after epoch 3 of 10")."""
     latest = latest_committed(cfg.run_dir)
     if latest is None:
         return None, ""
@@ -3855,8 +3844,7 @@ def hang_report(cfg: Config) -> Optional[str]:
 
 
 class Board:
-    """A Ray actor on the driver's node for a run: what rank 0 and the controller say (the driver
-    prints it), the steps since the last checkpoint, the driver's stop, rank 0's last beat."""
+    """An actor on the driver's node: lines to print, rank 0's beats and steps, the driver's stop."""
 
     HEARD_WITHIN = 10.0  # seconds without a beat after which no worker trains
 
@@ -3923,8 +3911,7 @@ def ask_board(board, method: str, timeout: float = 30):
 
 
 class Console:
-    """What rank 0 shows the user: lines and a progress bar, sent to the driver's Board under Ray,
-    shown here under torchrun (its terminal is rank 0's)."""
+    """Rank 0's lines and progress bar: to the driver's Board under Ray, here under torchrun."""
 
     def __init__(self, board=None, progress: bool = False, main: bool = True):
         self.board, self.main, self.progress_wanted = board, main, progress and main
@@ -3941,8 +3928,7 @@ class Console:
             self.bar.write(line)
 
     def progress(self, state: Optional[tuple]) -> None:
-        """(epoch, steps done, steps, loss, samples/s, epochs), at most twice a second; None: the
-        epoch's end."""
+        """(epoch, steps done, steps, loss, samples/s, epochs), at most twice a second."""
         if not self.progress_wanted or (state and time.monotonic() - self.shown < 0.5):
             return
         self.shown = time.monotonic()
@@ -4066,9 +4052,8 @@ EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "tes
 
 
 class TensorBoardWriter(ray.train.UserCallback):
-    """An epoch's metrics as TensorBoard events in LOGDIR/<name>/: the per-step losses, the
-    epoch's scalars, at the last epoch the hyperparameters. Under Ray, Ray Train's controller
-    writes them, on the driver's node, where the user runs TensorBoard."""
+    """An epoch's metrics as TensorBoard events in LOGDIR/<name>/; under Ray from Ray Train's
+    controller, on the driver's node, where the user runs TensorBoard."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.writer = cfg, None
@@ -4098,8 +4083,7 @@ class TensorBoardWriter(ray.train.UserCallback):
 
 
 def local_run_dir(cfg: Config) -> str:
-    """Where the driver's node keeps a run's logs: the run directory, or for cloud storage
-    LOGDIR/<name>."""
+    """Where the driver's node keeps a run's logs: the run directory, for a URI LOGDIR/<name>."""
     return os.path.join(cfg.logdir, cfg.name) if is_uri(cfg.run_dir) else cfg.run_dir
 
 
@@ -4114,8 +4098,8 @@ PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote pr
 
 
 def describe_worker_failures(failures: dict, node_ips: dict) -> str:
-    """The ranks lost (their process or node died; or, when every error is a collective that lost
-    its peer, the ranks that raised nothing), else the first error raised."""
+    """The ranks lost (or, when every error is a lost peer, the ranks that raised none), else the
+    first error."""
     stopped = [re.search(f"{SIGTERM_STOPPED}; saved .* and stopped", str(error))
                for error in failures.values()]
     if failures and all(stopped):
