@@ -3844,7 +3844,7 @@ def hang_report(cfg: Config) -> Optional[str]:
 
 
 class Board:
-    """An actor on the driver's node: lines to print, rank 0's beats and steps, the driver's stop."""
+    """An actor on the driver's node: lines to print, rank 0's beats, the driver's stop."""
 
     HEARD_WITHIN = 10.0  # seconds without a beat after which no worker trains
 
