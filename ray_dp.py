@@ -2726,8 +2726,15 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
         return cfg, Resume()
     try:
         latest, listed = resume_point(cfg.run_dir)
+        state = load_checkpoint(latest) if latest else None
+        if state and (differ := uncertified(state)):
+            raise ConfigError(f"its checkpoint {latest} holds another {' and '.join(differ)} than "
+                              f"it certifies (it was altered since it was saved)")
     except BrokenSnapshot as exc:
         raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start "
+                          f"over, or --eval-only an earlier checkpoint_epoch_* directory") from None
     highest = epoch_checkpoints(cfg.run_dir)[-1:] if listed else []
     below = checkpoint_order(Path(latest).parent.name) if latest else (-1, 0)
     if highest and below and checkpoint_order(Path(highest[0]).parent.name) > below:
@@ -2735,21 +2742,11 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
         print(f"note: run '{cfg.name}' has {Path(highest[0]).parent.name}, beyond the latest "
               f"checkpoint Ray lists: Ray resumes from {start} and trains those epochs again "
               f"(under torchrun the run resumes from the highest epoch)", flush=True)
-    if latest is None:
+    if state is None:
         return cfg, Resume()
-    try:
-        state = load_checkpoint(latest)
-    except ConfigError as exc:
-        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start "
-                          f"over, or --eval-only an earlier checkpoint_epoch_* directory") from None
     stored = stored_config(state)
     cfg = follow_stored(cfg, stored, typed)
     check_same_training(cfg, stored, state.get("code"))
-    if (differ := uncertified(state)):
-        raise ConfigError(f"run '{cfg.name}' cannot resume: its checkpoint {latest} holds another "
-                          f"{' and '.join(differ)} than it certifies (it was altered since it was "
-                          f"saved): rerun with --fresh to start over, or --eval-only an earlier "
-                          f"checkpoint_epoch_* directory")
     note_code_changed(cfg, state, f"run '{cfg.name}' saved its checkpoint")
     done = state["epoch"]
     if cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs and done < cfg.epochs:
@@ -2811,21 +2808,20 @@ def same_setting(name: str, stored, now, code: Optional[dict] = None) -> bool:
 
 def as_flag(name: str, value) -> str:
     flag = name.replace("_", "-")
-    if isinstance(value, bool):
-        return f"--{flag}" if value else f"no --{flag}"
-    if value is None or value == "":
+    if value is None or value is False or value == "":
         return f"no --{flag}"
-    return f"--{flag} {value}"
+    return f"--{flag}" if value is True else f"--{flag} {value}"
 
 
-def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> None:
-    if resume.resumes and data.fingerprint and not resume.samples:
-        print(f"note: run '{cfg.name}' was saved before ray_dp kept its list of images: it "
-              f"resumes on --data-dir {cfg.data_dir} as it is now", flush=True)
+def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> Optional[str]:
     if resume.samples and data.fingerprint and resume.samples != data.fingerprint:
         raise ConfigError(f"run '{cfg.name}' trained on another list of images than --data-dir "
                           f"{cfg.data_dir} holds now ({data.sizes[0]} train images): restore the "
                           f"folder as it was, or start over with --fresh or a new --name")
+    if resume.resumes and data.fingerprint and not resume.samples:
+        return (f"run '{cfg.name}' was saved before ray_dp kept its list of images: it resumes on "
+                f"--data-dir {cfg.data_dir} as it is now")
+    return None
 
 
 def samples_fingerprint(data) -> Optional[str]:
@@ -4423,9 +4419,7 @@ def compare(base: Config, scale_lr: bool, typed=()) -> list[dict]:
             resolved.append((cfg, resume, None, summary))
             continue
         validate(cfg, resuming=resume.resumes)
-        cfg, data = check_data(cfg)
-        check_images_only(cfg, data, typed)
-        check_model_fits(cfg, data)
+        cfg, data, _ = preflight(cfg, resume, None, typed)  # its notes print as the row runs
         resolved.append((cfg, resume, data, None))
     if any(summary is None for *_, summary in resolved):
         connect(max(configs, key=lambda c: c.workers))
