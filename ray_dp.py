@@ -4004,16 +4004,13 @@ def format_summary(summary: dict, launcher: str = "") -> str:
     final = summary["final"]
     score = (f"test acc: {final['test_acc']:.2f}" if "test_acc" in final
              else f"test loss: {final['test_loss']:.4g}")
-    line = (f"{score}, {summary['sec_per_epoch']:.1f} "
-            f"sec/epoch on {plural(summary['world_size'], 'worker')} "
-            f"({summary['device']}{launcher})")
-    recovery = summary.get("recovery") or {}
-    if recovery.get("failures"):
-        sizes = [size for _, size in recovery["world_sizes"]]
-        redone = ", ".join(map(str, recovery["epochs_redone"])) or "none"
+    line = (f"{score}, {summary['sec_per_epoch']:.1f} sec/epoch on "
+            f"{plural(summary['world_size'], 'worker')} ({summary['device']}{launcher})")
+    if (recovery := summary.get("recovery") or {}).get("failures"):
         line += (f"; survived {plural(recovery['failures'], 'failure')}, "
-                 f"{plural(recovery['restarts'], 'restart')} "
-                 f"(workers {' -> '.join(map(str, sizes))}), epochs redone: {redone}")
+                 f"{plural(recovery['restarts'], 'restart')} (workers "
+                 f"{' -> '.join(str(size) for _, size in recovery['world_sizes'])}), epochs "
+                 f"redone: {', '.join(map(str, recovery['epochs_redone'])) or 'none'}")
     return line
 
 
@@ -4028,23 +4025,22 @@ def near_chance(cfg: Config, summary: dict) -> Optional[str]:
         return (f"{head}: the loss grew to {final['train_loss']:.3g}, so lr {cfg.lr} is too "
                 f"large; try --lr {cfg.lr / 5:g}")
     if cfg.mode == "scratch":
-        tips = ["more steps (more --epochs, or a smaller --batch-size)"]
-        if cfg.lr_schedule != "constant" or cfg.lr < 0.2:
-            tips.append("a constant lr of 0.2 to 0.3 (--lr 0.2 --lr-schedule constant)")
+        constant = (" or a constant lr of 0.2 to 0.3 (--lr 0.2 --lr-schedule constant)"
+                    if cfg.lr_schedule != "constant" or cfg.lr < 0.2 else "")
         return (f"{head}: the lesson's init (randn * 0.01) sits at chance for hundreds of steps "
-                f"and this run took {steps} at lr {cfg.lr} ({cfg.lr_schedule}); "
-                f"give it {' or '.join(tips)}")
+                f"and this run took {steps} at lr {cfg.lr} ({cfg.lr_schedule}); give it more "
+                f"steps (more --epochs, or a smaller --batch-size){constant}")
     return (f"{head} after {steps} steps at lr {cfg.lr} ({cfg.lr_schedule}): try more --epochs "
             f"or another --lr (train loss {final['train_loss']:.3f}; ln 10 = 2.303 is the loss "
             f"of a uniform guess)")
 
 
 EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "test_loss",
-                 "test/acc": "test_acc", "time/epoch_seconds": "epoch_seconds",
-                 "time/samples_per_second": "samples_per_second",
-                 "time/data_seconds": "data_seconds",
-                 "comm/allreduce_seconds_per_step": "allreduce_seconds_per_step",
-                 "comm/allreduce_busbw_gbps": "allreduce_busbw_gbps"}
+                 "test/acc": "test_acc",
+                 **{f"time/{key}": key for key in ("epoch_seconds", "samples_per_second",
+                                                   "data_seconds")},
+                 **{f"comm/{key}": key for key in ("allreduce_seconds_per_step",
+                                                   "allreduce_busbw_gbps")}}
 
 
 class TensorBoardWriter(ray.train.UserCallback):
@@ -4145,8 +4141,7 @@ def first_words(error: BaseException, most: int) -> str:
 
 def recovery_summary(record_path: str) -> dict:
     try:
-        with open(record_path) as f:
-            events = json.load(f)["events"]
+        events = json.loads(Path(record_path).read_text())["events"]
     except FileNotFoundError:
         return {}
     starts = [e for e in events if e["event"] == "started"]
@@ -4204,12 +4199,10 @@ def images(cfg: Config, data: DataInfo) -> str:
     if not data.per_sample:
         resized = f", images resized to {size} x {size} px" if cfg.image_size else ""
         return resized + ("" if data.classes else f", {kind}")
-    if cfg.dataset != "folder":
-        return f", {kind}, images {size} x {size} px"
-    augment = "augmented" if cfg.augment else "not augmented"
     mean, std = cfg.normalize or ([], [])
-    return (f", {len(data.classes)} classes, images {size} x {size} px, {augment}, normalised with "
-            f"mean {mean} std {std}")
+    folder = (f", {'' if cfg.augment else 'not '}augmented, normalised with mean {mean} std {std}"
+              if cfg.dataset == "folder" else "")
+    return f", {kind}, images {size} x {size} px{folder}"
 
 
 # ==================================================================================================
@@ -4456,9 +4449,7 @@ def write_compare(out_dir: str, rows: list[dict]) -> str:
     """compare.csv and compare.md (the table, returned)."""
     import csv
     text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
+    csv.writer(text).writerows([list(rows[0]), *(row.values() for row in rows)])
     write_stored(os.path.join(out_dir, "compare.csv"), text.getvalue().encode())
     table = "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])] +
                       ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows])
