@@ -50,7 +50,7 @@ import threading
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
-from typing import Optional, Union
+from typing import Optional
 
 import ray
 
@@ -2856,9 +2856,8 @@ def check_deletable(cfg: Config, storage, run_dir: str) -> None:
 
 def location(path: str) -> tuple:
     storage, where = files_at(path)
-    if storage.type_name == "local":
-        return "local", os.path.realpath(where)
-    return storage.type_name, where.rstrip("/")
+    local = storage.type_name == "local"
+    return storage.type_name, os.path.realpath(where) if local else where.rstrip("/")
 
 
 def start_fresh(cfg: Config) -> None:
@@ -2914,8 +2913,6 @@ def write_atomically(path: str, data: bytes) -> None:
 
 
 def read_stored(path: str) -> bytes:
-    if not is_uri(path):
-        return Path(path).read_bytes()
     storage, key = files_at(path)
     with storage.open_input_stream(key) as f:
         return f.read()
@@ -2969,12 +2966,10 @@ def finished(cfg: Config, summary: dict, done: int) -> dict:
 
 
 def finished_run(cfg: Config, done: int) -> str:
-    more = f"--epochs {max(done, cfg.epochs) + 10} trains it further"
-    if done > cfg.epochs:
-        return (f"run '{cfg.name}' has trained {done} epochs, more than --epochs {cfg.epochs}; "
-                f"nothing to train ({more})")
-    return (f"run '{cfg.name}' already finished its {plural(done, 'epoch')}; nothing to train "
-            f"({more})")
+    said = (f"has trained {done} epochs, more than --epochs {cfg.epochs}" if done > cfg.epochs
+            else f"already finished its {plural(done, 'epoch')}")
+    return (f"run '{cfg.name}' {said}; nothing to train (--epochs {max(done, cfg.epochs) + 10} "
+            f"trains it further)")
 
 
 def wrote_run(cfg: Config, summary: dict) -> str:
@@ -3849,10 +3844,9 @@ class Board:
         self.since, self.redone, self.stop, self.heard_at = 0, 0, False, 0.0
 
     def say(self, line: str) -> None:
-        if line.startswith("ray-dp: note:") and line in self.said:  # once, whatever restarts
-            return
-        self.said.add(line)
-        self.lines.append(line)
+        if not (line.startswith("ray-dp: note:") and line in self.said):  # notes once, restarts too
+            self.said.add(line)
+            self.lines.append(line)
 
     def show(self, bar: Optional[tuple]) -> None:
         self.bar = bar
@@ -4090,15 +4084,14 @@ PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote pr
 
 
 def describe_worker_failures(failures: dict, node_ips: dict) -> str:
-    """The ranks lost (or, when every error is a lost peer, the ranks that raised none), else the
-    first error."""
+    """The ranks lost (if every error is a lost peer: those that raised none), else the first."""
     stopped = [re.search(f"{SIGTERM_STOPPED}; saved .* and stopped", str(error))
                for error in failures.values()]
-    if failures and all(stopped):
-        return stopped[0][0]
+    if not failures or all(stopped):
+        return stopped[0][0] if failures else ""
     lost = {rank for rank, error in failures.items()
             if type(error).__name__ == HEALTH_CHECK_ERROR}
-    if not lost and failures and all(PEER_LOST.search(str(error)) for error in failures.values()):
+    if not lost and all(PEER_LOST.search(str(error)) for error in failures.values()):
         lost = set(node_ips) - set(failures)
     if lost:
         where = ", ".join(f"rank {rank}{on_node(rank, node_ips, failures.get(rank, ''))}"
@@ -4106,11 +4099,9 @@ def describe_worker_failures(failures: dict, node_ips: dict) -> str:
         memory = any(RAY_OOM_KILLED.search(str(failures.get(rank, ""))) for rank in lost)
         return (f"lost worker {where} "
                 f"({'killed: out of memory' if memory else 'its process or node died'})")
-    if failures:
-        rank = min(failures)
-        return (f"worker rank {rank}{on_node(rank, node_ips, failures[rank])} failed: "
-                f"{first_line(failures[rank])}")
-    return ""
+    rank = min(failures)
+    return (f"worker rank {rank}{on_node(rank, node_ips, failures[rank])} failed: "
+            f"{first_line(failures[rank])}")
 
 
 def on_node(rank: int, node_ips: dict, error) -> str:
