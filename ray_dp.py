@@ -2714,15 +2714,11 @@ class Resume:
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Resume]:
     """A rerun before validation: its checkpoint, trained as the command says, fills in the rest."""
-    from pyarrow import fs
-    storage, run_dir = files_at(cfg.run_dir)
-    kind = storage.get_file_info(run_dir).type
-    if kind == fs.FileType.NotFound:
-        return cfg, Resume()
-    if kind != fs.FileType.Directory:
+    if (kind := stored_type(cfg.run_dir)) == "file":
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
-    if cfg.fresh:
-        check_deletable(cfg, storage, run_dir)
+    if cfg.fresh and kind == "directory":
+        check_deletable(cfg)
+    if kind == "none" or cfg.fresh:
         return cfg, Resume()
     try:
         latest, listed = resume_point(cfg.run_dir)
@@ -2836,9 +2832,10 @@ def samples_fingerprint(data) -> Optional[str]:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
-def check_deletable(cfg: Config, storage, run_dir: str) -> None:
+def check_deletable(cfg: Config) -> None:
     """--fresh deletes only a ray-dp run inside --storage-path that holds no other path flag's."""
     from pyarrow import fs
+    storage, run_dir = files_at(cfg.run_dir)
     names = {Path(info.path).name for info in storage.get_file_info(fs.FileSelector(run_dir))}
     if not (names & set(RUN_MARKERS) or any(checkpoint_order(n) for n in names)):
         raise ConfigError(f"--fresh: {cfg.run_dir} is not a ray-dp run (no checkpoints, no "
@@ -2862,15 +2859,15 @@ def location(path: str) -> tuple:
 
 def start_fresh(cfg: Config) -> None:
     """--fresh, once every check has passed: delete the run (vetted) and its TensorBoard events."""
-    from pyarrow import fs
-    storage, run_dir = files_at(cfg.run_dir)
-    events = sorted(Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*")) if cfg.fresh else []
+    if not cfg.fresh:
+        return
+    events = sorted(Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*"))
     for path in events:
         path.unlink()
-    deleted = [f"the run's TensorBoard events in {Path(cfg.logdir, cfg.name)}"] if events else []
-    if cfg.fresh and storage.get_file_info(run_dir).type == fs.FileType.Directory:
-        storage.delete_dir(run_dir)
-        deleted.insert(0, cfg.run_dir)
+    deleted = [cfg.run_dir] if stored_type(cfg.run_dir) == "directory" else []
+    remove_stored(cfg.run_dir)
+    if events:
+        deleted.append(f"the run's TensorBoard events in {Path(cfg.logdir, cfg.name)}")
     if deleted:
         print(f"--fresh: deleted {' and '.join(deleted)}; starting run '{cfg.name}' over")
 
@@ -4399,12 +4396,11 @@ def compare(base: Config, scale_lr: bool, typed=()) -> list[dict]:
     configs, resolved = compare_configs(base, scale_lr), []
     for cfg in configs:  # every row resolved and checked before any cluster starts
         cfg, resume = check_run_dir(cfg)
-        if (summary := finished_result(cfg, resume)) is not None:
-            resolved.append((cfg, resume, None, summary))
-            continue
-        validate(cfg, resuming=resume.resumes)
-        cfg, data, _ = preflight(cfg, resume, None, typed)  # its notes print as the row runs
-        resolved.append((cfg, resume, data, None))
+        summary, data = finished_result(cfg, resume), None
+        if summary is None:
+            validate(cfg, resuming=resume.resumes)
+            cfg, data, _ = preflight(cfg, resume, None, typed)  # its notes print as the row runs
+        resolved.append((cfg, resume, data, summary))
     if any(summary is None for *_, summary in resolved):
         connect(max(configs, key=lambda c: c.workers))
     summaries = [run(cfg, resume, data) if summary is None else finished(cfg, summary, resume.done)
