@@ -3027,17 +3027,17 @@ def disk_full(error: BaseException) -> bool:
 
 def storage_full(cfg: Config, error: BaseException) -> str:
     """Where space ran out, the last checkpoint that is safe, and how to go on."""
-    free = {}
+    free = []
     for flag, path in (("storage-path", cfg.storage_path), ("logdir", cfg.logdir)):
         existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
         if not is_uri(path) and existing is not None:
             with contextlib.suppress(OSError):
-                free[flag, path] = shutil.disk_usage(existing).free
+                free.append((shutil.disk_usage(existing).free, flag, path))
     where = f"no space left on a device the run writes to (--storage-path {cfg.storage_path})"
     if getattr(error, "filename", None):
         where = f"no space left on the device of {error.filename}"
     elif free:
-        (flag, path), left = min(free.items(), key=lambda item: item[1])
+        left, flag, path = min(free, key=lambda item: item[0])  # --storage-path's on a tie
         where = f"no space left on the device of --{flag} {path} ({human_bytes(left)} free)"
     try:
         latest, place = last_saved(cfg)
@@ -3941,10 +3941,8 @@ class Bar:
             self.close()
             self.tqdm, self.epoch = tqdm(total=steps, leave=False), epoch
         shown = f", loss {loss:.4f}" if loss is not None else ""
-        self.tqdm.set_description(f"epoch {epoch + 1}/{epochs}{shown}, {rate:.0f} samples/s",
-                                  refresh=False)
         self.tqdm.n = done
-        self.tqdm.refresh()
+        self.tqdm.set_description(f"epoch {epoch + 1}/{epochs}{shown}, {rate:.0f} samples/s")
 
     def write(self, line: str) -> None:
         from tqdm import tqdm
