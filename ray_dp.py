@@ -2605,7 +2605,6 @@ def checkpoint_dir_name(epoch: int, step: int = 0) -> str:
 
 
 def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
-    """(epochs done, steps into the next) that a checkpoint directory's name says; None if none."""
     if not (match := CHECKPOINT_DIR.fullmatch(name)):
         return None
     epoch, step = int(match[1]), int(match[2] or 0)
@@ -3927,8 +3926,6 @@ class Console:
 
 
 class Bar:
-    """Lines printed above tqdm's bar of the epoch's steps (with `progress`)."""
-
     def __init__(self, progress: bool = True):
         self.progress, self.tqdm, self.epoch = progress, None, None
 
@@ -4157,7 +4154,6 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
 
 
 def switches(cfg: Config, data: DataInfo) -> list:
-    """The optimizer, then each setting that is on."""
     plain = cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum)
     loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
     said = [(True, "plain SGD" if plain else "AdamW" if cfg.optimizer == "adamw"
@@ -4379,8 +4375,7 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
     rows += [("scratch", algorithm, n) for algorithm in ALLREDUCE_ALGORITHMS]
     configs = []
     for mode, algorithm, workers in dict.fromkeys(rows if n > 1 else rows[:1] + rows[2:3]):
-        # --scale-lr: the lesson's way (the per-GPU batch kept, the learning rate scaled with N)
-        factor = workers if scale_lr else 1
+        factor = workers if scale_lr else 1  # --scale-lr: the lesson's way (lr x N, batch x N)
         label = f"{mode}-{algorithm}-{workers}w" if mode == "scratch" else f"{mode}-{workers}w"
         configs.append(replace(
             base, mode=mode, allreduce=algorithm, workers=workers, name=label,
