@@ -2657,13 +2657,11 @@ def load_checkpoint(path: str) -> dict:
     except Exception as exc:
         raise ConfigError(f"{path} is not a readable checkpoint ({first_words(exc, 200)})"
                           ) from None
-    if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
-        raise ConfigError(f"{path} is not a ray-dp checkpoint (it has no model and config)")
-    config = state["config"]
+    config = state.get("config") if isinstance(state, dict) and "model" in state else None
     if not (isinstance(config, dict) and isinstance(config.get("model"), str)
             and isinstance(config.get("dataset"), str)):
-        raise ConfigError(f"{path} is not a ray-dp checkpoint (its config names no model and "
-                          f"data set)")
+        raise ConfigError(f"{path} is not a ray-dp checkpoint (it holds no model, or its config "
+                          f"names no model and data set)")
     if state.get("format", 1) < CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is a format-1 checkpoint (epochs counted from 0), which this "
                           f"ray_dp.py no longer reads: train the run again")
@@ -2690,8 +2688,7 @@ def resume_point(run_dir: str) -> tuple[Optional[str], bool]:
     """The checkpoint a rerun resumes from (Ray's latest, else the highest) and whether Ray did."""
     state = None if under_torchrun() else ray_snapshot(run_dir)
     if state is None:
-        files = epoch_checkpoints(run_dir)
-        return (files[-1] if files else None), False
+        return (epoch_checkpoints(run_dir) or [None])[-1], False
     latest = state.get("latest_checkpoint_result")
     return (f"{run_dir}/{latest['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if latest else None,
             True)
