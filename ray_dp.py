@@ -2970,8 +2970,7 @@ def wrote_run(cfg: Config, summary: dict) -> str:
     result = os.path.join(cfg.run_dir, "result.json")
     if first > last:
         return f"wrote {result} (no epoch left to train)"
-    checkpoints = (checkpoint_dir_name(first) if first == last else
-                   f"{checkpoint_dir_name(first)} to {checkpoint_dir_name(last)}")
+    checkpoints = checkpoint_dir_name(first) + (f" to {checkpoint_dir_name(last)}" * (last > first))
     return (f"wrote {result} and {checkpoints} beside it; TensorBoard events in "
             f"{os.path.join(cfg.logdir, cfg.name)}")
 
@@ -3073,9 +3072,8 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
         return f"interrupted; {exc}"
     if latest is None:
         return "interrupted; nothing was saved"
-    same = "the same command without --fresh" if cfg.fresh else "the same command"
-    return (f"interrupted {place} (saved in {cfg.run_dir}); {same} with --name {cfg.name} "
-            f"resumes it")
+    return (f"interrupted {place} (saved in {cfg.run_dir}); the same command"
+            f"{' without --fresh' * cfg.fresh} with --name {cfg.name} resumes it")
 
 
 # ==================================================================================================
