@@ -2727,11 +2727,10 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
     except ConfigError as exc:
         raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start "
                           f"over, or --eval-only an earlier checkpoint_epoch_* directory") from None
-    highest = epoch_checkpoints(cfg.run_dir)[-1:] if listed else []
-    below = checkpoint_order(Path(latest).parent.name) if latest else (-1, 0)
-    if highest and below and checkpoint_order(Path(highest[0]).parent.name) > below:
+    highest = (epoch_checkpoints(cfg.run_dir) or [None])[-1] if listed else latest
+    if highest != latest:  # Ray's latest loaded: it is one of the run's checkpoints
         start = Path(latest).parent.name if latest else "the start"
-        print(f"note: run '{cfg.name}' has {Path(highest[0]).parent.name}, beyond the latest "
+        print(f"note: run '{cfg.name}' has {Path(highest).parent.name}, beyond the latest "
               f"checkpoint Ray lists: Ray resumes from {start} and trains those epochs again "
               f"(under torchrun the run resumes from the highest epoch)", flush=True)
     if state is None:
