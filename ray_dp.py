@@ -3902,10 +3902,8 @@ class Console:
         return cls(options.board, options.progress, worker.is_main)
 
     def say(self, line: str) -> None:
-        if self.main and self.board is not None:
-            self.board.say.remote(line)
-        elif self.main:
-            self.bar.write(line)
+        if self.main:
+            self.board.say.remote(line) if self.board is not None else self.bar.write(line)
 
     def progress(self, state: Optional[tuple]) -> None:
         """(epoch, steps done, steps, loss, samples/s, epochs), at most twice a second."""
