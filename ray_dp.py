@@ -3047,15 +3047,9 @@ def storage_full(cfg: Config, error: BaseException) -> str:
 
 
 def last_saved(cfg: Config) -> tuple[Optional[str], str]:
-    """The checkpoint a rerun resumes from, and where ("after epoch 3 of 10")."""
+    """The checkpoint a rerun resumes from, and where its name says ("after epoch 3 of 10")."""
     latest = latest_committed(cfg.run_dir)
-    if latest is None:
-        return None, ""
-    try:
-        state = load_checkpoint(latest)
-        done, step = state["epoch"], (state.get("partial") or {}).get("step", 0)
-    except ConfigError:
-        done, step = checkpoint_order(Path(latest).parent.name) or (0, 0)
+    done, step = checkpoint_order(Path(latest or "").parent.name) or (0, 0)
     return latest, (f"at epoch {done + 1} of {cfg.epochs}, step {step}" if step
                     else f"after epoch {done} of {cfg.epochs}")
 
