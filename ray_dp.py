@@ -2935,9 +2935,8 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
         cfg, history[-1], out, checkpoint, epochs=history,
         sec_per_epoch=statistics.median(m["epoch_seconds"] for m in whole),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
-        started_at_epoch=out["started_at_epoch"], node_ranks=out["node_ranks"],
-        first_step_at=out["first_step_at"], recovery=recovery, resumed=out["resumed"],
-        ledger=ledger, startup=out["startup"])
+        **{key: out[key] for key in ("started_at_epoch", "node_ranks", "first_step_at")},
+        recovery=recovery, resumed=out["resumed"], ledger=ledger, startup=out["startup"])
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
 
