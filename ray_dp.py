@@ -1766,7 +1766,7 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
             data = load_dataset(cfg)
             check_classes_agree(class_names(data[0]) if classifies(data[0]) else [],
                                 worker.device)
-        check_node_holds(data, cfg, worker, Console.of(options, worker))
+        check_node_holds(data, cfg, worker, Console(options, worker))
     except DataError as exc:
         return exc
     worker.marks["data"] = time.time()
@@ -3093,7 +3093,7 @@ class Checkpointer:
         options = options or LoopOptions()
         self.cfg, self.worker, self.launcher = cfg, worker, launcher
         self.checkpoint_of, self.torchrun = checkpoint_of, options.torchrun
-        self.console = Console.of(options, worker)
+        self.console = Console(options, worker)
         self.every_steps, self.every_seconds = (checkpoint_interval(cfg.checkpoint_every)
                                                 if checkpoint_of else (0, 0.0))
         board = options.board if worker.is_main and ask_board(options.board, "restarted") else None
@@ -3886,13 +3886,10 @@ def ask_board(board, method: str, timeout: float = 30):
 class Console:
     """Rank 0's lines and progress bar: to the driver's Board under Ray, here under torchrun."""
 
-    def __init__(self, board=None, progress: bool = False, main: bool = True):
-        self.board, self.main, self.progress_wanted = board, main, progress and main
-        self.bar, self.shown = Bar(self.progress_wanted) if board is None else None, 0.0
-
-    @classmethod
-    def of(cls, options: LoopOptions, worker: Worker) -> "Console":
-        return cls(options.board, options.progress, worker.is_main)
+    def __init__(self, options: LoopOptions, worker: Worker):
+        self.board, self.main, self.shown = options.board, worker.is_main, 0.0
+        self.progress_wanted = options.progress and worker.is_main
+        self.bar = Bar(self.progress_wanted) if self.board is None else None
 
     def say(self, line: str) -> None:
         if self.main:
