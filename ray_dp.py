@@ -4085,9 +4085,8 @@ def on_node(rank: int, node_ips: dict, error) -> str:
 
 
 def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict) -> str:
-    controller = getattr(error, "controller_failure", None)
     return (describe_worker_failures(getattr(error, "worker_failures", {}), node_ips)
-            or first_line(controller or error))
+            or first_line(getattr(error, "controller_failure", None) or error))
 
 
 def first_line(error: BaseException) -> str:
