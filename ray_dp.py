@@ -2872,9 +2872,8 @@ def write_json(path: str, data: dict) -> None:
 
 
 def write_stored(path: str, data: bytes) -> None:
-    from pyarrow import fs
     storage, key = files_at(path)
-    if isinstance(storage, fs.LocalFileSystem):
+    if storage.type_name == "local":
         return write_atomically(key, data)
     with storage.open_output_stream(key) as f:
         f.write(data)
