@@ -4003,11 +4003,11 @@ def near_chance(cfg: Config, summary: dict) -> Optional[str]:
 
 
 EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "test_loss",
-                 "test/acc": "test_acc",
-                 **{f"time/{key}": key for key in ("epoch_seconds", "samples_per_second",
-                                                   "data_seconds")},
-                 **{f"comm/{key}": key for key in ("allreduce_seconds_per_step",
-                                                   "allreduce_busbw_gbps")}}
+                 "test/acc": "test_acc", "time/epoch_seconds": "epoch_seconds",
+                 "time/samples_per_second": "samples_per_second",
+                 "time/data_seconds": "data_seconds",
+                 "comm/allreduce_seconds_per_step": "allreduce_seconds_per_step",
+                 "comm/allreduce_busbw_gbps": "allreduce_busbw_gbps"}
 
 
 class TensorBoardWriter(ray.train.UserCallback):
