@@ -4011,8 +4011,7 @@ EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "tes
 
 
 class TensorBoardWriter(ray.train.UserCallback):
-    """An epoch's metrics as TensorBoard events in LOGDIR/<name>/; under Ray from Ray Train's
-    controller, on the driver's node, where the user runs TensorBoard."""
+    """An epoch's metrics as TensorBoard events in LOGDIR/<name>/ (under Ray: the driver's node's)."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.writer = cfg, None
@@ -4406,7 +4405,6 @@ def compare_rows(configs: list[Config], summaries: list[dict]) -> list[dict]:
 
 
 def write_compare(out_dir: str, rows: list[dict]) -> str:
-    """compare.csv and compare.md (the table, returned)."""
     import csv
     text = io.StringIO()
     csv.writer(text).writerows([list(rows[0]), *(row.values() for row in rows)])
