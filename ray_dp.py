@@ -4011,7 +4011,7 @@ EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "tes
 
 
 class TensorBoardWriter(ray.train.UserCallback):
-    """An epoch's metrics as TensorBoard events in LOGDIR/<name>/ (under Ray: the driver's node's)."""
+    """An epoch's metrics as TensorBoard events in LOGDIR/<name>/, written on the driver's node."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.writer = cfg, None
