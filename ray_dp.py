@@ -50,7 +50,7 @@ import threading
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
-from typing import Optional, Union
+from typing import Optional
 
 import ray
 
@@ -329,7 +329,7 @@ COMMAND_HELP = {
     "train": __doc__.split("\n\n")[0],
     "compare": "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with "
                "each all-reduce), same global batch and seed, and print the lesson's table; "
-               "writes compare.csv, .md and .png to <storage-path>/<name>/. Its rows set --mode "
+               "writes compare.csv and .md to <storage-path>/<name>/. Its rows set --mode "
                "and --allreduce and train the lesson's LeNet with plain SGD in fp32: flags of "
                "--mode ddp alone (--model, --optimizer, --amp, ...) are refused",
     "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
@@ -1770,7 +1770,7 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
             data = load_dataset(cfg)
             check_classes_agree(class_names(data[0]) if classifies(data[0]) else [],
                                 worker.device)
-        check_node_holds(data, cfg, worker, Console.of(options, worker))
+        check_node_holds(data, cfg, worker, Console(options, worker))
     except DataError as exc:
         return exc
     worker.marks["data"] = time.time()
@@ -1904,9 +1904,9 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
     # SIGTERM to the driver: rank 0 hears of it at its next beat (--mode ddp under Ray)
     stop = graceful_stop() if training and options.board else None
     if stop is not None:
-        stop.on_ask = functools.partial(board_heard, options.board)
+        stop.on_ask = functools.partial(ask_board, options.board, "ask_stop", timeout=10)
     quiet = contextlib.redirect_stdout(io.StringIO()) if follower else contextlib.nullcontext()
-    relay = Relay(options.board, options.progress) if options.board else contextlib.nullcontext()
+    relay = relayed(options.board, options.progress) if options.board else contextlib.nullcontext()
     if options.torchrun:  # torchrun's process group is this very process's
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", worker_env(cfg)["env_vars"].get(
             "TORCH_FR_BUFFER_SIZE", "2000"))
@@ -2013,7 +2013,7 @@ def main(argv=None) -> int:
     except OSError as exc:
         if not disk_full(exc):
             raise
-        return fail(f"error: {full_device(cfg, exc)}: free space and run the same command again", 1)
+        return fail(f"error: {storage_full(cfg, exc)}", 1)
     except KeyboardInterrupt:
         return fail(interrupted(command, cfg), 130)
     return 1 if command == "doctor" and not outcome else 0
@@ -2546,8 +2546,7 @@ def checkpoint_dir_name(epoch: int, step: int = 0) -> str:
 
 
 def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
-    match = CHECKPOINT_DIR.fullmatch(name)
-    if not match:
+    if not (match := CHECKPOINT_DIR.fullmatch(name)):
         return None
     epoch, step = int(match[1]), int(match[2] or 0)
     return (epoch - 1, step) if step else (epoch, 0)
@@ -2556,8 +2555,7 @@ def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
 def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config,
                      history: list, classes: list, partial: Optional[dict] = None,
                      samples: Optional[str] = None) -> dict:
-    """A checkpoint after `epoch` epochs (and `partial`: the steps of the next one): the bare
-    model's weights made contiguous, the names of its outputs, the list of samples' fingerprint."""
+    """The state after `epoch` epochs (and `partial`'s steps of the next), weights contiguous."""
     model_state = {key: value.contiguous() for key, value in model_state.items()}
     return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch,
             "certificate": certificate(model_state, optimizer_state, cfg.seed, epoch, partial),
@@ -2600,47 +2598,27 @@ def load_checkpoint(path: str) -> dict:
     except Exception as exc:
         raise ConfigError(f"{path} is not a readable checkpoint ({first_words(exc, 200)})"
                           ) from None
-    if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
-        raise ConfigError(f"{path} is not a ray-dp checkpoint (it has no model and config)")
-    config = state["config"]
+    config = state.get("config") if isinstance(state, dict) and "model" in state else None
     if not (isinstance(config, dict) and isinstance(config.get("model"), str)
             and isinstance(config.get("dataset"), str)):
-        raise ConfigError(f"{path} is not a ray-dp checkpoint (its config names no model and "
-                          f"data set)")
-    return renumbered(state)
-
-
-def renumbered(record: dict) -> dict:
-    """A checkpoint or result.json from before format 2 (epochs counted from 0), as today's."""
-    if record.get("format", 1) >= 2:
-        return record
-
-    def later(metrics):
-        return ({**metrics, "epoch": metrics["epoch"] + 1}
-                if isinstance(metrics, dict) and isinstance(metrics.get("epoch"), int) else metrics)
-    renamed = {key: [later(m) for m in record[key]] for key in ("history", "epochs")
-               if isinstance(record.get(key), list)}
-    if isinstance(record.get("epoch"), int):
-        renamed["epoch"] = record["epoch"] + 1
-    if isinstance(record.get("final"), dict):
-        renamed["final"] = later(record["final"])
-    return {**record, **renamed, "format": CHECKPOINT_FORMAT}
+        raise ConfigError(f"{path} is not a ray-dp checkpoint (it holds no model, or its config "
+                          f"names no model and data set)")
+    if state.get("format", 1) < CHECKPOINT_FORMAT:
+        raise ConfigError(f"{path} is a format-1 checkpoint (epochs counted from 0), which this "
+                          f"ray_dp.py no longer reads: train the run again")
+    return state
 
 
 def epoch_checkpoints(run_dir: str) -> list[str]:
     """A run's checkpoint files in the order they were trained (by number, not as text)."""
     from pyarrow import fs
-    run_dir = str(run_dir)
-    storage, path = files_at(run_dir)
-    found = {}
-    for info in storage.get_file_info(fs.FileSelector(path, allow_not_found=True)):
-        order = checkpoint_order(info.base_name)
-        if order and info.type == fs.FileType.Directory:
-            found[order] = f"{info.path}/{CHECKPOINT_FILE}"
-    orders = sorted(found)
-    kinds = storage.get_file_info([found[order] for order in orders])
-    return [f"{run_dir.rstrip('/')}/{Path(found[order]).parent.name}/{CHECKPOINT_FILE}"
-            for order, kind in zip(orders, kinds) if kind.type == fs.FileType.File]
+    storage, path = files_at(str(run_dir))
+    found = sorted((order, info.path, info.base_name) for info in storage.get_file_info(
+        fs.FileSelector(path, allow_not_found=True)) if info.type == fs.FileType.Directory
+        and (order := checkpoint_order(info.base_name)))
+    kinds = storage.get_file_info([f"{folder}/{CHECKPOINT_FILE}" for _, folder, _ in found])
+    return [f"{str(run_dir).rstrip('/')}/{name}/{CHECKPOINT_FILE}"
+            for (_, _, name), kind in zip(found, kinds) if kind.type == fs.FileType.File]
 
 
 def latest_committed(run_dir: str) -> Optional[str]:
@@ -2648,12 +2626,10 @@ def latest_committed(run_dir: str) -> Optional[str]:
 
 
 def resume_point(run_dir: str) -> tuple[Optional[str], bool]:
-    """The checkpoint a rerun resumes from, and whether Ray listed it: under Ray the latest one Ray
-    reported, as Ray resumes; where Ray lists none, and under torchrun, the highest epoch."""
+    """The checkpoint a rerun resumes from (Ray's latest, else the highest) and whether Ray did."""
     state = None if under_torchrun() else ray_snapshot(run_dir)
     if state is None:
-        files = epoch_checkpoints(run_dir)
-        return (files[-1] if files else None), False
+        return (epoch_checkpoints(run_dir) or [None])[-1], False
     latest = state.get("latest_checkpoint_result")
     return (f"{run_dir}/{latest['checkpoint_dir_name']}/{CHECKPOINT_FILE}" if latest else None,
             True)
@@ -2674,39 +2650,35 @@ class Resume:
 
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Resume]:
-    """A rerun, resolved before validation: --fresh deletes only this run; the checkpoint must load
-    and have trained as the command says, which takes from it what it leaves unsaid."""
-    from pyarrow import fs
-    storage, run_dir = files_at(cfg.run_dir)
-    kind = storage.get_file_info(run_dir).type
-    if kind == fs.FileType.NotFound:
-        return cfg, Resume()
-    if kind != fs.FileType.Directory:
+    """A rerun before validation: its checkpoint, trained as the command says, fills in the rest."""
+    if (kind := stored_type(cfg.run_dir)) == "file":
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
-    if cfg.fresh:
-        check_deletable(cfg, storage, run_dir)
+    if cfg.fresh and kind == "directory":
+        check_deletable(cfg)
+    if kind == "none" or cfg.fresh:
         return cfg, Resume()
     try:
         latest, listed = resume_point(cfg.run_dir)
+        state = load_checkpoint(latest) if latest else None
+        if state and (differ := uncertified(state)):
+            raise ConfigError(f"its checkpoint {latest} holds another {' and '.join(differ)} than "
+                              f"it certifies (it was altered since it was saved)")
     except BrokenSnapshot as exc:
         raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}") from None
-    if listed:
-        note_epochs_beyond_rays(cfg, latest)
-    if latest is None:
-        return cfg, Resume()
-    try:
-        state = load_checkpoint(latest)
     except ConfigError as exc:
         raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start "
                           f"over, or --eval-only an earlier checkpoint_epoch_* directory") from None
+    highest = (epoch_checkpoints(cfg.run_dir) or [None])[-1] if listed else latest
+    if highest != latest:  # Ray's latest loaded: it is one of the run's checkpoints
+        start = Path(latest).parent.name if latest else "the start"
+        print(f"note: run '{cfg.name}' has {Path(highest).parent.name}, beyond the latest "
+              f"checkpoint Ray lists: Ray resumes from {start} and trains those epochs again "
+              f"(under torchrun the run resumes from the highest epoch)", flush=True)
+    if state is None:
+        return cfg, Resume()
     stored = stored_config(state)
     cfg = follow_stored(cfg, stored, typed)
     check_same_training(cfg, stored, state.get("code"))
-    if (differ := uncertified(state)):
-        raise ConfigError(f"run '{cfg.name}' cannot resume: its checkpoint {latest} holds another "
-                          f"{' and '.join(differ)} than it certifies (it was altered since it was "
-                          f"saved): rerun with --fresh to start over, or --eval-only an earlier "
-                          f"checkpoint_epoch_* directory")
     note_code_changed(cfg, state, f"run '{cfg.name}' saved its checkpoint")
     done = state["epoch"]
     if cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs and done < cfg.epochs:
@@ -2715,20 +2687,6 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
               f"{learning_rate(cfg, done):.4g}", flush=True)
     return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0),
                        None if listed else latest, state.get("samples"), latest)
-
-
-def note_epochs_beyond_rays(cfg: Config, latest: Optional[str]) -> None:
-    """A checkpoint beyond Ray's latest (torchrun's, or one cut short as Ray stopped): Ray trains
-    its epochs again."""
-    files = epoch_checkpoints(cfg.run_dir)
-    highest = Path(files[-1]).parent.name if files else None
-    listed = Path(latest).parent.name if latest else None
-    listed_order = checkpoint_order(listed) if listed else (-1, 0)
-    if highest and listed_order and checkpoint_order(highest) > listed_order:
-        from_ = f"from {listed}" if listed else "from the start"
-        print(f"note: run '{cfg.name}' has {highest}, beyond the latest checkpoint Ray lists: Ray "
-              f"resumes {from_} and trains those epochs again (under torchrun the run resumes "
-              f"from the highest epoch)", flush=True)
 
 
 def stored_config(state: dict) -> dict:
@@ -2743,8 +2701,7 @@ def stored_config(state: dict) -> dict:
 
 
 def follow_stored(cfg: Config, stored: dict, typed: Optional[set]) -> Config:
-    """A rerun's untyped training settings come from the run it resumes, whatever today's
-    defaults."""
+    """A rerun's untyped settings come from the run it resumes, whatever today's defaults."""
     if typed is None:
         return cfg
     check_code_named(stored, typed, f"run '{cfg.name}'")
@@ -2783,26 +2740,24 @@ def same_setting(name: str, stored, now, code: Optional[dict] = None) -> bool:
 
 def as_flag(name: str, value) -> str:
     flag = name.replace("_", "-")
-    if isinstance(value, bool):
-        return f"--{flag}" if value else f"no --{flag}"
-    if value is None or value == "":
+    if value is None or value is False or value == "":
         return f"no --{flag}"
-    return f"--{flag} {value}"
+    return f"--{flag}" if value is True else f"--{flag} {value}"
 
 
-def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> None:
-    if resume.resumes and data.fingerprint and not resume.samples:
-        print(f"note: run '{cfg.name}' was saved before ray_dp kept its list of images: it "
-              f"resumes on --data-dir {cfg.data_dir} as it is now", flush=True)
+def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> Optional[str]:
     if resume.samples and data.fingerprint and resume.samples != data.fingerprint:
         raise ConfigError(f"run '{cfg.name}' trained on another list of images than --data-dir "
                           f"{cfg.data_dir} holds now ({data.sizes[0]} train images): restore the "
                           f"folder as it was, or start over with --fresh or a new --name")
+    if resume.resumes and data.fingerprint and not resume.samples:
+        return (f"run '{cfg.name}' was saved before ray_dp kept its list of images: it resumes on "
+                f"--data-dir {cfg.data_dir} as it is now")
+    return None
 
 
 def samples_fingerprint(data) -> Optional[str]:
-    """A data set's list of samples (classes, each file relative to its folder, its label) in 16
-    hex digits; None for data without such a list."""
+    """16 hex digits of a data set's classes and (file in its folder, label) list; else None."""
     import hashlib
     try:
         root = os.fspath(data.root).rstrip("/")
@@ -2813,10 +2768,10 @@ def samples_fingerprint(data) -> Optional[str]:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
-def check_deletable(cfg: Config, storage, run_dir: str) -> None:
-    """--fresh deletes <storage-path>/<name>/ only if it is a ray-dp run inside --storage-path
-    holding neither --logdir nor --data-dir."""
+def check_deletable(cfg: Config) -> None:
+    """--fresh deletes only a ray-dp run inside --storage-path that holds no other path flag's."""
     from pyarrow import fs
+    storage, run_dir = files_at(cfg.run_dir)
     names = {Path(info.path).name for info in storage.get_file_info(fs.FileSelector(run_dir))}
     if not (names & set(RUN_MARKERS) or any(checkpoint_order(n) for n in names)):
         raise ConfigError(f"--fresh: {cfg.run_dir} is not a ray-dp run (no checkpoints, no "
@@ -2826,33 +2781,29 @@ def check_deletable(cfg: Config, storage, run_dir: str) -> None:
         raise ConfigError(f"--fresh: {cfg.run_dir} leads to {target[1]}, outside --storage-path; "
                           f"not deleting it")
     for name in sorted((PATH_FIELDS | STORE_ACCESS.keys()) - {"storage_path"}):
-        if (path := getattr(cfg, name)) and within(location(path), target):
+        place = location(path) if (path := getattr(cfg, name)) else ("", "")
+        if place[0] == target[0] and f"{place[1]}/".startswith(f"{target[1]}/"):
             raise ConfigError(f"--fresh: {cfg.run_dir} holds --{name.replace('_', '-')} {path}; "
                               f"not deleting it")
 
 
 def location(path: str) -> tuple:
     storage, where = files_at(path)
-    if storage.type_name == "local":
-        return "local", os.path.realpath(where)
-    return storage.type_name, where.rstrip("/")
-
-
-def within(place: tuple, folder: tuple) -> bool:
-    return place[0] == folder[0] and f"{place[1]}/".startswith(f"{folder[1]}/")
+    local = storage.type_name == "local"
+    return storage.type_name, os.path.realpath(where) if local else where.rstrip("/")
 
 
 def start_fresh(cfg: Config) -> None:
     """--fresh, once every check has passed: delete the run (vetted) and its TensorBoard events."""
-    from pyarrow import fs
-    storage, run_dir = files_at(cfg.run_dir)
-    events = sorted(Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*")) if cfg.fresh else []
+    if not cfg.fresh:
+        return
+    events = sorted(Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*"))
     for path in events:
         path.unlink()
-    deleted = [f"the run's TensorBoard events in {Path(cfg.logdir, cfg.name)}"] if events else []
-    if cfg.fresh and storage.get_file_info(run_dir).type == fs.FileType.Directory:
-        storage.delete_dir(run_dir)
-        deleted.insert(0, cfg.run_dir)
+    deleted = [cfg.run_dir] if stored_type(cfg.run_dir) == "directory" else []
+    remove_stored(cfg.run_dir)
+    if events:
+        deleted.append(f"the run's TensorBoard events in {Path(cfg.logdir, cfg.name)}")
     if deleted:
         print(f"--fresh: deleted {' and '.join(deleted)}; starting run '{cfg.name}' over")
 
@@ -2862,49 +2813,38 @@ def write_json(path: str, data: dict) -> None:
 
 
 def write_stored(path: str, data: bytes) -> None:
-    from pyarrow import fs
     storage, key = files_at(path)
-    if isinstance(storage, fs.LocalFileSystem):
+    if storage.type_name == "local":
         return write_atomically(key, data)
     with storage.open_output_stream(key) as f:
         f.write(data)
 
 
-def write_atomically(path: str, data: Union[str, bytes]) -> None:
-    """Written beside the file, flushed to the disk, renamed over it, the directory flushed; a
-    failed write leaves the file as it was. (A renamed file never flushed can be empty after a
-    power loss.)"""
+def write_atomically(path: str, data: bytes) -> None:
+    """Written beside, flushed, renamed over, folders flushed: a failure leaves the old file."""
     folder = os.path.dirname(os.path.abspath(path))
     made = [part for part in [folder, *Path(folder).parents] if not os.path.isdir(part)]
     os.makedirs(folder, exist_ok=True)
     try:
-        with open(path + ".tmp", "wb" if isinstance(data, bytes) else "w",
-                  **({} if isinstance(data, bytes) else {"newline": ""})) as f:
+        with open(path + ".tmp", "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-        for part in [folder, *(os.path.dirname(str(new)) for new in made)]:
-            sync_directory(part)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path + ".tmp")
         raise
-
-
-def sync_directory(folder: str) -> None:
-    """Best effort: a directory this process may not read, or a file system that flushes none."""
-    with contextlib.suppress(OSError):
-        descriptor = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+    for part in [folder, *(os.path.dirname(str(new)) for new in made)]:
+        with contextlib.suppress(OSError):  # a directory this process may not read
+            descriptor = os.open(part, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
 
 
 def read_stored(path: str) -> bytes:
-    if not is_uri(path):
-        return Path(path).read_bytes()
     storage, key = files_at(path)
     with storage.open_input_stream(key) as f:
         return f.read()
@@ -2918,40 +2858,34 @@ def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Option
 
 
 def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
-    """result.json of a finished run: medians of the epochs after the first (a shared machine's
-    stalls skew means), what it survived, its start-up."""
+    """result.json of a finished run: medians of the epochs after the first (stalls skew means)."""
     out = result.return_value
-    history = out["history"]
+    history, last = out["history"], out["history"][-1]["epoch"]
     timed = history[1:] or history
     whole = [m for m in timed if not m.get("resumed_at_step")] or timed
     recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
     if recovery and board is not None:
         recovery["steps_redone"] = ray.get(board.steps_redone.remote())
     ledger = record_ledger(cfg, out, board, recovery)
-    write_ledger_events(cfg, ledger, history[-1]["epoch"])
+    write_ledger_events(cfg, ledger, last)
+    checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(last), CHECKPOINT_FILE)
+    if not (is_uri(checkpoint) or os.path.isfile(checkpoint)):
+        checkpoint = latest_committed(cfg.run_dir) or checkpoint
     summary = run_record(
-        cfg, history[-1], out, last_checkpoint(cfg, history[-1]["epoch"]), epochs=history,
+        cfg, history[-1], out, checkpoint, epochs=history,
         sec_per_epoch=statistics.median(m["epoch_seconds"] for m in whole),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
-        started_at_epoch=out["started_at_epoch"], node_ranks=out["node_ranks"],
-        first_step_at=out["first_step_at"], recovery=recovery, resumed=out["resumed"],
-        ledger=ledger, startup=out["startup"])
+        **{key: out[key] for key in ("started_at_epoch", "node_ranks", "first_step_at")},
+        recovery=recovery, resumed=out["resumed"], ledger=ledger, startup=out["startup"])
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
-
-
-def last_checkpoint(cfg: Config, epoch: int) -> str:
-    path = os.path.join(cfg.run_dir, checkpoint_dir_name(epoch), CHECKPOINT_FILE)
-    if is_uri(path) or os.path.isfile(path):
-        return path
-    return latest_committed(cfg.run_dir) or path
 
 
 def finished_result(cfg: Config, resume: Resume) -> Optional[dict]:
     if resume.done < cfg.epochs:
         return None
     try:
-        summary = renumbered(json.loads(read_stored(os.path.join(cfg.run_dir, "result.json"))))
+        summary = json.loads(read_stored(os.path.join(cfg.run_dir, "result.json")))
         return summary if summary["epochs"][-1]["epoch"] == resume.done else None
     except (OSError, ValueError, AttributeError, KeyError, IndexError, TypeError):
         return None
@@ -2963,12 +2897,10 @@ def finished(cfg: Config, summary: dict, done: int) -> dict:
 
 
 def finished_run(cfg: Config, done: int) -> str:
-    more = f"--epochs {max(done, cfg.epochs) + 10} trains it further"
-    if done > cfg.epochs:
-        return (f"run '{cfg.name}' has trained {done} epochs, more than --epochs {cfg.epochs}; "
-                f"nothing to train ({more})")
-    return (f"run '{cfg.name}' already finished its {plural(done, 'epoch')}; nothing to train "
-            f"({more})")
+    said = (f"has trained {done} epochs, more than --epochs {cfg.epochs}" if done > cfg.epochs
+            else f"already finished its {plural(done, 'epoch')}")
+    return (f"run '{cfg.name}' {said}; nothing to train (--epochs {max(done, cfg.epochs) + 10} "
+            f"trains it further)")
 
 
 def wrote_run(cfg: Config, summary: dict) -> str:
@@ -2976,8 +2908,7 @@ def wrote_run(cfg: Config, summary: dict) -> str:
     result = os.path.join(cfg.run_dir, "result.json")
     if first > last:
         return f"wrote {result} (no epoch left to train)"
-    checkpoints = (checkpoint_dir_name(first) if first == last else
-                   f"{checkpoint_dir_name(first)} to {checkpoint_dir_name(last)}")
+    checkpoints = checkpoint_dir_name(first) + (f" to {checkpoint_dir_name(last)}" * (last > first))
     return (f"wrote {result} and {checkpoints} beside it; TensorBoard events in "
             f"{os.path.join(cfg.logdir, cfg.name)}")
 
@@ -2991,8 +2922,7 @@ class RunFailed(RuntimeError):
 
 
 def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None) -> str:
-    """result.json, ray.log and the ledger of a run that failed; the one-line reason (a hang's:
-    the rank its records name)."""
+    """result.json, ray.log and the ledger of a failed run; the one-line reason."""
     logs = local_run_dir(cfg)
     recovery = recovery_summary(os.path.join(logs, "recovery.json"))
     failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
@@ -3022,47 +2952,45 @@ def append_log(folder: str, text: str) -> None:
 
 def disk_full(error: BaseException) -> bool:
     """A write failed for want of space, here or (as text) on a worker or Ray's controller."""
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        return True
     texts = [error, getattr(error, "controller_failure", None),
              *getattr(error, "worker_failures", {}).values()]
-    return any(text is not None and "No space left on device" in str(text) for text in texts)
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC
+            or any("No space left on device" in str(text) for text in texts))
 
 
-def storage_full(cfg: Config, error: Optional[BaseException] = None) -> str:
+def storage_full(cfg: Config, error: BaseException) -> str:
     """Where space ran out, the last checkpoint that is safe, and how to go on."""
-    try:
-        latest = latest_committed(cfg.run_dir)
-        state = load_checkpoint(latest) if latest else None
-    except BrokenSnapshot as exc:  # cut short by the full disk as Ray rewrote it
-        return f"{full_device(cfg, error)}; {exc.fact}: once there is space, {SNAPSHOT_WAYS_ON}"
-    except (ConfigError, OSError):
-        latest = None
-    if latest is None:
-        safe = "no checkpoint was saved, so the same command starts it over once there is space"
-    else:
-        step = (state.get("partial") or {}).get("step", 0)
-        at = (f"epoch {state['epoch'] + 1} of {cfg.epochs}, step {step}" if step
-              else f"epoch {state['epoch']} of {cfg.epochs}")
-        safe = (f"the last checkpoint that is safe is {os.path.dirname(latest)} ({at}): once "
-                f"there is space, the same command resumes from it")
-    return f"{full_device(cfg, error)}; {safe}"
-
-
-def full_device(cfg: Config, error: Optional[BaseException]) -> str:
-    """The file a write failed on, else the fullest of --storage-path's and --logdir's disks."""
-    if getattr(error, "filename", None):
-        return f"no space left on the device of {error.filename}"
-    free = {}
+    free = []
     for flag, path in (("storage-path", cfg.storage_path), ("logdir", cfg.logdir)):
         existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
         if not is_uri(path) and existing is not None:
             with contextlib.suppress(OSError):
-                free[flag, path] = shutil.disk_usage(existing).free
-    if not free:
-        return f"no space left on a device the run writes to (--storage-path {cfg.storage_path})"
-    (flag, path), left = min(free.items(), key=lambda item: item[1])
-    return f"no space left on the device of --{flag} {path} ({human_bytes(left)} free)"
+                free.append((shutil.disk_usage(existing).free, flag, path))
+    where = f"no space left on a device the run writes to (--storage-path {cfg.storage_path})"
+    if getattr(error, "filename", None):
+        where = f"no space left on the device of {error.filename}"
+    elif free:
+        left, flag, path = min(free, key=lambda item: item[0])  # --storage-path's on a tie
+        where = f"no space left on the device of --{flag} {path} ({human_bytes(left)} free)"
+    try:
+        latest, place = last_saved(cfg)
+    except BrokenSnapshot as exc:  # cut short by the full disk as Ray rewrote it
+        return f"{where}; {exc.fact}: once there is space, {SNAPSHOT_WAYS_ON}"
+    except OSError:
+        latest = None
+    if latest is None:
+        return (f"{where}; no checkpoint was saved, so the same command starts it over once there "
+                f"is space")
+    return (f"{where}; the last checkpoint that is safe is {os.path.dirname(latest)} ({place}): "
+            f"once there is space, the same command resumes from it")
+
+
+def last_saved(cfg: Config) -> tuple[Optional[str], str]:
+    """The checkpoint a rerun resumes from, and where its name says ("after epoch 3 of 10")."""
+    latest = latest_committed(cfg.run_dir)
+    done, step = checkpoint_order(Path(latest or "").parent.name) or (0, 0)
+    return latest, (f"at epoch {done + 1} of {cfg.epochs}, step {step}" if step
+                    else f"after epoch {done} of {cfg.epochs}")
 
 
 def interrupted(command: str, cfg: Optional[Config]) -> str:
@@ -3071,21 +2999,13 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
         return (f"interrupted; the same command with --name {cfg.name} resumes the rows "
                 f"(finished ones are kept)")
     try:
-        latest = latest_committed(cfg.run_dir) if command == "train" and cfg else None
+        latest, place = last_saved(cfg) if command == "train" and cfg else (None, "")
     except BrokenSnapshot as exc:
         return f"interrupted; {exc}"
     if latest is None:
         return "interrupted; nothing was saved"
-    try:
-        state = load_checkpoint(latest)
-        done, step = state["epoch"], (state.get("partial") or {}).get("step", 0)
-    except ConfigError:
-        done, step = checkpoint_order(Path(latest).parent.name) or (0, 0)
-    where = (f"at epoch {done + 1} of {cfg.epochs}, step {step}" if step
-             else f"after epoch {done} of {cfg.epochs}")
-    same = "the same command without --fresh" if cfg.fresh else "the same command"
-    return (f"interrupted {where} (saved in {cfg.run_dir}); {same} with --name {cfg.name} "
-            f"resumes it")
+    return (f"interrupted {place} (saved in {cfg.run_dir}); the same command"
+            f"{' without --fresh' * cfg.fresh} with --name {cfg.name} resumes it")
 
 
 # ==================================================================================================
@@ -3113,10 +3033,10 @@ class Checkpointer:
         options = options or LoopOptions()
         self.cfg, self.worker, self.launcher = cfg, worker, launcher
         self.checkpoint_of, self.torchrun = checkpoint_of, options.torchrun
-        self.console = Console.of(options, worker)
+        self.console = Console(options, worker)
         self.every_steps, self.every_seconds = (checkpoint_interval(cfg.checkpoint_every)
                                                 if checkpoint_of else (0, 0.0))
-        board = options.board if worker.is_main and told(options.board, "restarted") else None
+        board = options.board if worker.is_main and ask_board(options.board, "restarted") else None
         self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
         self.watchdog = Watchdog(cfg, worker, options.board)
         self.model = unwrap(model) if isinstance(model, nn.Module) else model  # scratch: params
@@ -3838,8 +3758,7 @@ def hang_report(cfg: Config) -> Optional[str]:
 
 
 class Board:
-    """A Ray actor on the driver's node for a run: what rank 0 and the controller say (the driver
-    prints it), the steps since the last checkpoint, the driver's stop, rank 0's last beat."""
+    """An actor on the driver's node: lines to print, rank 0's beats, the driver's stop."""
 
     HEARD_WITHIN = 10.0  # seconds without a beat after which no worker trains
 
@@ -3848,10 +3767,9 @@ class Board:
         self.since, self.redone, self.stop, self.heard_at = 0, 0, False, 0.0
 
     def say(self, line: str) -> None:
-        if line.startswith("ray-dp: note:") and line in self.said:  # once, whatever restarts
-            return
-        self.said.add(line)
-        self.lines.append(line)
+        if not (line.startswith("ray-dp: note:") and line in self.said):  # notes once, restarts too
+            self.said.add(line)
+            self.lines.append(line)
 
     def show(self, bar: Optional[tuple]) -> None:
         self.bar = bar
@@ -3869,9 +3787,10 @@ class Board:
         self.heard_at = time.time()
         return self.stop
 
-    def restarted(self) -> None:
+    def restarted(self) -> bool:
         self.redone, self.since = self.redone + self.since, 0
         self.attempts.append(None)
+        return True
 
     def ledgers(self) -> list:
         return [attempt for attempt in self.attempts if attempt]
@@ -3896,81 +3815,53 @@ def new_board():
     return ray.remote(num_cpus=0, scheduling_strategy=here)(Board).remote()
 
 
-def board_heard(board) -> bool:
-    try:
-        return ray.get(board.ask_stop.remote(), timeout=10)
-    except (ray.exceptions.RayError, TimeoutError):
-        return False
-
-
-def told(board, method: str) -> bool:
-    if board is None:
-        return False
-    try:
-        ray.get(getattr(board, method).remote(), timeout=30)
-        return True
-    except (ray.exceptions.RayError, TimeoutError):
-        return False
+def ask_board(board, method: str, timeout: float = 30):
+    """The Board's answer to `method`; None without a Board or when it does not answer."""
+    if board is not None:
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            return ray.get(getattr(board, method).remote(), timeout=timeout)
+    return None
 
 
 class Console:
-    """What rank 0 shows the user: lines and a progress bar, sent to the driver's Board under Ray,
-    shown here under torchrun (its terminal is rank 0's)."""
+    """Rank 0's lines and progress bar: to the driver's Board under Ray, here under torchrun."""
 
-    def __init__(self, board=None, progress: bool = False, main: bool = True):
-        self.board, self.main, self.shown = board, main, 0.0
-        self.progress_wanted = progress and main
-        self.bar = Bar() if self.progress_wanted and board is None else None
-
-    @classmethod
-    def of(cls, options: LoopOptions, worker: Worker) -> "Console":
-        return cls(options.board, options.progress, worker.is_main)
+    def __init__(self, options: LoopOptions, worker: Worker):
+        self.board, self.main, self.shown = options.board, worker.is_main, 0.0
+        self.progress_wanted = options.progress and worker.is_main
+        self.bar = Bar(self.progress_wanted) if self.board is None else None
 
     def say(self, line: str) -> None:
-        if not self.main:
-            return
-        if self.board is not None:
-            self.board.say.remote(line)
-        elif self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
+        if self.main:
+            self.board.say.remote(line) if self.board is not None else self.bar.write(line)
 
     def progress(self, state: Optional[tuple]) -> None:
-        """(epoch, steps done, steps, loss, samples/s, epochs), at most twice a second; None: the
-        epoch's end."""
+        """(epoch, steps done, steps, loss, samples/s, epochs), at most twice a second."""
         if not self.progress_wanted or (state and time.monotonic() - self.shown < 0.5):
             return
         self.shown = time.monotonic()
-        if self.board is not None:
-            self.board.show.remote(state)
-        else:
-            self.bar.show(state)
+        self.board.show.remote(state) if self.board is not None else self.bar.show(state)
 
     def flush(self) -> None:
-        if self.main and self.board is not None:
-            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-                ray.get(self.board.beat.remote(), timeout=30)
+        if self.main:
+            ask_board(self.board, "beat")
 
 
 class Bar:
-
-    def __init__(self):
-        self.tqdm, self.epoch = None, None
+    def __init__(self, progress: bool = True):
+        self.progress, self.tqdm, self.epoch = progress, None, None
 
     def show(self, state: Optional[tuple]) -> None:
         from tqdm import tqdm
-        if state is None:
+        if state is None or not self.progress:
             return self.close()
         epoch, done, steps, loss, rate, epochs = state
         if self.tqdm is None or epoch != self.epoch:
             self.close()
             self.tqdm, self.epoch = tqdm(total=steps, leave=False), epoch
         shown = f", loss {loss:.4f}" if loss is not None else ""
-        self.tqdm.set_description(f"epoch {epoch + 1}/{epochs}{shown}, {rate:.0f} samples/s",
-                                  refresh=False)
         self.tqdm.n = done
-        self.tqdm.refresh()
+        self.tqdm.set_description(f"epoch {epoch + 1}/{epochs}{shown}, {rate:.0f} samples/s")
 
     def write(self, line: str) -> None:
         from tqdm import tqdm
@@ -3982,36 +3873,26 @@ class Bar:
         self.tqdm = None
 
 
-class Relay:
+@contextlib.contextmanager
+def relayed(board, progress: bool):
+    """A thread of the driver's that prints what the Board holds, five times a second."""
+    bar, done = Bar(progress), threading.Event()
 
-    def __init__(self, board, progress: bool):
-        self.board, self.bar, self.done = board, Bar() if progress else None, threading.Event()
-        self.thread = threading.Thread(target=self.relaying, daemon=True, name="ray-dp console")
-
-    def __enter__(self) -> "Relay":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *error) -> None:
-        self.done.set()
-        self.thread.join()
-        self.show()
-        if self.bar is not None:
-            self.bar.close()
-
-    def relaying(self) -> None:
-        while not self.done.wait(0.2):
-            self.show()
-
-    def show(self) -> None:
-        try:
-            lines, bar = ray.get(self.board.take.remote(), timeout=10)
-        except (ray.exceptions.RayError, TimeoutError):
-            return
-        for line in lines:
-            self.bar.write(line) if self.bar is not None else print(line, flush=True)
-        if self.bar is not None:
-            self.bar.show(bar)
+    def relay() -> None:
+        while not done.is_set():
+            done.wait(0.2)
+            if (taken := ask_board(board, "take", timeout=10)):
+                for line in taken[0]:
+                    bar.write(line)
+                bar.show(taken[1])
+    thread = threading.Thread(target=relay, daemon=True, name="ray-dp console")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        bar.close()
 
 
 def plural(count: int, noun: str) -> str:
@@ -4031,16 +3912,13 @@ def format_summary(summary: dict, launcher: str = "") -> str:
     final = summary["final"]
     score = (f"test acc: {final['test_acc']:.2f}" if "test_acc" in final
              else f"test loss: {final['test_loss']:.4g}")
-    line = (f"{score}, {summary['sec_per_epoch']:.1f} "
-            f"sec/epoch on {plural(summary['world_size'], 'worker')} "
-            f"({summary['device']}{launcher})")
-    recovery = summary.get("recovery") or {}
-    if recovery.get("failures"):
-        sizes = [size for _, size in recovery["world_sizes"]]
-        redone = ", ".join(map(str, recovery["epochs_redone"])) or "none"
+    line = (f"{score}, {summary['sec_per_epoch']:.1f} sec/epoch on "
+            f"{plural(summary['world_size'], 'worker')} ({summary['device']}{launcher})")
+    if (recovery := summary.get("recovery") or {}).get("failures"):
         line += (f"; survived {plural(recovery['failures'], 'failure')}, "
-                 f"{plural(recovery['restarts'], 'restart')} "
-                 f"(workers {' -> '.join(map(str, sizes))}), epochs redone: {redone}")
+                 f"{plural(recovery['restarts'], 'restart')} (workers "
+                 f"{' -> '.join(str(size) for _, size in recovery['world_sizes'])}), epochs "
+                 f"redone: {', '.join(map(str, recovery['epochs_redone'])) or 'none'}")
     return line
 
 
@@ -4055,12 +3933,11 @@ def near_chance(cfg: Config, summary: dict) -> Optional[str]:
         return (f"{head}: the loss grew to {final['train_loss']:.3g}, so lr {cfg.lr} is too "
                 f"large; try --lr {cfg.lr / 5:g}")
     if cfg.mode == "scratch":
-        tips = ["more steps (more --epochs, or a smaller --batch-size)"]
-        if cfg.lr_schedule != "constant" or cfg.lr < 0.2:
-            tips.append("a constant lr of 0.2 to 0.3 (--lr 0.2 --lr-schedule constant)")
+        constant = (" or a constant lr of 0.2 to 0.3 (--lr 0.2 --lr-schedule constant)"
+                    if cfg.lr_schedule != "constant" or cfg.lr < 0.2 else "")
         return (f"{head}: the lesson's init (randn * 0.01) sits at chance for hundreds of steps "
-                f"and this run took {steps} at lr {cfg.lr} ({cfg.lr_schedule}); "
-                f"give it {' or '.join(tips)}")
+                f"and this run took {steps} at lr {cfg.lr} ({cfg.lr_schedule}); give it more "
+                f"steps (more --epochs, or a smaller --batch-size){constant}")
     return (f"{head} after {steps} steps at lr {cfg.lr} ({cfg.lr_schedule}): try more --epochs "
             f"or another --lr (train loss {final['train_loss']:.3f}; ln 10 = 2.303 is the loss "
             f"of a uniform guess)")
@@ -4074,12 +3951,15 @@ EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "tes
                  "comm/allreduce_busbw_gbps": "allreduce_busbw_gbps"}
 
 
-class TensorBoardWriter:
-    """An epoch's metrics as TensorBoard events in LOGDIR/<name>/: the per-step losses, the
-    epoch's scalars, and at the last epoch the hyperparameters."""
+class TensorBoardWriter(ray.train.UserCallback):
+    """An epoch's metrics as TensorBoard events in LOGDIR/<name>/, written on the driver's node."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.writer = cfg, None
+
+    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        if "step" not in metrics[0]:  # a mid-epoch checkpoint's report has no epoch's metrics
+            self.write(metrics[0])
 
     def write(self, m: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -4101,27 +3981,14 @@ class TensorBoardWriter:
         self.writer.flush()
 
 
-class TensorBoardLogger(ray.train.UserCallback):
-    """TensorBoardWriter in Ray Train's controller, on the driver's node: the events land where
-    the user runs TensorBoard, whichever node rank 0 is on."""
-
-    def __init__(self, cfg: Config):
-        self.tensorboard = TensorBoardWriter(cfg)
-
-    def after_report(self, run_context, metrics: list, checkpoint) -> None:
-        if "step" not in metrics[0]:  # a mid-epoch checkpoint's report has no epoch's metrics
-            self.tensorboard.write(metrics[0])
-
-
 def local_run_dir(cfg: Config) -> str:
-    """Where the driver's node keeps a run's logs: the run directory, or for cloud storage
-    LOGDIR/<name>."""
+    """Where the driver's node keeps a run's logs: the run directory, for a URI LOGDIR/<name>."""
     return os.path.join(cfg.logdir, cfg.name) if is_uri(cfg.run_dir) else cfg.run_dir
 
 
 def run_callbacks(cfg: Config, logs: Optional[str], options: LoopOptions, done: int,
                   training: bool) -> list:
-    callbacks = [TensorBoardLogger(cfg)] if training and not options.torchrun else []
+    callbacks = [TensorBoardWriter(cfg)] if training and not options.torchrun else []
     return callbacks + ([FailureLog(cfg, logs, options.board, done)] if logs else [])
 
 
@@ -4130,15 +3997,14 @@ PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote pr
 
 
 def describe_worker_failures(failures: dict, node_ips: dict) -> str:
-    """The ranks lost (their process or node died; or, when every error is a collective that lost
-    its peer, the ranks that raised nothing), else the first error raised."""
+    """The ranks lost (if every error is a lost peer: those that raised none), else the first."""
     stopped = [re.search(f"{SIGTERM_STOPPED}; saved .* and stopped", str(error))
                for error in failures.values()]
-    if failures and all(stopped):
-        return stopped[0][0]
+    if not failures or all(stopped):
+        return stopped[0][0] if failures else ""
     lost = {rank for rank, error in failures.items()
             if type(error).__name__ == HEALTH_CHECK_ERROR}
-    if not lost and failures and all(PEER_LOST.search(str(error)) for error in failures.values()):
+    if not lost and all(PEER_LOST.search(str(error)) for error in failures.values()):
         lost = set(node_ips) - set(failures)
     if lost:
         where = ", ".join(f"rank {rank}{on_node(rank, node_ips, failures.get(rank, ''))}"
@@ -4146,11 +4012,9 @@ def describe_worker_failures(failures: dict, node_ips: dict) -> str:
         memory = any(RAY_OOM_KILLED.search(str(failures.get(rank, ""))) for rank in lost)
         return (f"lost worker {where} "
                 f"({'killed: out of memory' if memory else 'its process or node died'})")
-    if failures:
-        rank = min(failures)
-        return (f"worker rank {rank}{on_node(rank, node_ips, failures[rank])} failed: "
-                f"{first_line(failures[rank])}")
-    return ""
+    rank = min(failures)
+    return (f"worker rank {rank}{on_node(rank, node_ips, failures[rank])} failed: "
+            f"{first_line(failures[rank])}")
 
 
 def on_node(rank: int, node_ips: dict, error) -> str:
@@ -4160,9 +4024,8 @@ def on_node(rank: int, node_ips: dict, error) -> str:
 
 
 def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict) -> str:
-    controller = getattr(error, "controller_failure", None)
     return (describe_worker_failures(getattr(error, "worker_failures", {}), node_ips)
-            or first_line(controller or error))
+            or first_line(getattr(error, "controller_failure", None) or error))
 
 
 def first_line(error: BaseException) -> str:
@@ -4181,8 +4044,7 @@ def first_words(error: BaseException, most: int) -> str:
 
 def recovery_summary(record_path: str) -> dict:
     try:
-        with open(record_path) as f:
-            events = json.load(f)["events"]
+        events = json.loads(Path(record_path).read_text())["events"]
     except FileNotFoundError:
         return {}
     starts = [e for e in events if e["event"] == "started"]
@@ -4201,27 +4063,33 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
                plural(cfg.workers, f"{kind} worker"))
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
     dropped = data.sizes[0] - samples_per_epoch(cfg, data.sizes[0])
-    left_out = (f" ({dropped} train sample{'s' * (dropped != 1)} left out per epoch: whole global "
-                "batches only)" if dropped else "")
+    left_out = (f" ({plural(dropped, 'train sample')} left out per epoch: whole global batches "
+                f"only)" if dropped else "")
     return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
             f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
             f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
-            f"lr {cfg.lr} ({cfg.lr_schedule}), {optimizer_name(cfg)}, "
-            f"{', '.join(switches(cfg, data))}, {plural(cfg.epochs, 'epoch')}, "
-            f"run dir {cfg.run_dir}")
+            f"lr {cfg.lr} ({cfg.lr_schedule}), {', '.join(switches(cfg, data))}, "
+            f"{plural(cfg.epochs, 'epoch')}, run dir {cfg.run_dir}")
 
 
 def switches(cfg: Config, data: DataInfo) -> list:
+    plain = cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum)
     loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
-    said = [f"{plural(loaders, 'loader process')} per worker" if loaders
-            else "batches indexed in memory"]
-    if cfg.accum_steps > 1:
-        said.append(f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)")
-    if cfg.sync_bn:
-        said.append("SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)"))
-    said += ["bf16 autocast (--amp)"] * cfg.amp + ["torch.compile"] * cfg.compile
-    return said + [plural(cfg.threads, "thread") + " per worker"]
+    said = [(True, "plain SGD" if plain else "AdamW" if cfg.optimizer == "adamw"
+             else f"SGD momentum {cfg.momentum}"),
+            (cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
+            (cfg.warmup_epochs, plural(cfg.warmup_epochs, "warm-up epoch")),
+            (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
+            (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}"),
+            (True, f"{plural(loaders, 'loader process')} per worker" if loaders
+             else "batches indexed in memory"),
+            (cfg.accum_steps > 1,
+             f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)"),
+            (cfg.sync_bn, "SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)")),
+            (cfg.amp, "bf16 autocast (--amp)"), (cfg.compile, "torch.compile"),
+            (True, plural(cfg.threads, "thread") + " per worker")]
+    return [text for on, text in said if on]
 
 
 def images(cfg: Config, data: DataInfo) -> str:
@@ -4233,24 +4101,10 @@ def images(cfg: Config, data: DataInfo) -> str:
     if not data.per_sample:
         resized = f", images resized to {size} x {size} px" if cfg.image_size else ""
         return resized + ("" if data.classes else f", {kind}")
-    if cfg.dataset != "folder":
-        return f", {kind}, images {size} x {size} px"
-    augment = "augmented" if cfg.augment else "not augmented"
     mean, std = cfg.normalize or ([], [])
-    return (f", {len(data.classes)} classes, images {size} x {size} px, {augment}, normalised with "
-            f"mean {mean} std {std}")
-
-
-def optimizer_name(cfg: Config) -> str:
-    if cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum):
-        name = "plain SGD"
-    else:
-        name = "AdamW" if cfg.optimizer == "adamw" else f"SGD momentum {cfg.momentum}"
-    knobs = [(cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
-             (cfg.warmup_epochs, f"{plural(cfg.warmup_epochs, 'warm-up epoch')}"),
-             (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
-             (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}")]
-    return ", ".join([name, *(text for value, text in knobs if value)])
+    folder = (f", {'' if cfg.augment else 'not '}augmented, normalised with mean {mean} std {std}"
+              if cfg.dataset == "folder" else "")
+    return f", {kind}, images {size} x {size} px{folder}"
 
 
 # ==================================================================================================
@@ -4440,8 +4294,7 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
     rows += [("scratch", algorithm, n) for algorithm in ALLREDUCE_ALGORITHMS]
     configs = []
     for mode, algorithm, workers in dict.fromkeys(rows if n > 1 else rows[:1] + rows[2:3]):
-        # --scale-lr: the lesson's way (the per-GPU batch kept, the learning rate scaled with N)
-        factor = workers if scale_lr else 1
+        factor = workers if scale_lr else 1  # --scale-lr: the lesson's way (lr x N, batch x N)
         label = f"{mode}-{algorithm}-{workers}w" if mode == "scratch" else f"{mode}-{workers}w"
         configs.append(replace(
             base, mode=mode, allreduce=algorithm, workers=workers, name=label,
@@ -4455,21 +4308,19 @@ def compare(base: Config, scale_lr: bool, typed=()) -> list[dict]:
     configs, resolved = compare_configs(base, scale_lr), []
     for cfg in configs:  # every row resolved and checked before any cluster starts
         cfg, resume = check_run_dir(cfg)
-        if (summary := finished_result(cfg, resume)) is not None:
-            resolved.append((cfg, resume, None, summary))
-            continue
-        validate(cfg, resuming=resume.resumes)
-        cfg, data = check_data(cfg)
-        check_images_only(cfg, data, typed)
-        check_model_fits(cfg, data)
-        resolved.append((cfg, resume, data, None))
+        summary, data = finished_result(cfg, resume), None
+        if summary is None:
+            validate(cfg, resuming=resume.resumes)
+            cfg, data, _ = preflight(cfg, resume, None, typed)  # its notes print as the row runs
+        resolved.append((cfg, resume, data, summary))
     if any(summary is None for *_, summary in resolved):
         connect(max(configs, key=lambda c: c.workers))
     summaries = [run(cfg, resume, data) if summary is None else finished(cfg, summary, resume.done)
                  for cfg, resume, data, summary in resolved]
     rows = compare_rows(configs, summaries)
-    print(write_compare(base.run_dir, rows, [s["epochs"] for s in summaries]))
-    print(f"wrote compare.csv, compare.md and compare.png to {base.run_dir}", flush=True)
+    print(write_compare(base.run_dir, rows))
+    print(f"wrote compare.csv and compare.md to {base.run_dir} (TensorBoard draws every row: "
+          f"tensorboard --logdir {os.path.join(base.logdir, base.name)})", flush=True)
     return rows
 
 
@@ -4493,74 +4344,15 @@ def compare_rows(configs: list[Config], summaries: list[dict]) -> list[dict]:
     return rows
 
 
-def write_compare(out_dir: str, rows: list[dict], histories: list[list[dict]]) -> str:
-    """compare.csv, compare.md (the table, returned) and compare.png."""
+def write_compare(out_dir: str, rows: list[dict]) -> str:
     import csv
     text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
+    csv.writer(text).writerows([list(rows[0]), *(row.values() for row in rows)])
     write_stored(os.path.join(out_dir, "compare.csv"), text.getvalue().encode())
     table = "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])] +
                       ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows])
     write_stored(os.path.join(out_dir, "compare.md"), (table + "\n").encode())
-    plot_compare(os.path.join(out_dir, "compare.png"), rows, histories)
     return table
-
-
-# a dash and a marker per run, markers shrinking: runs that learn alike stay visible
-LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"),
-               ((0, (1, 3)), "X")]
-
-
-def plot_compare(path: str, rows: list[dict], histories: list[list[dict]]) -> None:
-    """Accuracy and loss per epoch of every run; seconds per epoch; speedup against N x."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-    fig, ((acc_axes, loss_axes), (time_axes, speed_axes)) = plt.subplots(2, 2, figsize=(13, 9))
-    for i, (row, history, (dash, marker)) in enumerate(
-            zip(rows, histories, LINE_STYLES * len(rows))):
-        epochs = [m["epoch"] for m in history]
-        style = dict(linestyle=dash, marker=marker, markersize=11 - 1.3 * i,
-                     markerfacecolor="none" if i % 2 else None, alpha=0.85, label=row["run"])
-        acc_axes.plot(epochs, [m["test_acc"] for m in history], **style)
-        loss_axes.plot(epochs, [m["train_loss"] for m in history], **style)
-    acc_axes.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy per epoch",
-                 ylim=(0, 1))
-    loss_axes.set(xlabel="epoch", ylabel="train loss",
-                  title="train loss per epoch (mean over all workers)")
-    last_epoch = max(m["epoch"] for history in histories for m in history)
-    for axis in (acc_axes, loss_axes):
-        if last_epoch <= 10:
-            axis.set_xticks(range(1, last_epoch + 1))
-        else:
-            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.set_xlim(0.5, last_epoch + 0.5)
-        axis.grid(alpha=0.3)
-    acc_axes.legend(fontsize=8)
-    names = [row["run"] for row in rows]
-    epochs_timed = max(len(histories[0]) - 1, 1)
-    time_axes.bar(names, [row["sec_per_epoch"] for row in rows], color="tab:blue")
-    time_axes.set(ylabel="seconds per epoch",
-                  title=(f"seconds per epoch: median of epochs 2-{epochs_timed + 1} of 1 run each"
-                         if epochs_timed > 1 else "seconds per epoch"))
-    speed_axes.bar(names, [row["speedup"] for row in rows], color="tab:green", label="measured")
-    speed_axes.hlines([row["workers"] for row in rows], [i - 0.4 for i in range(len(rows))],
-                      [i + 0.4 for i in range(len(rows))], colors="black", linestyles="--",
-                      label="ideal: N x on N workers")
-    speed_axes.set(ylabel="speedup", title="speedup: sec/epoch of the same mode on 1 worker / "
-                   "this run's", ylim=(0, 1.3 * max(row["workers"] for row in rows)))
-    speed_axes.legend(fontsize=8, loc="upper left", ncol=2)
-    for axis in (time_axes, speed_axes):
-        axis.tick_params(axis="x", labelrotation=30)
-        axis.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
-    plt.close(fig)
-    write_stored(path, png.getvalue())
 
 
 # ==================================================================================================
@@ -4835,7 +4627,7 @@ def check_classes_agree(classes: list, device: torch.device) -> None:
 
 class RayLauncher:
     """Ray Train's workers: Ray finds the run's latest checkpoint, its controller commits rank 0's
-    and writes the TensorBoard events (TensorBoardLogger)."""
+    and writes the TensorBoard events (TensorBoardWriter)."""
 
     def __init__(self, resume_from: Optional[object] = None):
         self.resume_from, self.restore_seconds = resume_from, 0.0

@@ -23,7 +23,7 @@ def runs(tmp_path):
     return ["--storage-path", str(tmp_path / "runs"), "--logdir", str(tmp_path / "tb")]
 
 
-# 1. One epoch numbering: a run from before it (checkpoints counted from 0) resumes where it was.
+# 1. One epoch numbering: epochs count from 1; a run from before it (checkpoints counted from 0) is refused.
 
 class Recorder:
     """A launcher that resumes from a given checkpoint and keeps what the loop reports and saves."""
@@ -56,25 +56,19 @@ def as_old_run(run_dir, states):
         torch.save(old, path)
 
 
-def test_an_old_run_resumes_after_its_last_epoch_and_numbers_the_next_one_from_1(tmp_path, no_cluster):
+def test_epochs_count_from_1_and_a_run_from_before_is_refused_in_one_line(tmp_path, no_cluster, capsys):
     cfg = ray_dp.with_absolute_paths(ray_dp.Config(dataset="digits", epochs=2, name="old",
                                                    storage_path=str(tmp_path / "runs")))
     first = Recorder()
-    train_here(cfg, first)
+    out = train_here(cfg, first)
     assert first.reports == [(1, 1, 1), (2, 2, 2)]  # the checkpoint after epoch 2 is epoch 2's
+    assert [m["epoch"] for m in out["history"]] == [1, 2] and out["started_at_epoch"] == 1
     as_old_run(tmp_path / "runs" / "old", first.saved)
-    assert sorted(p.name for p in (tmp_path / "runs" / "old").iterdir()) == [
-        "checkpoint_epoch_000", "checkpoint_epoch_001"]
-    _, cfg, options = ray_dp.parse_command(["--name", "old", *DIGITS, *runs(tmp_path), "--epochs", "3"])
-    assert options["resume"].done == 2  # its checkpoint_epoch_001 holds the state after 2 epochs
-    state = ray_dp.load_checkpoint(ray_dp.latest_committed(cfg.run_dir))
-    assert state["epoch"] == 2 and [m["epoch"] for m in state["history"]] == [1, 2]
-    # The loop trains epoch 3 alone and names its checkpoint by that number.
-    again = Recorder(state)
-    out = train_here(cfg, again)
-    assert again.reports == [(3, 3, 3)]
-    assert [m["epoch"] for m in out["history"]] == [1, 2, 3] and out["started_at_epoch"] == 3
-    assert ray_dp.interrupted("train", cfg).startswith("interrupted after epoch 2 of 3 ")
+    old = tmp_path / "runs" / "old" / "checkpoint_epoch_001"
+    err = error_of(["--name", "old", *DIGITS, *runs(tmp_path), "--epochs", "3"], capsys)
+    assert f"run 'old' cannot resume: {old / ray_dp.CHECKPOINT_FILE} is a format-1 checkpoint (epochs counted " \
+           f"from 0), which this ray_dp.py no longer reads: train the run again" in err
+    assert "is a format-1 checkpoint" in error_of(["--eval-only", str(old), *DIGITS, *runs(tmp_path)], capsys)
 
 
 # 4. A finished run says so before any cluster starts, and how to extend it.
@@ -91,9 +85,6 @@ def test_a_finished_run_ends_before_ray_starts_and_says_how_to_extend_it(tmp_pat
     assert "has trained 3 epochs, more than --epochs 2; nothing to train" in capsys.readouterr().out
     # No training check applies to a run that trains nothing (3 workers would not split its batch of 64) ...
     assert ray_dp.main(["--name", "done", *DIGITS, *runs(tmp_path), "--workers", "3"]) == 0
-    # ... and a run's result.json from before epochs counted from 1 says the same.
-    old = [{"epoch": e, "test_acc": 0.9} for e in (0, 1, 2)]
-    (run / "result.json").write_text(json.dumps({"final": old[-1], "epochs": old}))
     summary = ray_dp.train(name="done", dataset="digits", storage_path=str(tmp_path / "runs"))
     assert [m["epoch"] for m in summary["epochs"]] == [1, 2, 3]
     assert capsys.readouterr().out.strip().endswith("already finished its 3 epochs; nothing to train (--epochs 13 "
@@ -174,7 +165,7 @@ def test_a_full_disk_is_one_line_naming_the_last_safe_checkpoint_and_leaves_no_t
     assert err.startswith(f"ray_dp.py: training failed: no space left on the device of --storage-path "
                           f"{tmp_path / 'runs'} (")
     assert err.rstrip().endswith(f"free); the last checkpoint that is safe is {run / 'checkpoint_epoch_003'} "
-                                 f"(epoch 3 of 10): once there is space, the same command resumes from it")
+                                 f"(after epoch 3 of 10): once there is space, the same command resumes from it")
     assert not list(run.rglob("*.tmp")) and not (run / "result.json").exists()
 
 
@@ -183,7 +174,7 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_nothing_beside_it(tm
     path.write_text("old")
     monkeypatch.setattr(ray_dp.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     with pytest.raises(OSError):
-        ray_dp.write_atomically(str(path), "new")
+        ray_dp.write_atomically(str(path), b"new")
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["result.json"]
 
 
@@ -226,7 +217,7 @@ def test_a_write_is_done_where_its_directory_cannot_be_flushed_and_file_uris_wri
             raise PermissionError(13, "Permission denied", path)
         return real_open(path, flags, *args)
     monkeypatch.setattr(ray_dp.os, "open", refusing)
-    ray_dp.write_atomically(str(tmp_path / "result.json"), "{}")
+    ray_dp.write_atomically(str(tmp_path / "result.json"), b"{}")
     assert (tmp_path / "result.json").read_text() == "{}"
     monkeypatch.undo()
     renamed = []

@@ -270,7 +270,7 @@ def test_torchrun_keeps_and_resumes_its_checkpoints_in_a_bucket(s3, tmp_path):
     assert keys(s3, "torchrun", "runs/q/checkpoint_epoch_003/") == ["runs/q/checkpoint_epoch_003/checkpoint.pt"]
 
 
-def test_predictions_and_compares_tables_and_plot_go_into_a_bucket(s3):
+def test_predictions_and_compares_tables_go_into_a_bucket(s3):
     new_bucket(s3, "outputs")
     data = ray_dp.NamedTensors(torch.zeros(2, 1, 1, 1), torch.tensor([0, 1]), classes=["cat", "dog"])
     ray_dp.write_predictions("s3://outputs/eval/preds.csv", data, [(1, 0.75), (1, 0.5)], ["cat", "dog"])
@@ -278,11 +278,9 @@ def test_predictions_and_compares_tables_and_plot_go_into_a_bucket(s3):
     assert [row["predicted_name"] for row in csv.DictReader(io.StringIO(body))] == ["dog", "dog"]
     rows = ray_dp.compare_rows([ray_dp.Config(name="ddp-1w", workers=1)],
                                [{"sec_per_epoch": 1.0, "samples_per_second": 100, "final": {"test_acc": 0.5}}])
-    ray_dp.write_compare("s3://outputs/compare", rows, [[{"epoch": 1, "test_acc": 0.5, "train_loss": 1.0}]])
-    assert keys(s3, "outputs", "compare/") == ["compare/compare.csv", "compare/compare.md", "compare/compare.png"]
-    png = s3.get_object(Bucket="outputs", Key="compare/compare.png")["Body"].read()
-    import matplotlib.image
-    assert matplotlib.image.imread(io.BytesIO(png)).shape[:2] == (900, 1300)
+    table = ray_dp.write_compare("s3://outputs/compare", rows)
+    assert keys(s3, "outputs", "compare/") == ["compare/compare.csv", "compare/compare.md"]
+    assert s3.get_object(Bucket="outputs", Key="compare/compare.md")["Body"].read().decode() == table + "\n"
 
 
 @pytest.mark.ray

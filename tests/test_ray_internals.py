@@ -80,7 +80,7 @@ def test_run_as_a_script_its_setup_hook_and_controller_callbacks_reach_rays_proc
     monkeypatch.setenv("RAY_ADDRESS", "192.0.2.2:2222")  # (as the hook sets it: restored after the test)
     hook()
     assert getattr(utils.set_sigterm_handler, "graceful", False)  # Ray's SIGTERM handler becomes a graceful stop
-    assert [type(c).__name__ for c in callbacks] == ["TensorBoardLogger", "FailureLog"]
+    assert [type(c).__name__ for c in callbacks] == ["TensorBoardWriter", "FailureLog"]
     callbacks[1].add("a line", event="test")
     assert (tmp_path / "recovery.json").exists()
 

@@ -435,7 +435,7 @@ class FakeBoard:
         self.stop = False
         self.stepped = self.Method(lambda since, snapshot: None)
         self.beat = self.Method(lambda: self.stop)
-        self.restarted = self.Method(lambda: None)
+        self.restarted = self.Method(lambda: True)
         self.dumps_asked = self.Method(lambda: 0)
 
 

@@ -430,7 +430,7 @@ def test_more_input_that_would_fail_after_ray_started_is_one_line(argv, message,
 ])
 def test_a_checkpoint_with_an_odd_config_is_one_line(config, message, tmp_path, no_cluster, capsys):
     path = tmp_path / "odd.pt"
-    torch.save({"model": {}, "config": config, "epoch": 0}, path)
+    torch.save({"model": {}, "config": config, "epoch": 0, "format": ray_dp.CHECKPOINT_FORMAT}, path)
     assert message in error_of([*runs(tmp_path), "--eval-only", str(path)], capsys)
 
 
