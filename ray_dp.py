@@ -13,11 +13,13 @@
     torchrun --nproc_per_node 4 ray_dp.py ...             # the tutorial's launcher, same flags
     tensorboard --logdir runs/tensorboard
 
-Part I, the lesson: Config, Data, Models, Your own code, Distributed helpers, Train & evaluate,
-    Teaching mode, The worker loop, The driver and main.
-Part II, operations: Pre-flight checks, Run directory and resume, Mid-epoch saves and SIGTERM,
-    Console and monitoring, Inference, compare, Object storage, Data on disk and on many nodes,
-    Launchers and torchrun, The cluster, Ray internals, doctor.
+Part I, the lesson: Config, Data, Models, Distributed helpers, Train & evaluate, Teaching mode,
+    The worker loop, The driver.
+Part II, operations: Command line, The driver's plumbing, Worker set-up, Pre-flight checks, Your own
+    model, data and loss, Image folders and torchvision models, Resume, Run-directory files,
+    result.json, Failure records, Mid-epoch saves and SIGTERM, Health, Console and monitoring,
+    Inference, compare, Object storage, Data on disk and on many nodes, Launchers and torchrun,
+    The cluster, Ray internals, doctor.
 """
 from __future__ import annotations
 
@@ -89,12 +91,6 @@ from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-# torch.classes is a module of a type of its own that pickle cannot ship: cloudpickle takes it along
-# with any function shipped by value that names `classes` (yours too); by name instead
-copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
-IMPORTED_AT = time.time()
-CLOCK: dict = {}
-
 
 # ==================================================================================================
 # PART I: THE LESSON
@@ -125,9 +121,6 @@ def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", do
 def setting(default, help, **facts):
     """A flag of how to run, not of what is trained: a rerun or --eval-only may change it."""
     return option(default, help, rerun="free", evaluation="free", **facts)
-
-
-ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store", "scratch", "bounds")
 
 
 @dataclass(frozen=True)
@@ -270,136 +263,8 @@ class DataError(RuntimeError):
     """The data are missing, or differ where they must not."""
 
 
-def fields_where(role: str, *values) -> set:
-    return {f.name for f in fields(Config) if f.metadata[role] in values}
-
-
-LESSON_DEFAULTS = {f.name: f.metadata["lesson"] for f in fields(Config)
-                   if f.metadata["lesson"] is not NO_LESSON}
-RERUN_MAY_CHANGE = fields_where("rerun", "free", "adopt")
-RERUN_ADOPTS = fields_where("rerun", "fixed", "adopt")
-EVAL_REFUSES = fields_where("evaluation", "train")
-EVAL_FROM_CHECKPOINT = fields_where("evaluation", "checkpoint", "adopt")
-EVAL_FIXED = fields_where("evaluation", "checkpoint")
-DOCTOR_FLAGS = fields_where("doctor", True)
-PATH_FIELDS = fields_where("path", True)
-STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
-FIELD_TYPES = {f.name: {"int": int, "float": (int, float), "str": str, "bool": bool,
-                        "Optional[int]": (type(None), int),
-                        "Optional[float]": (type(None), int, float),
-                        "Optional[bool]": (type(None), bool),
-                        "Optional[tuple]": (type(None), tuple)}[f.type] for f in fields(Config)}
-CONFIG_FIELDS = [f.name for f in fields(Config)]
-CLI_FIELDS = {f.name for f in fields(Config) if f.metadata.get("cli", True)}
-
-
-def checkpoint_interval(every: str) -> Optional[tuple[int, float]]:
-    """--checkpoint-every as (steps, seconds), one of them 0; None if it is neither."""
-    if match := re.fullmatch(r"\s*(\d{1,9})\s*", every):
-        return int(match[1]), 0.0
-    if match := re.fullmatch(r"\s*(\d{1,6}(?:\.\d*)?|\.\d+)\s*m\s*", every):
-        return (0, float(match[1]) * 60) if float(match[1]) > 0 else None
-    return None
-
-
-class _WorkersAction(argparse.Action):
-    def __call__(self, parser, namespace, text, option_string=None):  # N, or MIN:MAX
-        low, colon, high = text.partition(":")
-        try:
-            namespace.workers, namespace.min_workers = ((int(high), int(low)) if colon
-                                                        else (int(low), 0))
-        except ValueError:
-            raise ConfigError(f"--workers takes N or MIN:MAX in whole numbers, "
-                              f"got {text!r}") from None
-        if colon and namespace.min_workers < 1:
-            namespace.min_workers = -1  # validate() says MIN must be >= 1
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ConfigError(f"{message} (see --help)")
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):
-        return action.help if action.default in ("", None) else super()._get_help_string(action)
-
-
-COMMAND_HELP = {
-    "train": __doc__.split("\n\n")[0],
-    "compare": "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with "
-               "each all-reduce), same global batch and seed, and print the lesson's table; "
-               "writes compare.csv and .md to <storage-path>/<name>/. Its rows set --mode "
-               "and --allreduce and train the lesson's LeNet with plain SGD in fp32: flags of "
-               "--mode ddp alone (--model, --optimizer, --amp, ...) are refused",
-    "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
-              "reachable, the same Python/Ray/torch/torchvision on every node, resources for "
-              "--workers, storage every node shares, a worker group of --workers started and its "
-              "all-reduce timed at 4 KiB to 64 MiB, the data. Exits 0 only if every check passed."}
-
-
-def build_parser(command: str = "train") -> argparse.ArgumentParser:
-    parser = _Parser(prog="ray_dp.py" if command == "train" else f"ray_dp.py {command}",
-                     usage="%(prog)s [compare | doctor] [flags]" if command == "train" else None,
-                     description=COMMAND_HELP[command], formatter_class=_HelpFormatter,
-                     allow_abbrev=False, epilog=(
-                         "other commands: 'ray_dp.py compare [flags]' trains ddp and the scratch "
-                         "LeNet at 1 and N workers side by side and prints the lesson's table; "
-                         "'ray_dp.py doctor [flags]' checks a Ray cluster before training on it "
-                         "(each takes --help)") if command == "train" else None)
-    if command == "compare":
-        parser.add_argument("--scale-lr", action="store_true",
-                            help="N-worker rows keep the per-worker batch (global batch x N, as "
-                                 "the lesson did) and scale the learning rate by N with it")
-    if command == "doctor":
-        parser.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
-                            help="seconds every rank has to come to each probe collective before "
-                                 "the ones that did not are named; also the longest one probe "
-                                 "collective may take (the process group's timeout)")
-    for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
-        if f.name in LESSON_DEFAULTS:
-            kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
-        if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS):
-            continue
-        if f.name == "workers":
-            parser.add_argument(flag, action=_WorkersAction, default=f.default, **kwargs)
-        elif f.name == "gpu":  # absent: Config's None, decided from the cluster
-            group = parser.add_mutually_exclusive_group()
-            group.add_argument("--gpu", dest="gpu", action="store_const", const=True,
-                               default=argparse.SUPPRESS, help=kwargs["help"])
-            group.add_argument("--cpu", dest="gpu", action="store_const", const=False,
-                               default=argparse.SUPPRESS, help="use CPU workers (gloo backend)")
-        elif isinstance(f.default, bool):
-            action = argparse.BooleanOptionalAction if f.default else "store_true"
-            parser.add_argument(flag, action=action, default=f.default, **kwargs)
-        else:
-            kwargs.setdefault("type", type(f.default))
-            parser.add_argument(flag, default=f.default, **kwargs)
-    return parser
-
-
-def with_absolute_paths(cfg: Config) -> Config:
-    """Ray's workers run in directories of their own; your code's file is named by its path."""
-    paths = {name: os.path.abspath(getattr(cfg, name)) for name in PATH_FIELDS
-             if getattr(cfg, name) and not is_uri(getattr(cfg, name))}
-    for name in ("model", "dataset", "loss"):
-        where, colon, what = getattr(cfg, name).rpartition(":")
-        if colon and where.endswith(".py") and "://" not in where:
-            paths[name] = f"{os.path.abspath(where)}:{what}"
-    return replace(cfg, **paths)
-
-
-def default_run_name(command: str, cfg: Config) -> str:
-    model, data = (spec.rpartition(":")[2] for spec in (cfg.model, cfg.dataset))
-    prefix = {"compare": "compare", "eval": f"eval-{model}-{data}"}.get(
-        command, f"{cfg.mode}-{model}-{data}")
-    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-
-
 # ==================================================================================================
-# Data: a data set is a function of the config returning (train, test); the built-ins are the first.
+# Data: a data set is a function of the config returning (train, test); the lessons' come first.
 # ==================================================================================================
 
 DATASETS: dict = {}
@@ -529,98 +394,6 @@ def images_to_tensors(split) -> TensorDataset:
                         classes=class_names(split))
 
 
-@dataset("folder")
-def load_folder(cfg: Config) -> tuple:
-    """--data-dir PATH as torchvision's ImageFolder wants it: PATH/train/<class>/* and
-    PATH/val/<class>/*, decoded per sample; PATH on a disk or in object storage."""
-    from torchvision.datasets import ImageFolder
-    root = cfg.data_dir.rstrip("/") if is_uri(cfg.data_dir) else cfg.data_dir
-    for split, other in (("train", "val"), ("val", "train")):
-        if stored_type(f"{root}/{split}") != "directory":
-            raise DataError(f"--dataset folder needs {root}/{split}/<class>/<images> (and "
-                            f"{root}/{other}/ beside it)")
-    train_transform, eval_transform = image_transforms(cfg)
-    try:
-        if is_uri(root):
-            train = StoredImageFolder(f"{root}/train", train_transform, data_dir=root)
-            val = StoredImageFolder(f"{root}/val", eval_transform, data_dir=root)
-        else:
-            loader = functools.partial(read_image, data_dir=root)
-            train = ImageFolder(f"{root}/train", transform=train_transform, loader=loader)
-            val = ImageFolder(f"{root}/val", transform=eval_transform, loader=loader)
-    except FileNotFoundError as exc:
-        raise DataError(f"--data-dir {root}: {exc}") from None
-    if train.classes != val.classes:
-        only_train = sorted(set(train.classes) - set(val.classes)) or "none"
-        only_val = sorted(set(val.classes) - set(train.classes)) or "none"
-        raise DataError(f"--data-dir {root}: train/ and val/ must hold the same classes; only in "
-                        f"train/: {only_train}, only in val/: {only_val}")
-    return train, val
-
-
-def read_image(path: str, data_dir: str, data: Optional[bytes] = None):
-    """ImageFolder's loader (PIL, RGB), for a file or an object's bytes; a file that is no
-    readable image is one line naming it, wherever it is decoded."""
-    from PIL import Image
-    from torchvision.datasets.folder import default_loader
-    try:
-        if data is None:
-            return default_loader(path)
-        with Image.open(io.BytesIO(data)) as image:
-            return image.convert("RGB")
-    except BROKEN_IMAGE as exc:
-        raise DataError(unreadable_image(path, data_dir, exc)) from None
-
-
-def unreadable_image(path: str, data_dir: str, error: BaseException) -> str:
-    return (f"{path} is not a readable image ({image_error(error)}): remove or replace it in "
-            f"{path.rsplit('/', 1)[0]}/ (and any other such file in --data-dir {data_dir})")
-
-
-def image_error(error: BaseException) -> str:
-    reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", " ".join(str(error).split()))
-    return reason or type(error).__name__
-
-
-def broken_image_errors() -> tuple:
-    from PIL import Image
-    return OSError, SyntaxError, ValueError, Image.DecompressionBombError
-
-
-BROKEN_IMAGE = broken_image_errors()
-IMAGENET_STATISTICS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-
-
-def image_transforms(cfg: Config) -> tuple:
-    """(train, eval) transforms at --image-size: random resized crop + flip with --augment, else
-    resize + center crop; normalised with cfg.normalize once it is known."""
-    from torchvision import transforms as T
-    size = cfg.image_size or MODEL_IMAGE_SIZE.get(cfg.model, 224)
-    fixed = [T.Resize(size), T.CenterCrop(size)]
-    train = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()] if cfg.augment else fixed
-    normalize = [T.Normalize(*cfg.normalize)] if cfg.normalize else []
-    return (T.Compose([*train, T.ToTensor(), *normalize]),
-            T.Compose([*fixed, T.ToTensor(), *normalize]))
-
-
-def with_data_statistics(cfg: Config, train_set) -> Config:
-    """A per-sample data set's normalisation, decided once on the driver and kept in the config:
-    ImageNet's with --weights, else the data's own from up to 500 training images."""
-    if isinstance(train_set, TensorDataset) or cfg.normalize:
-        return cfg
-    if cfg.weights:
-        return replace(cfg, normalize=IMAGENET_STATISTICS)
-    picked = torch.linspace(0, len(train_set) - 1, 500).long().unique().tolist()
-    if hasattr(train_set, "prefetch"):
-        train_set.prefetch(picked)
-    with torch.random.fork_rng():  # the augmentation's crops: the same statistics on every run
-        torch.manual_seed(cfg.seed)
-        sample = torch.stack([train_set[i][0] for i in picked])
-    mean, std = sample.mean((0, 2, 3)), sample.std((0, 2, 3)).clamp_min(1e-3)
-    return replace(cfg, normalize=([round(v, 4) for v in mean.tolist()],
-                                   [round(v, 4) for v in std.tolist()]))
-
-
 def class_names(data) -> list:
     if getattr(data, "classes", None):
         return [str(name) for name in data.classes]
@@ -638,15 +411,14 @@ def labels_of(data) -> list:
     return [int(data[i][1]) for i in range(len(data))]
 
 
-@dataclass(frozen=True)
-class DataInfo:
-    sizes: tuple
-    sample_shape: tuple  # one input's (C, H, W) as the model sees it
-    classes: list
-    per_sample: bool
-    datasets: tuple = field(default=(), repr=False, compare=False)
-    fingerprint: Optional[str] = None
-    outputs: int = NUM_CLASSES  # the model's: the classes, or a regression's target values
+def classifies(data) -> bool:
+    """Targets that are class indices (accuracy, per-class tables), not values (a regression)."""
+    target = torch.as_tensor(data.tensors[1][0] if isinstance(data, TensorDataset) else data[0][1])
+    return target.ndim == 0 and not (target.is_floating_point() or target.is_complex())
+
+
+def is_image(shape: tuple) -> bool:
+    return len(shape) == 3
 
 
 def outputs(data, classes: list) -> int:
@@ -667,15 +439,9 @@ def resized(images: torch.Tensor, size: Optional[int]) -> torch.Tensor:
                          antialias=size < images.shape[-1])
 
 
-def samples_per_epoch(cfg: Config, train_size: int) -> int:
-    if cfg.mode == "scratch":
-        return train_size // cfg.batch_size * cfg.batch_size
-    return train_size // cfg.processes // (cfg.micro_batch * cfg.accum_steps) * cfg.batch_size
-
-
 # ==================================================================================================
-# Models: a model is a function of (sample_shape, num_classes) returning an nn.Module; the lessons'
-# LeNet, ResNet-18 and an MLP are the first, then every torchvision classification model by name.
+# Models: a model is a function of (sample_shape, num_classes) returning an nn.Module: the lessons'
+# LeNet and ResNet-18, an MLP; then yours and torchvision's (build_model).
 # ==================================================================================================
 
 
@@ -748,21 +514,6 @@ def build_mlp(sample_shape: tuple, num_classes: int) -> nn.Module:
                          nn.Linear(256, num_classes))
 
 
-TORCHVISION = "torchvision."  # torchvision.resnet18: torchvision's, which ray_dp's name shadows
-# without the auxiliary classifiers only their own recipes use (a tuple in training mode)
-TORCHVISION_OPTIONS = {"googlenet": {"aux_logits": False, "init_weights": True},
-                       "inception_v3": {"aux_logits": False, "init_weights": True}}
-
-
-def torchvision_models() -> list:
-    import torchvision.models
-    return torchvision.models.list_models(module=torchvision.models)
-
-
-def torchvision_names() -> list:
-    return [TORCHVISION + name if name in MODELS else name for name in torchvision_models()]
-
-
 def build_model(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) -> nn.Module:
     """A built-in, your own (called with those of num_classes and sample_shape it takes), or
     torchvision's model."""
@@ -786,209 +537,8 @@ def build_model(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) 
     return with_input_channels(net, sample_shape[0])
 
 
-def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
-    """A torchvision model's first convolution made anew for `channels` (it takes 3)."""
-    if channels == 3:
-        return net
-    for module in net.modules():
-        for name, child in module.named_children():
-            if isinstance(child, nn.Conv2d) and child.in_channels == 3:
-                setattr(module, name, nn.Conv2d(channels, child.out_channels, child.kernel_size,
-                                                child.stride, child.padding, child.dilation,
-                                                child.groups, child.bias is not None))
-                return net
-    return net
-
-
-def model_outline(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) -> nn.Module:
-    """The model without its memory (meta device), for questions about its shape."""
-    try:
-        with torch.device("meta"):
-            return build_model(name, sample_shape, num_classes)
-    except NotImplementedError:  # a few compute their layout from values (RegNets)
-        return build_model(name, sample_shape, num_classes)
-
-
-def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32),
-                  num_classes: int = NUM_CLASSES) -> bool:
-    net = model_outline(name, sample_shape, num_classes)
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
-
-
-def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
-    own = net.state_dict()
-    kept = [k for k, v in weights.items() if k in own and own[k].shape == v.shape]
-    net.load_state_dict({k: weights[k] for k in kept}, strict=False)
-    return kept, [k for k in own if k not in kept]
-
-
 # ==================================================================================================
-# Your own model, data and loss: --model, --dataset and --loss take FILE.py:NAME or module:NAME;
-# ray_dp.train() takes the objects. The driver sends them to the workers by value (no file there).
-# ==================================================================================================
-
-CODE: dict = {}  # spec -> your object, as the driver loaded it (and sent it to the workers)
-
-
-def is_code(spec: str) -> bool:
-    return ":" in spec and "://" not in spec
-
-
-def user_code(spec: str, flag: str):
-    """The object FILE.py:NAME or module:NAME names, loaded once; one line for what is wrong."""
-    if spec in CODE:
-        return CODE[spec]
-    where, _, name = spec.rpartition(":")
-    if where == "__main__":
-        raise ConfigError(f"--{flag} {spec} names an object of the script that called "
-                          f"ray_dp.train(): pass it ({flag}=...), or name a file: FILE.py:NAME")
-    if where.endswith(".py") and not os.path.isfile(where):
-        raise ConfigError(f"--{flag} {spec}: there is no file {where}")
-    try:
-        module = load_module(where)
-    except Exception as exc:
-        if isinstance(exc, ModuleNotFoundError) and f"{where}.".startswith(f"{exc.name}."):
-            raise ConfigError(f"--{flag} {spec}: no module {exc.name} (a file's path ends in "
-                              f".py)") from None
-        raise ConfigError(f"--{flag} {spec}: {where} fails to import: {first_line(exc)}") from None
-    if not hasattr(module, name):
-        close = difflib.get_close_matches(name, [n for n in dir(module) if n[0] != "_"], n=1)
-        raise ConfigError(f"--{flag} {spec}: {where} has no {name}"
-                          + (f"; did you mean {close[0]}?" if close else ""))
-    CODE[spec] = getattr(module, name)
-    if (defined_in := sys.modules.get(getattr(CODE[spec], "__module__", None))) is not None:
-        travels(defined_in)  # re-exported: where it is defined travels too
-    return CODE[spec]
-
-
-def load_module(where: str):
-    """A file (FILE.py; its folder's modules importable) or a module on the path, loaded anew."""
-    if not where.endswith(".py"):
-        return travels(importlib.import_module(where))
-    path, before = os.path.abspath(where), set(sys.modules)
-    folder, name = os.path.dirname(path), "ray_dp_code_" + re.sub(r"\W", "_", path)
-    loader = importlib.util.spec_from_file_location(name, path)
-    module = sys.modules[name] = importlib.util.module_from_spec(loader)
-    sys.path.insert(0, folder)
-    try:
-        loader.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    finally:
-        sys.path.remove(folder)
-    for imported in {name} | set(sys.modules) - before:  # and what it imported, not installed
-        travels(sys.modules[imported])
-    return module
-
-
-def travels(module):
-    """Your module's code goes to the workers by value (their nodes need no copy); an installed
-    package's, and __main__'s (which cloudpickle ships anyway), by name. The module."""
-    import ray.cloudpickle
-    import site
-    import sysconfig
-    installed = {os.path.realpath(path) for path in (
-        *site.getsitepackages(), site.getusersitepackages(),
-        *(sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")))}
-    where = getattr(module, "__file__", None)
-    if where and module.__name__ not in ("__main__", __name__) and not any(
-            os.path.commonpath([os.path.realpath(where), path]) == path for path in installed):
-        ray.cloudpickle.register_pickle_by_value(module)
-    return module
-
-
-def as_spec(value, flag: str) -> str:
-    """ray_dp.train()'s object as module:NAME, the object itself kept under that name."""
-    if isinstance(value, str):
-        return value
-    if not hasattr(value, "__qualname__"):
-        raise ConfigError(f"{flag}= takes a class or a function, not an instance of "
-                          f"{type(value).__name__}, which a rerun could not make again")
-    spec = f"{value.__module__}:{value.__qualname__}"
-    if CODE.setdefault(spec, value) is not value:
-        raise ConfigError(f"{flag}= is another object of the name {spec} than one given before: "
-                          f"give each its own name (def)")
-    if (module := sys.modules.get(value.__module__)) is not None:
-        travels(module)
-    return spec
-
-
-def takes_arguments(function, name: Optional[str] = None) -> bool:
-    """It takes `name`; without a name, a first argument without a default (or named cfg)."""
-    import inspect
-    kinds = list(inspect.signature(function).parameters.values())
-    if name is None:
-        return bool(kinds) and (kinds[0].name == "cfg" or kinds[0].default is kinds[0].empty
-                                and kinds[0].kind <= kinds[0].POSITIONAL_OR_KEYWORD)
-    return any(p.kind == p.VAR_KEYWORD or p.name == name for p in kinds)
-
-
-def code_file(spec: str) -> Optional[dict]:
-    """What the run directory records of your code: its spec, its file's (else source's) hash."""
-    if not is_code(spec):
-        return None
-    import hashlib
-    where = spec.rpartition(":")[0]
-    path = os.path.abspath(where) if where.endswith(".py") else None
-    text = (Path(path).read_bytes() if os.path.isfile(path) else None) if path else (
-        source_text(CODE[spec]) if spec in CODE else None)
-    return {"spec": spec, **({"file": path} if path else {}),
-            **({"sha256": hashlib.sha256(text).hexdigest()[:16]} if text is not None else {})}
-
-
-def source_text(value) -> bytes:
-    """A class's or a function's source; its compiled code where Python keeps no file for it."""
-    import inspect
-    import marshal
-    try:
-        return inspect.getsource(value).encode()
-    except (OSError, TypeError):
-        parts = vars(value).values() if isinstance(value, type) else [value]
-        return b"".join(marshal.dumps(part.__code__) for part in parts if hasattr(part, "__code__"))
-
-
-def code_for_workers(cfg: Config) -> list:
-    """CODE and MODELS for Ray's workers: not the data set's function, nor what it read."""
-    return [{spec: CODE[spec] for spec in (cfg.model, cfg.loss) if spec in CODE},
-            {cfg.model: MODELS[cfg.model]} if cfg.model in MODELS else {}]
-
-
-LOSSES = {"cross_entropy": lambda cfg: lambda output, target: F.cross_entropy(
-              output, target if target.is_floating_point() else target.long(),
-              label_smoothing=cfg.label_smoothing),
-          "mse": lambda cfg: lambda output, target: F.mse_loss(output.reshape(target.shape),
-                                                               target)}
-
-
-def loss_function(cfg: Config, training: bool = True):
-    """--loss as (output, target) -> the mean over the samples (label smoothing in training only);
-    yours on a regression's output shaped as its target, per-sample values averaged by count."""
-    if cfg.loss in LOSSES:
-        return LOSSES[cfg.loss](cfg if training else replace(cfg, label_smoothing=0.0))
-    loss = user_code(cfg.loss, "loss")
-    loss = loss() if isinstance(loss, type) else loss
-
-    def mean_loss(output, target):  # torch's MSELoss would broadcast (B, 1) against (B,)
-        if torch.is_tensor(output) and target.is_floating_point() and output.numel() == len(target):
-            output = output.reshape(target.shape)
-        value = loss(output, target)
-        return value.mean() if torch.is_tensor(value) and value.ndim else value
-    return mean_loss
-
-
-def classifies(data) -> bool:
-    """Targets that are class indices (accuracy, per-class tables), not values (a regression)."""
-    target = torch.as_tensor(data.tensors[1][0] if isinstance(data, TensorDataset) else data[0][1])
-    return target.ndim == 0 and not (target.is_floating_point() or target.is_complex())
-
-
-def is_image(shape: tuple) -> bool:
-    return len(shape) == 3
-
-
-# ==================================================================================================
-# Distributed helpers: who this worker is, the collectives, SyncBatchNorm on CPU, the samplers.
+# Distributed helpers: who this worker is, the collectives, SyncBatchNorm on CPU, DDP, the samplers.
 # ==================================================================================================
 
 
@@ -1050,18 +600,6 @@ def broadcast_from_rank_0(tensors: list) -> None:
             tensor.copy_(values.view_as(tensor))
 
 
-def node_ranks(worker: Worker) -> list:
-    ranks = torch.zeros(worker.world, dtype=torch.int64, device=worker.device)
-    ranks[worker.rank] = worker.node_rank
-    return all_reduce_sum(ranks).tolist()
-
-
-def bound_collectives(seconds: float) -> None:
-    """--timeout for every collective, the same under Ray (TorchConfig) and torchrun."""
-    if dist.is_available() and dist.is_initialized():
-        dist.set_timeout(timedelta(seconds=seconds))
-
-
 class SyncBatchNormCPU(nn.modules.batchnorm._BatchNorm):
     """BatchNorm (1d, 2d or 3d) over all workers' batches on CPU, where torch's SyncBatchNorm will
     not run: each rank's (count, mean, M2), one autograd-aware all-reduce, Chan's formula."""
@@ -1120,19 +658,6 @@ def convert_sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
         else:
             convert_sync_bn(child, device)
     return model
-
-
-class NamingDDP(DDP):
-    """DDP whose error for parameters left without a gradient says so in its last line."""
-
-    def forward(self, *inputs, **kwargs):
-        try:
-            return super().forward(*inputs, **kwargs)
-        except RuntimeError as exc:
-            if "find_unused_parameters=True" not in str(exc):
-                raise
-            raise RuntimeError("parameters of the model got no gradient in a step (DDP needs each "
-                               "one's): train with --find-unused-parameters") from exc
 
 
 def wrap_model(model: nn.Module, device: torch.device, cfg: Optional[Config] = None) -> nn.Module:
@@ -1228,46 +753,6 @@ def seed_generators(seed: int, device: torch.device, every_gpu: bool = False) ->
         (torch.cuda.manual_seed_all if every_gpu else torch.cuda.manual_seed)(seed)
 
 
-class EpochKeys(torch.utils.data.Sampler):
-    """A sampler's indices as (epoch, index) keys: the epoch rides along to the loader processes."""
-
-    def __init__(self, sampler: ResumableSampler):
-        self.sampler, self.epoch = sampler, 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch = epoch
-        self.sampler.set_epoch(epoch, start)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self):
-        return ((self.epoch, index) for index in self.sampler)
-
-
-class SampleStreams(torch.utils.data.Dataset):
-    """Sample i's augmentation in epoch e drawn from its own stream (--seed, e, i), whichever rank
-    or loader process reads it: N workers see the crops one process would, a resume the same."""
-
-    def __init__(self, data, seed: int):
-        self.data, self.seed = data, seed
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitems__(self, keys: list) -> list:
-        if hasattr(self.data, "prefetch"):
-            self.data.prefetch([index for _, index in keys])
-        return [self[key] for key in keys]
-
-    def __getitem__(self, key: tuple):
-        epoch, index = key
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(
-                stream_seed(self.seed, AUGMENTATION_STREAM, epoch, index))
-            return self.data[index]
-
-
 def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device):
     sampler = train_sampler(data, rank, world, cfg.seed)
     workers = loader_workers(cfg, data)
@@ -1278,12 +763,6 @@ def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device
     return DataLoader(data, batch_size=cfg.micro_batch, sampler=sampler, drop_last=True,
                       num_workers=workers, pin_memory=device.type == "cuda",
                       persistent_workers=workers > 0, worker_init_fn=leave_sigterm_to_the_rank)
-
-
-def leave_sigterm_to_the_rank(loader_id: int) -> None:
-    """A loader process ignores SIGTERM, which a shutdown sends every process: its rank saves,
-    then stops, and its stop ends the loaders."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def loader_workers(cfg: Config, data) -> int:
@@ -1324,6 +803,29 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+
+
+LOSSES = {"cross_entropy": lambda cfg: lambda output, target: F.cross_entropy(
+              output, target if target.is_floating_point() else target.long(),
+              label_smoothing=cfg.label_smoothing),
+          "mse": lambda cfg: lambda output, target: F.mse_loss(output.reshape(target.shape),
+                                                               target)}
+
+
+def loss_function(cfg: Config, training: bool = True):
+    """--loss as (output, target) -> the mean over the samples (label smoothing in training only);
+    yours on a regression's output shaped as its target, per-sample values averaged by count."""
+    if cfg.loss in LOSSES:
+        return LOSSES[cfg.loss](cfg if training else replace(cfg, label_smoothing=0.0))
+    loss = user_code(cfg.loss, "loss")
+    loss = loss() if isinstance(loss, type) else loss
+
+    def mean_loss(output, target):  # torch's MSELoss would broadcast (B, 1) against (B,)
+        if torch.is_tensor(output) and target.is_floating_point() and output.numel() == len(target):
+            output = output.reshape(target.shape)
+        value = loss(output, target)
+        return value.mean() if torch.is_tensor(value) and value.ndim else value
+    return mean_loss
 
 
 def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: int,
@@ -1463,17 +965,6 @@ def evaluate_as_saved(model: nn.Module, test_set, cfg: Config, device: torch.dev
 
 def eval_batch_size(data) -> int:
     return 1000 if isinstance(data, TensorDataset) else 64
-
-
-def cuda_fast_paths(cfg: Config, data: tuple, device: torch.device) -> tuple:
-    """cuDNN's fastest kernels for fixed shapes; in-memory data on the GPU once."""
-    importlib.import_module("torch.backends.cudnn").benchmark = True  # by name: ships by value
-
-    def placed(split, keep_on_host: bool):
-        if not isinstance(split, TensorDataset) or keep_on_host:
-            return split
-        return TensorDataset(*(t.to(device) for t in split.tensors))
-    return placed(data[0], bool(loader_workers(cfg, data[0]))), placed(data[1], False)
 
 
 # ==================================================================================================
@@ -1668,24 +1159,10 @@ def scratch_loop_per_worker(config: dict) -> dict:
                 break
     return checkpointer.result(history)
 
+
 # ==================================================================================================
 # The worker loop: what every worker runs, whoever started it (Ray, torchrun, a test's processes).
 # ==================================================================================================
-
-
-@dataclass(frozen=True)
-class LoopOptions:
-    progress: bool = False  # draw rank 0's progress bar: a terminal watches
-    torchrun: bool = False  # the workers are torchrun's processes (Ray Train's local mode)
-    board: Optional[object] = None  # Ray: the driver's Board (lines, progress, stop)
-    data: Optional[object] = None  # ref of (train, test) as the driver decided them
-    start_from: Optional[object] = None
-    resume_from: Optional[object] = None  # ref of a checkpoint Ray never listed
-    weights: Optional[object] = None  # --eval-only: ref of the model's weights
-    classes: tuple = ()  # --eval-only: the names of the model's outputs
-    outputs: int = 0  # --eval-only: a regression's outputs
-    code: Optional[object] = None  # ref of your model, data set and loss (CODE), by value
-    clock: dict = field(default_factory=dict)  # the driver's start-up marks
 
 
 def worker_setup(config: dict) -> tuple:
@@ -1758,33 +1235,8 @@ def train_loop_per_worker(config: dict) -> dict:
     return checkpointer.result(history)
 
 
-def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
-    """(train, test) as the driver (rank 0 under torchrun) decided them, each node checked against
-    it; a DataError is returned, not raised: a run that cannot start is not retried."""
-    try:
-        if options.data is not None:
-            data = ray.get(options.data)
-        elif options.torchrun and cfg.dataset not in SAME_ON_EVERY_RANK:
-            data = from_rank_0(load_dataset(cfg) if worker.is_main else None, worker.device)
-        else:
-            data = load_dataset(cfg)
-            check_classes_agree(class_names(data[0]) if classifies(data[0]) else [],
-                                worker.device)
-        check_node_holds(data, cfg, worker, Console(options, worker))
-    except DataError as exc:
-        return exc
-    worker.marks["data"] = time.time()
-    return data
-
-
-def starting_weights(cfg: Config, options: LoopOptions) -> dict:
-    if options.start_from is not None:
-        return ray.get(options.start_from)
-    return read_weights(cfg.weights)
-
-
 # ==================================================================================================
-# The driver and main: check everything, start Ray (or attach), run the workers, summarize.
+# The driver: check everything, start Ray (or attach), run the workers, summarize; main.
 # ==================================================================================================
 
 
@@ -1815,59 +1267,6 @@ def run(cfg: Config, resume: "Resume" = None, data: Optional[DataInfo] = None,
     except OSError as exc:  # torchrun: rank 0's own write
         raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
     return None if follower else summary_of(cfg, result, options.board, torchrun)
-
-
-def summary_of(cfg: Config, result: ray.train.Result, board, torchrun: bool) -> dict:
-    """A finished run's result.json and last lines; a run that stopped, one line."""
-    if "data_error" in result.return_value:
-        raise DataError(result.return_value["data_error"])
-    if (stopped := result.return_value["stopped"]) and stopped.get("error"):
-        raise RunFailed(stopped["error"])
-    if stopped:
-        record_ledger(cfg, result.return_value, board)  # this command's time counts in the run's
-        raise RunStopped(f"stopped at {position_of(stopped)} (SIGTERM), its checkpoint saved: "
-                         f"the same command resumes from there")
-    try:
-        summary = summarize(cfg, result, board)
-    except OSError as exc:
-        raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
-    print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
-    print(f"ray-dp: {format_ledger(summary['ledger'])}", flush=True)
-    for note in (near_chance(cfg, summary), cfg.mode == "dp" and DP_NOTE % cfg.workers,
-                 checkpoint_advice(cfg, summary)):
-        if note:
-            print(f"note: {note}", flush=True)
-    print(wrote_run(cfg, summary), flush=True)
-    return summary
-
-
-def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=()) -> tuple:
-    """The checks that need the data, before any cluster starts: (cfg, data, notes)."""
-    if data is None:
-        cfg, data = check_data(cfg)
-    checks = [lambda: check_images_only(cfg, data, typed),
-              lambda: check_model_fits(cfg, data),
-              lambda: resume.classes and check_same_classes(cfg, resume.classes, data.classes,
-                                                            "resume it on"),
-              lambda: check_same_samples(cfg, resume, data),
-              lambda: resume.resumes and is_code(cfg.model) and check_state_fits(
-                  cfg, data, load_checkpoint(resume.latest)),
-              lambda: None if resume.resumes else check_weights(cfg, data)]
-    return cfg, data, [note for check in checks if isinstance(note := check(), str)]
-
-
-def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) -> LoopOptions:
-    """Through Ray's object store, once (no files needed on the workers' nodes): --weights, the
-    data the driver decided, a checkpoint Ray never listed. torchrun's processes read them."""
-    shared = not torchrun
-    return LoopOptions(
-        progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
-        board=new_board() if shared and ray.is_initialized() else None,
-        start_from=(ray.put(read_weights(cfg.weights))
-                    if cfg.weights and shared and not resume.resumes else None),
-        data=ray.put(data.datasets) if shared and data else None,
-        resume_from=(ray.put(load_checkpoint(resume.unlisted))
-                     if shared and resume.unlisted else None))
 
 
 def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Result:
@@ -1919,80 +1318,6 @@ def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Res
         CLOCK["fitted"] = time.time()
 
 
-def scaling_config(cfg: Config, workers) -> ScalingConfig:
-    return ScalingConfig(num_workers=workers, use_gpu=cfg.gpu,
-                         resources_per_worker=resources_per_worker(cfg))
-
-
-def resources_per_worker(cfg: Config) -> dict:
-    gpus = cfg.workers if cfg.mode == "dp" else 1  # dp: one process holds the run's GPUs
-    return {"CPU": cfg.cpus_per_worker or 1.0, **({"GPU": gpus} if cfg.gpu else {})}
-
-
-def connect(cfg: Config) -> Config:
-    """Start (or attach to) Ray once the run is known to fit; the config with its device."""
-    if not ray.is_initialized() and not cfg.address:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        cfg = settle_device(cfg, Cluster({"CPU": cpus, "GPU": torch.cuda.device_count()}, None,
-                                         local=True))
-        start_ray("", cpus, cfg.worker_output)
-        return cfg
-    start_ray(cfg.address, worker_output=cfg.worker_output)
-    return settle_device(cfg, cluster_of(cfg))
-
-
-RAY_STARTED: dict = {}  # the settings ray_dp last started Ray with
-
-
-def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = False) -> None:
-    """A Ray of this machine's own (no address), or the cluster at address. The workers' output
-    stays in Ray's logs unless worker_output: ray_dp's lines reach the console through the Board."""
-    if ray.is_initialized():
-        if worker_output and not RAY_STARTED.get("worker_output"):
-            print("note: --worker-output applies where ray_dp starts Ray; this Ray was running "
-                  "already (ray.shutdown() first)", flush=True)
-        return check_runtime_env()
-    settings = dict(runtime_env=fresh_runtime_env(), logging_level=logging.ERROR,
-                    log_to_driver=worker_output)
-    if not sys.stdout.isatty():  # the workers' lines without Ray's colour codes in a file or pipe
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-    RAY_STARTED["worker_output"] = worker_output
-    if not address:
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **settings)
-        return
-    check_reachable(address)
-    try:
-        ray.init(address=address, **settings)
-    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
-        raise ConfigError(f"cannot attach to the Ray cluster at {address}: "
-                          f"{first_line(exc)}") from None
-
-
-def fresh_runtime_env() -> dict:
-    """RUNTIME_ENV for one ray.init (it writes its setup hook into the env_vars it is given); the
-    object store the driver checked is the one the workers use (never the credentials)."""
-    env_vars = {**RUNTIME_ENV["env_vars"],
-                **{k: os.environ[k] for k in STORE_SETTINGS if k in os.environ}}
-    return {**RUNTIME_ENV, "env_vars": env_vars, "worker_process_setup_hook": own_ray_worker}
-
-
-def own_ray_worker() -> None:
-    """ray_dp's own Ray's setup hook: Ray's State API asks this Ray (a scan fails where two run)."""
-    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
-    graceful_sigterm_in_ray_worker()
-
-
-def check_runtime_env() -> None:
-    if "py_modules" in RUNTIME_ENV and "py_modules" not in ray.get_runtime_context().runtime_env:
-        raise ConfigError("this Ray was started without ray_dp's runtime environment, so its "
-                          "workers cannot import ray_dp: ray.shutdown(), then ray.init(runtime_env="
-                          "ray_dp.RUNTIME_ENV) (or let ray_dp start Ray)")
-
-
-DP_NOTE = ("nn.DataParallel normalised each GPU's 1/%d of the batch with its own BatchNorm "
-           "statistics (per replica); only DDP can synchronise them (--mode ddp --sync-bn)")
-
-
 def main(argv=None) -> int:
     """The command line: one command, one line for every way it can end."""
     new_command()
@@ -2017,6 +1342,148 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return fail(interrupted(command, cfg), 130)
     return 1 if command == "doctor" and not outcome else 0
+
+
+# ==================================================================================================
+# PART II: OPERATIONS
+# ==================================================================================================
+# Command line: the flags' facts, the parser, the commands' configurations, ray_dp.train().
+# ==================================================================================================
+
+# torch.classes is a module of a type of its own that pickle cannot ship: cloudpickle takes it along
+# with any function shipped by value that names `classes` (yours too); by name instead
+copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
+IMPORTED_AT = time.time()
+CLOCK: dict = {}
+ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store", "scratch", "bounds")
+
+
+def fields_where(role: str, *values) -> set:
+    return {f.name for f in fields(Config) if f.metadata[role] in values}
+
+
+LESSON_DEFAULTS = {f.name: f.metadata["lesson"] for f in fields(Config)
+                   if f.metadata["lesson"] is not NO_LESSON}
+RERUN_MAY_CHANGE = fields_where("rerun", "free", "adopt")
+RERUN_ADOPTS = fields_where("rerun", "fixed", "adopt")
+EVAL_REFUSES = fields_where("evaluation", "train")
+EVAL_FROM_CHECKPOINT = fields_where("evaluation", "checkpoint", "adopt")
+EVAL_FIXED = fields_where("evaluation", "checkpoint")
+DOCTOR_FLAGS = fields_where("doctor", True)
+PATH_FIELDS = fields_where("path", True)
+STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
+FIELD_TYPES = {f.name: {"int": int, "float": (int, float), "str": str, "bool": bool,
+                        "Optional[int]": (type(None), int),
+                        "Optional[float]": (type(None), int, float),
+                        "Optional[bool]": (type(None), bool),
+                        "Optional[tuple]": (type(None), tuple)}[f.type] for f in fields(Config)}
+CONFIG_FIELDS = [f.name for f in fields(Config)]
+CLI_FIELDS = {f.name for f in fields(Config) if f.metadata.get("cli", True)}
+
+
+def checkpoint_interval(every: str) -> Optional[tuple[int, float]]:
+    """--checkpoint-every as (steps, seconds), one of them 0; None if it is neither."""
+    if match := re.fullmatch(r"\s*(\d{1,9})\s*", every):
+        return int(match[1]), 0.0
+    if match := re.fullmatch(r"\s*(\d{1,6}(?:\.\d*)?|\.\d+)\s*m\s*", every):
+        return (0, float(match[1]) * 60) if float(match[1]) > 0 else None
+    return None
+
+
+class _WorkersAction(argparse.Action):
+    def __call__(self, parser, namespace, text, option_string=None):  # N, or MIN:MAX
+        low, colon, high = text.partition(":")
+        try:
+            namespace.workers, namespace.min_workers = ((int(high), int(low)) if colon
+                                                        else (int(low), 0))
+        except ValueError:
+            raise ConfigError(f"--workers takes N or MIN:MAX in whole numbers, "
+                              f"got {text!r}") from None
+        if colon and namespace.min_workers < 1:
+            namespace.min_workers = -1  # validate() says MIN must be >= 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(f"{message} (see --help)")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):
+        return action.help if action.default in ("", None) else super()._get_help_string(action)
+
+
+COMMAND_HELP = {
+    "train": __doc__.split("\n\n")[0],
+    "compare": "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with "
+               "each all-reduce), same global batch and seed, and print the lesson's table; "
+               "writes compare.csv and .md to <storage-path>/<name>/. Its rows set --mode "
+               "and --allreduce and train the lesson's LeNet with plain SGD in fp32: flags of "
+               "--mode ddp alone (--model, --optimizer, --amp, ...) are refused",
+    "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
+              "reachable, the same Python/Ray/torch/torchvision on every node, resources for "
+              "--workers, storage every node shares, a worker group of --workers started and its "
+              "all-reduce timed at 4 KiB to 64 MiB, the data. Exits 0 only if every check passed."}
+
+
+def build_parser(command: str = "train") -> argparse.ArgumentParser:
+    parser = _Parser(prog="ray_dp.py" if command == "train" else f"ray_dp.py {command}",
+                     usage="%(prog)s [compare | doctor] [flags]" if command == "train" else None,
+                     description=COMMAND_HELP[command], formatter_class=_HelpFormatter,
+                     allow_abbrev=False, epilog=(
+                         "other commands: 'ray_dp.py compare [flags]' trains ddp and the scratch "
+                         "LeNet at 1 and N workers side by side and prints the lesson's table; "
+                         "'ray_dp.py doctor [flags]' checks a Ray cluster before training on it "
+                         "(each takes --help)") if command == "train" else None)
+    if command == "compare":
+        parser.add_argument("--scale-lr", action="store_true",
+                            help="N-worker rows keep the per-worker batch (global batch x N, as "
+                                 "the lesson did) and scale the learning rate by N with it")
+    if command == "doctor":
+        parser.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
+                            help="seconds every rank has to come to each probe collective before "
+                                 "the ones that did not are named; also the longest one probe "
+                                 "collective may take (the process group's timeout)")
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
+        if f.name in LESSON_DEFAULTS:
+            kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
+        if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS):
+            continue
+        if f.name == "workers":
+            parser.add_argument(flag, action=_WorkersAction, default=f.default, **kwargs)
+        elif f.name == "gpu":  # absent: Config's None, decided from the cluster
+            group = parser.add_mutually_exclusive_group()
+            group.add_argument("--gpu", dest="gpu", action="store_const", const=True,
+                               default=argparse.SUPPRESS, help=kwargs["help"])
+            group.add_argument("--cpu", dest="gpu", action="store_const", const=False,
+                               default=argparse.SUPPRESS, help="use CPU workers (gloo backend)")
+        elif isinstance(f.default, bool):
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            parser.add_argument(flag, action=action, default=f.default, **kwargs)
+        else:
+            kwargs.setdefault("type", type(f.default))
+            parser.add_argument(flag, default=f.default, **kwargs)
+    return parser
+
+
+def with_absolute_paths(cfg: Config) -> Config:
+    """Ray's workers run in directories of their own; your code's file is named by its path."""
+    paths = {name: os.path.abspath(getattr(cfg, name)) for name in PATH_FIELDS
+             if getattr(cfg, name) and not is_uri(getattr(cfg, name))}
+    for name in ("model", "dataset", "loss"):
+        where, colon, what = getattr(cfg, name).rpartition(":")
+        if colon and where.endswith(".py") and "://" not in where:
+            paths[name] = f"{os.path.abspath(where)}:{what}"
+    return replace(cfg, **paths)
+
+
+def default_run_name(command: str, cfg: Config) -> str:
+    model, data = (spec.rpartition(":")[2] for spec in (cfg.model, cfg.dataset))
+    prefix = {"compare": "compare", "eval": f"eval-{model}-{data}"}.get(
+        command, f"{cfg.mode}-{model}-{data}")
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def new_command() -> None:
@@ -2137,10 +1604,253 @@ def list_models(cfg: None) -> None:
 
 
 # ==================================================================================================
-# PART II: OPERATIONS
+# The driver's plumbing: Ray started or attached, what the workers are handed, how a run ends.
+# ==================================================================================================
+
+DP_NOTE = ("nn.DataParallel normalised each GPU's 1/%d of the batch with its own BatchNorm "
+           "statistics (per replica); only DDP can synchronise them (--mode ddp --sync-bn)")
+
+
+def summary_of(cfg: Config, result: ray.train.Result, board, torchrun: bool) -> dict:
+    """A finished run's result.json and last lines; a run that stopped, one line."""
+    if "data_error" in result.return_value:
+        raise DataError(result.return_value["data_error"])
+    if (stopped := result.return_value["stopped"]) and stopped.get("error"):
+        raise RunFailed(stopped["error"])
+    if stopped:
+        record_ledger(cfg, result.return_value, board)  # this command's time counts in the run's
+        raise RunStopped(f"stopped at {position_of(stopped)} (SIGTERM), its checkpoint saved: "
+                         f"the same command resumes from there")
+    try:
+        summary = summarize(cfg, result, board)
+    except OSError as exc:
+        raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
+    print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
+    print(f"ray-dp: {format_ledger(summary['ledger'])}", flush=True)
+    for note in (near_chance(cfg, summary), cfg.mode == "dp" and DP_NOTE % cfg.workers,
+                 checkpoint_advice(cfg, summary)):
+        if note:
+            print(f"note: {note}", flush=True)
+    print(wrote_run(cfg, summary), flush=True)
+    return summary
+
+
+def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=()) -> tuple:
+    """The checks that need the data, before any cluster starts: (cfg, data, notes)."""
+    if data is None:
+        cfg, data = check_data(cfg)
+    checks = [lambda: check_images_only(cfg, data, typed),
+              lambda: check_model_fits(cfg, data),
+              lambda: resume.classes and check_same_classes(cfg, resume.classes, data.classes,
+                                                            "resume it on"),
+              lambda: check_same_samples(cfg, resume, data),
+              lambda: resume.resumes and is_code(cfg.model) and check_state_fits(
+                  cfg, data, load_checkpoint(resume.latest)),
+              lambda: None if resume.resumes else check_weights(cfg, data)]
+    return cfg, data, [note for check in checks if isinstance(note := check(), str)]
+
+
+def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) -> LoopOptions:
+    """Through Ray's object store, once (no files needed on the workers' nodes): --weights, the
+    data the driver decided, a checkpoint Ray never listed. torchrun's processes read them."""
+    shared = not torchrun
+    return LoopOptions(
+        progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
+        board=new_board() if shared and ray.is_initialized() else None,
+        start_from=(ray.put(read_weights(cfg.weights))
+                    if cfg.weights and shared and not resume.resumes else None),
+        data=ray.put(data.datasets) if shared and data else None,
+        resume_from=(ray.put(load_checkpoint(resume.unlisted))
+                     if shared and resume.unlisted else None))
+
+
+def scaling_config(cfg: Config, workers) -> ScalingConfig:
+    return ScalingConfig(num_workers=workers, use_gpu=cfg.gpu,
+                         resources_per_worker=resources_per_worker(cfg))
+
+
+def resources_per_worker(cfg: Config) -> dict:
+    gpus = cfg.workers if cfg.mode == "dp" else 1  # dp: one process holds the run's GPUs
+    return {"CPU": cfg.cpus_per_worker or 1.0, **({"GPU": gpus} if cfg.gpu else {})}
+
+
+def connect(cfg: Config) -> Config:
+    """Start (or attach to) Ray once the run is known to fit; the config with its device."""
+    if not ray.is_initialized() and not cfg.address:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cfg = settle_device(cfg, Cluster({"CPU": cpus, "GPU": torch.cuda.device_count()}, None,
+                                         local=True))
+        start_ray("", cpus, cfg.worker_output)
+        return cfg
+    start_ray(cfg.address, worker_output=cfg.worker_output)
+    return settle_device(cfg, cluster_of(cfg))
+
+
+RAY_STARTED: dict = {}  # the settings ray_dp last started Ray with
+
+
+def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = False) -> None:
+    """A Ray of this machine's own (no address), or the cluster at address. The workers' output
+    stays in Ray's logs unless worker_output: ray_dp's lines reach the console through the Board."""
+    if ray.is_initialized():
+        if worker_output and not RAY_STARTED.get("worker_output"):
+            print("note: --worker-output applies where ray_dp starts Ray; this Ray was running "
+                  "already (ray.shutdown() first)", flush=True)
+        return check_runtime_env()
+    settings = dict(runtime_env=fresh_runtime_env(), logging_level=logging.ERROR,
+                    log_to_driver=worker_output)
+    if not sys.stdout.isatty():  # the workers' lines without Ray's colour codes in a file or pipe
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    RAY_STARTED["worker_output"] = worker_output
+    if not address:
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **settings)
+        return
+    check_reachable(address)
+    try:
+        ray.init(address=address, **settings)
+    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
+        raise ConfigError(f"cannot attach to the Ray cluster at {address}: "
+                          f"{first_line(exc)}") from None
+
+
+def fresh_runtime_env() -> dict:
+    """RUNTIME_ENV for one ray.init (it writes its setup hook into the env_vars it is given); the
+    object store the driver checked is the one the workers use (never the credentials)."""
+    env_vars = {**RUNTIME_ENV["env_vars"],
+                **{k: os.environ[k] for k in STORE_SETTINGS if k in os.environ}}
+    return {**RUNTIME_ENV, "env_vars": env_vars, "worker_process_setup_hook": own_ray_worker}
+
+
+def own_ray_worker() -> None:
+    """ray_dp's own Ray's setup hook: Ray's State API asks this Ray (a scan fails where two run)."""
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    graceful_sigterm_in_ray_worker()
+
+
+def check_runtime_env() -> None:
+    if "py_modules" in RUNTIME_ENV and "py_modules" not in ray.get_runtime_context().runtime_env:
+        raise ConfigError("this Ray was started without ray_dp's runtime environment, so its "
+                          "workers cannot import ray_dp: ray.shutdown(), then ray.init(runtime_env="
+                          "ray_dp.RUNTIME_ENV) (or let ray_dp start Ray)")
+
+
+# ==================================================================================================
+# Worker set-up: the options and data a worker is handed, the GPU's fast paths, the allocator.
+# ==================================================================================================
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    progress: bool = False  # draw rank 0's progress bar: a terminal watches
+    torchrun: bool = False  # the workers are torchrun's processes (Ray Train's local mode)
+    board: Optional[object] = None  # Ray: the driver's Board (lines, progress, stop)
+    data: Optional[object] = None  # ref of (train, test) as the driver decided them
+    start_from: Optional[object] = None
+    resume_from: Optional[object] = None  # ref of a checkpoint Ray never listed
+    weights: Optional[object] = None  # --eval-only: ref of the model's weights
+    classes: tuple = ()  # --eval-only: the names of the model's outputs
+    outputs: int = 0  # --eval-only: a regression's outputs
+    code: Optional[object] = None  # ref of your model, data set and loss (CODE), by value
+    clock: dict = field(default_factory=dict)  # the driver's start-up marks
+
+
+def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
+    """(train, test) as the driver (rank 0 under torchrun) decided them, each node checked against
+    it; a DataError is returned, not raised: a run that cannot start is not retried."""
+    try:
+        if options.data is not None:
+            data = ray.get(options.data)
+        elif options.torchrun and cfg.dataset not in SAME_ON_EVERY_RANK:
+            data = from_rank_0(load_dataset(cfg) if worker.is_main else None, worker.device)
+        else:
+            data = load_dataset(cfg)
+            check_classes_agree(class_names(data[0]) if classifies(data[0]) else [],
+                                worker.device)
+        check_node_holds(data, cfg, worker, Console(options, worker))
+    except DataError as exc:
+        return exc
+    worker.marks["data"] = time.time()
+    return data
+
+
+def starting_weights(cfg: Config, options: LoopOptions) -> dict:
+    if options.start_from is not None:
+        return ray.get(options.start_from)
+    return read_weights(cfg.weights)
+
+
+def node_ranks(worker: Worker) -> list:
+    ranks = torch.zeros(worker.world, dtype=torch.int64, device=worker.device)
+    ranks[worker.rank] = worker.node_rank
+    return all_reduce_sum(ranks).tolist()
+
+
+def bound_collectives(seconds: float) -> None:
+    """--timeout for every collective, the same under Ray (TorchConfig) and torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        dist.set_timeout(timedelta(seconds=seconds))
+
+
+class NamingDDP(DDP):
+    """DDP whose error for parameters left without a gradient says so in its last line."""
+
+    def forward(self, *inputs, **kwargs):
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as exc:
+            if "find_unused_parameters=True" not in str(exc):
+                raise
+            raise RuntimeError("parameters of the model got no gradient in a step (DDP needs each "
+                               "one's): train with --find-unused-parameters") from exc
+
+
+def cuda_fast_paths(cfg: Config, data: tuple, device: torch.device) -> tuple:
+    """cuDNN's fastest kernels for fixed shapes; in-memory data on the GPU once."""
+    importlib.import_module("torch.backends.cudnn").benchmark = True  # by name: ships by value
+
+    def placed(split, keep_on_host: bool):
+        if not isinstance(split, TensorDataset) or keep_on_host:
+            return split
+        return TensorDataset(*(t.to(device) for t in split.tensors))
+    return placed(data[0], bool(loader_workers(cfg, data[0]))), placed(data[1], False)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEPT_FREED_BYTES = -1, -3, 1 << 30
+MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                   "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")  # a user's own, left as they are
+memory_kept = False
+
+
+def keep_freed_memory() -> None:
+    """--keep-freed-memory: glibc keeps what a step frees for the next, not zero-filled anew by the
+    kernel (bench/memory.md); before each fork the free pages go back to it."""
+    global memory_kept
+    if memory_kept or any(name in os.environ for name in MALLOC_SETTINGS):
+        return
+    try:
+        os.confstr("CS_GNU_LIBC_VERSION")
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (ValueError, OSError, AttributeError):
+        return
+    if mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES) and mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES):
+        os.register_at_fork(before=lambda: malloc_trim(0))
+        memory_kept = True
+
+
+def worker_env(cfg: Config) -> dict:
+    """The workers' environment (a variable the user set stays theirs): torch's flight recorder
+    (hang records); glibc's one arena, as a thread's own serves blocks over 64 MiB from mmap."""
+    env = {"TORCH_FR_BUFFER_SIZE": "2000"}
+    if cfg.keep_freed_memory and not any(name in os.environ for name in MALLOC_SETTINGS):
+        env["MALLOC_ARENA_MAX"] = "1"
+    return {"env_vars": {name: value for name, value in env.items() if name not in os.environ}}
+
+
 # ==================================================================================================
 # Pre-flight checks: the configuration, the data and the model, before any cluster starts.
 # ==================================================================================================
+
 DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
 
 
@@ -2279,6 +1989,17 @@ def check_run_name(cfg: Config) -> None:
     if is_uri(cfg.storage_path) and (marks := sorted(set(cfg.name) & set("?#%"))):
         raise ConfigError(f"--name {cfg.name}: '{marks[0]}' would change what the run's URI "
                           f"({cfg.run_dir}) names; choose a name without '?', '#' or '%'")
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    sizes: tuple
+    sample_shape: tuple  # one input's (C, H, W) as the model sees it
+    classes: list
+    per_sample: bool
+    datasets: tuple = field(default=(), repr=False, compare=False)
+    fingerprint: Optional[str] = None
+    outputs: int = NUM_CLASSES  # the model's: the classes, or a regression's target values
 
 
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
@@ -2531,7 +2252,333 @@ def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
 
 
 # ==================================================================================================
-# Run directory and resume: checkpoints, what a rerun may change, --fresh, result.json.
+# Your own model, data and loss: --model, --dataset and --loss take FILE.py:NAME or module:NAME;
+# ray_dp.train() takes the objects. The driver sends them to the workers by value (no file there).
+# ==================================================================================================
+
+CODE: dict = {}  # spec -> your object, as the driver loaded it (and sent it to the workers)
+
+
+def is_code(spec: str) -> bool:
+    return ":" in spec and "://" not in spec
+
+
+def user_code(spec: str, flag: str):
+    """The object FILE.py:NAME or module:NAME names, loaded once; one line for what is wrong."""
+    if spec in CODE:
+        return CODE[spec]
+    where, _, name = spec.rpartition(":")
+    if where == "__main__":
+        raise ConfigError(f"--{flag} {spec} names an object of the script that called "
+                          f"ray_dp.train(): pass it ({flag}=...), or name a file: FILE.py:NAME")
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise ConfigError(f"--{flag} {spec}: there is no file {where}")
+    try:
+        module = load_module(where)
+    except Exception as exc:
+        if isinstance(exc, ModuleNotFoundError) and f"{where}.".startswith(f"{exc.name}."):
+            raise ConfigError(f"--{flag} {spec}: no module {exc.name} (a file's path ends in "
+                              f".py)") from None
+        raise ConfigError(f"--{flag} {spec}: {where} fails to import: {first_line(exc)}") from None
+    if not hasattr(module, name):
+        close = difflib.get_close_matches(name, [n for n in dir(module) if n[0] != "_"], n=1)
+        raise ConfigError(f"--{flag} {spec}: {where} has no {name}"
+                          + (f"; did you mean {close[0]}?" if close else ""))
+    CODE[spec] = getattr(module, name)
+    if (defined_in := sys.modules.get(getattr(CODE[spec], "__module__", None))) is not None:
+        travels(defined_in)  # re-exported: where it is defined travels too
+    return CODE[spec]
+
+
+def load_module(where: str):
+    """A file (FILE.py; its folder's modules importable) or a module on the path, loaded anew."""
+    if not where.endswith(".py"):
+        return travels(importlib.import_module(where))
+    path, before = os.path.abspath(where), set(sys.modules)
+    folder, name = os.path.dirname(path), "ray_dp_code_" + re.sub(r"\W", "_", path)
+    loader = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(loader)
+    sys.path.insert(0, folder)
+    try:
+        loader.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        sys.path.remove(folder)
+    for imported in {name} | set(sys.modules) - before:  # and what it imported, not installed
+        travels(sys.modules[imported])
+    return module
+
+
+def travels(module):
+    """Your module's code goes to the workers by value (their nodes need no copy); an installed
+    package's, and __main__'s (which cloudpickle ships anyway), by name. The module."""
+    import ray.cloudpickle
+    import site
+    import sysconfig
+    installed = {os.path.realpath(path) for path in (
+        *site.getsitepackages(), site.getusersitepackages(),
+        *(sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")))}
+    where = getattr(module, "__file__", None)
+    if where and module.__name__ not in ("__main__", __name__) and not any(
+            os.path.commonpath([os.path.realpath(where), path]) == path for path in installed):
+        ray.cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def as_spec(value, flag: str) -> str:
+    """ray_dp.train()'s object as module:NAME, the object itself kept under that name."""
+    if isinstance(value, str):
+        return value
+    if not hasattr(value, "__qualname__"):
+        raise ConfigError(f"{flag}= takes a class or a function, not an instance of "
+                          f"{type(value).__name__}, which a rerun could not make again")
+    spec = f"{value.__module__}:{value.__qualname__}"
+    if CODE.setdefault(spec, value) is not value:
+        raise ConfigError(f"{flag}= is another object of the name {spec} than one given before: "
+                          f"give each its own name (def)")
+    if (module := sys.modules.get(value.__module__)) is not None:
+        travels(module)
+    return spec
+
+
+def takes_arguments(function, name: Optional[str] = None) -> bool:
+    """It takes `name`; without a name, a first argument without a default (or named cfg)."""
+    import inspect
+    kinds = list(inspect.signature(function).parameters.values())
+    if name is None:
+        return bool(kinds) and (kinds[0].name == "cfg" or kinds[0].default is kinds[0].empty
+                                and kinds[0].kind <= kinds[0].POSITIONAL_OR_KEYWORD)
+    return any(p.kind == p.VAR_KEYWORD or p.name == name for p in kinds)
+
+
+def code_file(spec: str) -> Optional[dict]:
+    """What the run directory records of your code: its spec, its file's (else source's) hash."""
+    if not is_code(spec):
+        return None
+    import hashlib
+    where = spec.rpartition(":")[0]
+    path = os.path.abspath(where) if where.endswith(".py") else None
+    text = (Path(path).read_bytes() if os.path.isfile(path) else None) if path else (
+        source_text(CODE[spec]) if spec in CODE else None)
+    return {"spec": spec, **({"file": path} if path else {}),
+            **({"sha256": hashlib.sha256(text).hexdigest()[:16]} if text is not None else {})}
+
+
+def source_text(value) -> bytes:
+    """A class's or a function's source; its compiled code where Python keeps no file for it."""
+    import inspect
+    import marshal
+    try:
+        return inspect.getsource(value).encode()
+    except (OSError, TypeError):
+        parts = vars(value).values() if isinstance(value, type) else [value]
+        return b"".join(marshal.dumps(part.__code__) for part in parts if hasattr(part, "__code__"))
+
+
+def code_for_workers(cfg: Config) -> list:
+    """CODE and MODELS for Ray's workers: not the data set's function, nor what it read."""
+    return [{spec: CODE[spec] for spec in (cfg.model, cfg.loss) if spec in CODE},
+            {cfg.model: MODELS[cfg.model]} if cfg.model in MODELS else {}]
+
+
+# ==================================================================================================
+# Image folders and torchvision models: --dataset folder, per-sample streams, --weights.
+# ==================================================================================================
+
+
+@dataset("folder")
+def load_folder(cfg: Config) -> tuple:
+    """--data-dir PATH as torchvision's ImageFolder wants it: PATH/train/<class>/* and
+    PATH/val/<class>/*, decoded per sample; PATH on a disk or in object storage."""
+    from torchvision.datasets import ImageFolder
+    root = cfg.data_dir.rstrip("/") if is_uri(cfg.data_dir) else cfg.data_dir
+    for split, other in (("train", "val"), ("val", "train")):
+        if stored_type(f"{root}/{split}") != "directory":
+            raise DataError(f"--dataset folder needs {root}/{split}/<class>/<images> (and "
+                            f"{root}/{other}/ beside it)")
+    train_transform, eval_transform = image_transforms(cfg)
+    try:
+        if is_uri(root):
+            train = StoredImageFolder(f"{root}/train", train_transform, data_dir=root)
+            val = StoredImageFolder(f"{root}/val", eval_transform, data_dir=root)
+        else:
+            loader = functools.partial(read_image, data_dir=root)
+            train = ImageFolder(f"{root}/train", transform=train_transform, loader=loader)
+            val = ImageFolder(f"{root}/val", transform=eval_transform, loader=loader)
+    except FileNotFoundError as exc:
+        raise DataError(f"--data-dir {root}: {exc}") from None
+    if train.classes != val.classes:
+        only_train = sorted(set(train.classes) - set(val.classes)) or "none"
+        only_val = sorted(set(val.classes) - set(train.classes)) or "none"
+        raise DataError(f"--data-dir {root}: train/ and val/ must hold the same classes; only in "
+                        f"train/: {only_train}, only in val/: {only_val}")
+    return train, val
+
+
+def read_image(path: str, data_dir: str, data: Optional[bytes] = None):
+    """ImageFolder's loader (PIL, RGB), for a file or an object's bytes; a file that is no
+    readable image is one line naming it, wherever it is decoded."""
+    from PIL import Image
+    from torchvision.datasets.folder import default_loader
+    try:
+        if data is None:
+            return default_loader(path)
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except BROKEN_IMAGE as exc:
+        raise DataError(unreadable_image(path, data_dir, exc)) from None
+
+
+def unreadable_image(path: str, data_dir: str, error: BaseException) -> str:
+    return (f"{path} is not a readable image ({image_error(error)}): remove or replace it in "
+            f"{path.rsplit('/', 1)[0]}/ (and any other such file in --data-dir {data_dir})")
+
+
+def image_error(error: BaseException) -> str:
+    reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", " ".join(str(error).split()))
+    return reason or type(error).__name__
+
+
+def broken_image_errors() -> tuple:
+    from PIL import Image
+    return OSError, SyntaxError, ValueError, Image.DecompressionBombError
+
+
+BROKEN_IMAGE = broken_image_errors()
+IMAGENET_STATISTICS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+
+def image_transforms(cfg: Config) -> tuple:
+    """(train, eval) transforms at --image-size: random resized crop + flip with --augment, else
+    resize + center crop; normalised with cfg.normalize once it is known."""
+    from torchvision import transforms as T
+    size = cfg.image_size or MODEL_IMAGE_SIZE.get(cfg.model, 224)
+    fixed = [T.Resize(size), T.CenterCrop(size)]
+    train = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()] if cfg.augment else fixed
+    normalize = [T.Normalize(*cfg.normalize)] if cfg.normalize else []
+    return (T.Compose([*train, T.ToTensor(), *normalize]),
+            T.Compose([*fixed, T.ToTensor(), *normalize]))
+
+
+def with_data_statistics(cfg: Config, train_set) -> Config:
+    """A per-sample data set's normalisation, decided once on the driver and kept in the config:
+    ImageNet's with --weights, else the data's own from up to 500 training images."""
+    if isinstance(train_set, TensorDataset) or cfg.normalize:
+        return cfg
+    if cfg.weights:
+        return replace(cfg, normalize=IMAGENET_STATISTICS)
+    picked = torch.linspace(0, len(train_set) - 1, 500).long().unique().tolist()
+    if hasattr(train_set, "prefetch"):
+        train_set.prefetch(picked)
+    with torch.random.fork_rng():  # the augmentation's crops: the same statistics on every run
+        torch.manual_seed(cfg.seed)
+        sample = torch.stack([train_set[i][0] for i in picked])
+    mean, std = sample.mean((0, 2, 3)), sample.std((0, 2, 3)).clamp_min(1e-3)
+    return replace(cfg, normalize=([round(v, 4) for v in mean.tolist()],
+                                   [round(v, 4) for v in std.tolist()]))
+
+
+class EpochKeys(torch.utils.data.Sampler):
+    """A sampler's indices as (epoch, index) keys: the epoch rides along to the loader processes."""
+
+    def __init__(self, sampler: ResumableSampler):
+        self.sampler, self.epoch = sampler, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch = epoch
+        self.sampler.set_epoch(epoch, start)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        return ((self.epoch, index) for index in self.sampler)
+
+
+class SampleStreams(torch.utils.data.Dataset):
+    """Sample i's augmentation in epoch e drawn from its own stream (--seed, e, i), whichever rank
+    or loader process reads it: N workers see the crops one process would, a resume the same."""
+
+    def __init__(self, data, seed: int):
+        self.data, self.seed = data, seed
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitems__(self, keys: list) -> list:
+        if hasattr(self.data, "prefetch"):
+            self.data.prefetch([index for _, index in keys])
+        return [self[key] for key in keys]
+
+    def __getitem__(self, key: tuple):
+        epoch, index = key
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(
+                stream_seed(self.seed, AUGMENTATION_STREAM, epoch, index))
+            return self.data[index]
+
+
+def leave_sigterm_to_the_rank(loader_id: int) -> None:
+    """A loader process ignores SIGTERM, which a shutdown sends every process: its rank saves,
+    then stops, and its stop ends the loaders."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+TORCHVISION = "torchvision."  # torchvision.resnet18: torchvision's, which ray_dp's name shadows
+# without the auxiliary classifiers only their own recipes use (a tuple in training mode)
+TORCHVISION_OPTIONS = {"googlenet": {"aux_logits": False, "init_weights": True},
+                       "inception_v3": {"aux_logits": False, "init_weights": True}}
+
+
+def torchvision_models() -> list:
+    import torchvision.models
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def torchvision_names() -> list:
+    return [TORCHVISION + name if name in MODELS else name for name in torchvision_models()]
+
+
+def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
+    """A torchvision model's first convolution made anew for `channels` (it takes 3)."""
+    if channels == 3:
+        return net
+    for module in net.modules():
+        for name, child in module.named_children():
+            if isinstance(child, nn.Conv2d) and child.in_channels == 3:
+                setattr(module, name, nn.Conv2d(channels, child.out_channels, child.kernel_size,
+                                                child.stride, child.padding, child.dilation,
+                                                child.groups, child.bias is not None))
+                return net
+    return net
+
+
+def model_outline(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) -> nn.Module:
+    """The model without its memory (meta device), for questions about its shape."""
+    try:
+        with torch.device("meta"):
+            return build_model(name, sample_shape, num_classes)
+    except NotImplementedError:  # a few compute their layout from values (RegNets)
+        return build_model(name, sample_shape, num_classes)
+
+
+def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32),
+                  num_classes: int = NUM_CLASSES) -> bool:
+    net = model_outline(name, sample_shape, num_classes)
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+
+
+def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
+    own = net.state_dict()
+    kept = [k for k, v in weights.items() if k in own and own[k].shape == v.shape]
+    net.load_state_dict({k: weights[k] for k in kept}, strict=False)
+    return kept, [k for k in own if k not in kept]
+
+
+# ==================================================================================================
+# Resume: the checkpoint a rerun starts from, what a rerun may change, --fresh.
 # ==================================================================================================
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -2808,6 +2855,11 @@ def start_fresh(cfg: Config) -> None:
         print(f"--fresh: deleted {' and '.join(deleted)}; starting run '{cfg.name}' over")
 
 
+# ==================================================================================================
+# Run-directory files: written whole or not at all, on a disk or in object storage.
+# ==================================================================================================
+
+
 def write_json(path: str, data: dict) -> None:
     write_stored(path, json.dumps(data, indent=2).encode())
 
@@ -2848,6 +2900,18 @@ def read_stored(path: str) -> bytes:
     storage, key = files_at(path)
     with storage.open_input_stream(key) as f:
         return f.read()
+
+
+def append_log(folder: str, text: str) -> None:
+    with contextlib.suppress(OSError):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "ray.log"), "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+
+
+# ==================================================================================================
+# result.json: a finished run's record and its last lines.
+# ==================================================================================================
 
 
 def run_record(cfg: Config, final: Optional[dict], out: dict, checkpoint: Optional[str],
@@ -2913,6 +2977,11 @@ def wrote_run(cfg: Config, summary: dict) -> str:
             f"{os.path.join(cfg.logdir, cfg.name)}")
 
 
+# ==================================================================================================
+# Failure records: one line for how a run ended, recovery.json, a full disk, Ctrl-C.
+# ==================================================================================================
+
+
 class RunStopped(RuntimeError):
     """A graceful stop (SIGTERM): where, and how to go on."""
 
@@ -2941,13 +3010,6 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None
         if not disk_full(exc):
             raise
     return reason
-
-
-def append_log(folder: str, text: str) -> None:
-    with contextlib.suppress(OSError):
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "ray.log"), "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
 
 
 def disk_full(error: BaseException) -> bool:
@@ -3006,6 +3068,126 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
         return "interrupted; nothing was saved"
     return (f"interrupted {place} (saved in {cfg.run_dir}); the same command"
             f"{' without --fresh' * cfg.fresh} with --name {cfg.name} resumes it")
+
+
+def first_line(error: BaseException) -> str:
+    """An error in one line: a traceback's last line (which names its type), else Type: message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    last = re.sub(r"^(__main__|ray_dp)\.(?=\w+Error\b)", "", lines[-1] if lines else "")
+    if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", last):
+        return last[:400]
+    return f"{type(error).__name__}: {last[:160]}" if last else type(error).__name__
+
+
+def first_words(error: BaseException, most: int) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:most] if text else type(error).__name__
+
+
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited"
+                       r"|communicator was aborted")
+
+
+def describe_worker_failures(failures: dict, node_ips: dict) -> str:
+    """The ranks lost (if every error is a lost peer: those that raised none), else the first."""
+    stopped = [re.search(f"{SIGTERM_STOPPED}; saved .* and stopped", str(error))
+               for error in failures.values()]
+    if not failures or all(stopped):
+        return stopped[0][0] if failures else ""
+    lost = {rank for rank, error in failures.items()
+            if type(error).__name__ == HEALTH_CHECK_ERROR}
+    if not lost and all(PEER_LOST.search(str(error)) for error in failures.values()):
+        lost = set(node_ips) - set(failures)
+    if lost:
+        where = ", ".join(f"rank {rank}{on_node(rank, node_ips, failures.get(rank, ''))}"
+                          for rank in sorted(lost))
+        memory = any(RAY_OOM_KILLED.search(str(failures.get(rank, ""))) for rank in lost)
+        return (f"lost worker {where} "
+                f"({'killed: out of memory' if memory else 'its process or node died'})")
+    rank = min(failures)
+    return (f"worker rank {rank}{on_node(rank, node_ips, failures[rank])} failed: "
+            f"{first_line(failures[rank])}")
+
+
+def on_node(rank: int, node_ips: dict, error) -> str:
+    found = re.search(r"node_ip='([^']+)'", str(error))
+    ip = node_ips.get(rank) or (found[1] if found else "")
+    return f" on {ip}" if ip else ""
+
+
+def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict) -> str:
+    return (describe_worker_failures(getattr(error, "worker_failures", {}), node_ips)
+            or first_line(getattr(error, "controller_failure", None) or error))
+
+
+def recovery_summary(record_path: str) -> dict:
+    try:
+        events = json.loads(Path(record_path).read_text())["events"]
+    except FileNotFoundError:
+        return {}
+    starts = [e for e in events if e["event"] == "started"]
+    return {"failures": sum(e["event"] == "failed" for e in events),
+            "restarts": max(len(starts) - 1, 0),
+            "world_sizes": [[e["at"], e["workers"]] for e in starts],
+            "epochs_redone": [epoch for e in events for epoch in e.get("redone", [])],
+            "events": events}
+
+
+class FailureLog(ray.train.UserCallback):
+    """A line for each failure and restart of the workers, recovery.json, Ray's full errors in
+    ray.log: in Ray Train's controller, from its public callbacks."""
+
+    def __init__(self, cfg: Config, logs: str, board=None, done: int = 0):
+        self.cfg, self.logs, self.board, self.done = cfg, logs, board, done
+        self.events, self.failures, self.node_ips, self.seen = [], 0, {}, None
+        self.save_failed = False
+
+    def __setstate__(self, state: dict) -> None:  # unpickled in Ray Train's controller
+        self.__dict__.update(state)
+        quiet_ray_train()
+
+    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        epoch = metrics[0]["epoch"]
+        if not self.events or self.events[-1]["event"] == "failed":  # a worker group's first
+            for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
+                failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
+            self.node_ips = {rank: m.get("node") for rank, m in enumerate(metrics)}
+            nodes = sorted(set(self.node_ips.values()) - {None})
+            self.add(f"{plural(len(metrics), 'worker')} started on {', '.join(nodes)}"
+                     if self.events else None, event="started", workers=len(metrics), nodes=nodes)
+        self.done = epoch - 1 if "step" in metrics[0] else epoch
+
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        if worker_exceptions is self.seen or not worker_exceptions:
+            return
+        self.seen, self.failures = worker_exceptions, self.failures + 1
+        limit = self.cfg.max_failures
+        append_log(self.logs, "\n".join(f"rank {rank}: {error}" for rank, error in
+                                        sorted(worker_exceptions.items())))
+        of = "no limit" if limit == -1 else f"{limit} allowed"
+        then = (f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
+                if limit != -1 and self.failures > limit else f"failure {self.failures} "
+                f"(--max-failures: {of}): restarting the workers from the last checkpoint")
+        what = describe_worker_failures(worker_exceptions, self.node_ips)
+        self.add(f"{what} during epoch {self.done + 1}; {then}", event="failed",
+                 failure=self.failures, during_epoch=self.done + 1, what=what,
+                 node_ips=self.node_ips, errors={rank: first_line(error)
+                                                 for rank, error in worker_exceptions.items()})
+
+    def add(self, message: Optional[str], **event) -> None:
+        if message:
+            self.say(f"ray-dp: {message}")
+        self.events.append({"at": time.time(), **event})
+        try:
+            write_json(os.path.join(self.logs, "recovery.json"), {"events": self.events})
+        except OSError as exc:
+            if not self.save_failed:
+                self.say(f"ray-dp: cannot write {self.logs}/recovery.json ({exc}); training goes "
+                         f"on without it")
+            self.save_failed = True
+
+    def say(self, line: str) -> None:
+        self.board.say.remote(line) if self.board is not None else print(line, flush=True)
 
 
 # ==================================================================================================
@@ -3753,7 +3935,7 @@ def hang_report(cfg: Config) -> Optional[str]:
 
 
 # ==================================================================================================
-# Console and monitoring: the header, rank 0's lines (a Board), TensorBoard, recovery.json, start-up
+# Console and monitoring: the header, rank 0's lines through the driver's Board, TensorBoard.
 # ==================================================================================================
 
 
@@ -3899,6 +4081,64 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{('es' if noun.endswith('s') else 's') * (count != 1)}"
 
 
+def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
+    """The run's header: what trains on what, and every switch that changes the maths or speed."""
+    kind = "GPU" if cfg.gpu else "CPU"
+    workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp" else
+               f"{cfg.min_workers}-{cfg.workers} {kind} workers (elastic)" if cfg.min_workers else
+               plural(cfg.workers, f"{kind} worker"))
+    extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
+    dropped = data.sizes[0] - samples_per_epoch(cfg, data.sizes[0])
+    left_out = (f" ({plural(dropped, 'train sample')} left out per epoch: whole global batches "
+                f"only)" if dropped else "")
+    return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
+            f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
+            f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
+            f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
+            f"lr {cfg.lr} ({cfg.lr_schedule}), {', '.join(switches(cfg, data))}, "
+            f"{plural(cfg.epochs, 'epoch')}, run dir {cfg.run_dir}")
+
+
+def switches(cfg: Config, data: DataInfo) -> list:
+    plain = cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum)
+    loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
+    said = [(True, "plain SGD" if plain else "AdamW" if cfg.optimizer == "adamw"
+             else f"SGD momentum {cfg.momentum}"),
+            (cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
+            (cfg.warmup_epochs, plural(cfg.warmup_epochs, "warm-up epoch")),
+            (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
+            (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}"),
+            (True, f"{plural(loaders, 'loader process')} per worker" if loaders
+             else "batches indexed in memory"),
+            (cfg.accum_steps > 1,
+             f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)"),
+            (cfg.sync_bn, "SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)")),
+            (cfg.amp, "bf16 autocast (--amp)"), (cfg.compile, "torch.compile"),
+            (True, plural(cfg.threads, "thread") + " per worker")]
+    return [text for on, text in said if on]
+
+
+def images(cfg: Config, data: DataInfo) -> str:
+    size = data.sample_shape[-1]
+    kind = (plural(len(data.classes), "class") if data.classes
+            else f"a regression of {plural(data.outputs, 'value')} (loss alone)")
+    if not is_image(data.sample_shape):
+        return f", inputs of shape {tuple(data.sample_shape)}, {kind}"
+    if not data.per_sample:
+        resized = f", images resized to {size} x {size} px" if cfg.image_size else ""
+        return resized + ("" if data.classes else f", {kind}")
+    mean, std = cfg.normalize or ([], [])
+    folder = (f", {'' if cfg.augment else 'not '}augmented, normalised with mean {mean} std {std}"
+              if cfg.dataset == "folder" else "")
+    return f", {kind}, images {size} x {size} px{folder}"
+
+
+def samples_per_epoch(cfg: Config, train_size: int) -> int:
+    if cfg.mode == "scratch":
+        return train_size // cfg.batch_size * cfg.batch_size
+    return train_size // cfg.processes // (cfg.micro_batch * cfg.accum_steps) * cfg.batch_size
+
+
 def format_epoch(m: dict, epochs: int) -> str:
     resumed = f" (from step {m['resumed_at_step'] + 1})" if m.get("resumed_at_step") else ""
     acc = f", test acc {m['test_acc']:.4f}" if "test_acc" in m else ""
@@ -3990,121 +4230,6 @@ def run_callbacks(cfg: Config, logs: Optional[str], options: LoopOptions, done: 
                   training: bool) -> list:
     callbacks = [TensorBoardWriter(cfg)] if training and not options.torchrun else []
     return callbacks + ([FailureLog(cfg, logs, options.board, done)] if logs else [])
-
-
-PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited"
-                       r"|communicator was aborted")
-
-
-def describe_worker_failures(failures: dict, node_ips: dict) -> str:
-    """The ranks lost (if every error is a lost peer: those that raised none), else the first."""
-    stopped = [re.search(f"{SIGTERM_STOPPED}; saved .* and stopped", str(error))
-               for error in failures.values()]
-    if not failures or all(stopped):
-        return stopped[0][0] if failures else ""
-    lost = {rank for rank, error in failures.items()
-            if type(error).__name__ == HEALTH_CHECK_ERROR}
-    if not lost and all(PEER_LOST.search(str(error)) for error in failures.values()):
-        lost = set(node_ips) - set(failures)
-    if lost:
-        where = ", ".join(f"rank {rank}{on_node(rank, node_ips, failures.get(rank, ''))}"
-                          for rank in sorted(lost))
-        memory = any(RAY_OOM_KILLED.search(str(failures.get(rank, ""))) for rank in lost)
-        return (f"lost worker {where} "
-                f"({'killed: out of memory' if memory else 'its process or node died'})")
-    rank = min(failures)
-    return (f"worker rank {rank}{on_node(rank, node_ips, failures[rank])} failed: "
-            f"{first_line(failures[rank])}")
-
-
-def on_node(rank: int, node_ips: dict, error) -> str:
-    found = re.search(r"node_ip='([^']+)'", str(error))
-    ip = node_ips.get(rank) or (found[1] if found else "")
-    return f" on {ip}" if ip else ""
-
-
-def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict) -> str:
-    return (describe_worker_failures(getattr(error, "worker_failures", {}), node_ips)
-            or first_line(getattr(error, "controller_failure", None) or error))
-
-
-def first_line(error: BaseException) -> str:
-    """An error in one line: a traceback's last line (which names its type), else Type: message."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    last = re.sub(r"^(__main__|ray_dp)\.(?=\w+Error\b)", "", lines[-1] if lines else "")
-    if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", last):
-        return last[:400]
-    return f"{type(error).__name__}: {last[:160]}" if last else type(error).__name__
-
-
-def first_words(error: BaseException, most: int) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:most] if text else type(error).__name__
-
-
-def recovery_summary(record_path: str) -> dict:
-    try:
-        events = json.loads(Path(record_path).read_text())["events"]
-    except FileNotFoundError:
-        return {}
-    starts = [e for e in events if e["event"] == "started"]
-    return {"failures": sum(e["event"] == "failed" for e in events),
-            "restarts": max(len(starts) - 1, 0),
-            "world_sizes": [[e["at"], e["workers"]] for e in starts],
-            "epochs_redone": [epoch for e in events for epoch in e.get("redone", [])],
-            "events": events}
-
-
-def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
-    """The run's header: what trains on what, and every switch that changes the maths or speed."""
-    kind = "GPU" if cfg.gpu else "CPU"
-    workers = (f"1 worker driving {cfg.workers} GPUs (nn.DataParallel)" if cfg.mode == "dp" else
-               f"{cfg.min_workers}-{cfg.workers} {kind} workers (elastic)" if cfg.min_workers else
-               plural(cfg.workers, f"{kind} worker"))
-    extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
-    dropped = data.sizes[0] - samples_per_epoch(cfg, data.sizes[0])
-    left_out = (f" ({plural(dropped, 'train sample')} left out per epoch: whole global batches "
-                f"only)" if dropped else "")
-    return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
-            f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
-            f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
-            f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
-            f"lr {cfg.lr} ({cfg.lr_schedule}), {', '.join(switches(cfg, data))}, "
-            f"{plural(cfg.epochs, 'epoch')}, run dir {cfg.run_dir}")
-
-
-def switches(cfg: Config, data: DataInfo) -> list:
-    plain = cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum)
-    loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
-    said = [(True, "plain SGD" if plain else "AdamW" if cfg.optimizer == "adamw"
-             else f"SGD momentum {cfg.momentum}"),
-            (cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
-            (cfg.warmup_epochs, plural(cfg.warmup_epochs, "warm-up epoch")),
-            (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
-            (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}"),
-            (True, f"{plural(loaders, 'loader process')} per worker" if loaders
-             else "batches indexed in memory"),
-            (cfg.accum_steps > 1,
-             f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)"),
-            (cfg.sync_bn, "SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)")),
-            (cfg.amp, "bf16 autocast (--amp)"), (cfg.compile, "torch.compile"),
-            (True, plural(cfg.threads, "thread") + " per worker")]
-    return [text for on, text in said if on]
-
-
-def images(cfg: Config, data: DataInfo) -> str:
-    size = data.sample_shape[-1]
-    kind = (plural(len(data.classes), "class") if data.classes
-            else f"a regression of {plural(data.outputs, 'value')} (loss alone)")
-    if not is_image(data.sample_shape):
-        return f", inputs of shape {tuple(data.sample_shape)}, {kind}"
-    if not data.per_sample:
-        resized = f", images resized to {size} x {size} px" if cfg.image_size else ""
-        return resized + ("" if data.classes else f", {kind}")
-    mean, std = cfg.normalize or ([], [])
-    folder = (f", {'' if cfg.augment else 'not '}augmented, normalised with mean {mean} std {std}"
-              if cfg.dataset == "folder" else "")
-    return f", {kind}, images {size} x {size} px{folder}"
 
 
 # ==================================================================================================
@@ -4514,6 +4639,14 @@ def stored_image(uri: str, data_dir: str) -> bytes:
         return f.read()
 
 
+def remove_stored(path: str) -> None:
+    """A directory, local or in object storage, if it is there."""
+    from pyarrow import fs
+    storage, where = files_at(path)
+    if storage.get_file_info(where).type == fs.FileType.Directory:
+        storage.delete_dir(where)
+
+
 # ==================================================================================================
 # Data on disk and on many nodes: downloads, one list of samples for the run, each node checked.
 # ==================================================================================================
@@ -4538,14 +4671,6 @@ def missing_dataset(dataset_class, root: str, download: bool, error: Exception) 
 def own_entries(dataset_class) -> tuple:
     folder = getattr(dataset_class, "base_folder", dataset_class.__name__)
     return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
-
-
-def remove_stored(path: str) -> None:
-    """A directory, local or in object storage, if it is there."""
-    from pyarrow import fs
-    storage, where = files_at(path)
-    if storage.get_file_info(where).type == fs.FileType.Directory:
-        storage.delete_dir(where)
 
 
 def remove_path(path: str) -> None:
@@ -4726,7 +4851,7 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
 
 
 # ==================================================================================================
-# The cluster: GPU or CPU workers, whether they fit (now or once autoscaled), their memory setting.
+# The cluster: GPU or CPU workers, whether they fit (now or once autoscaled).
 # ==================================================================================================
 
 
@@ -4839,38 +4964,6 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
         raise ConfigError(f"no Ray cluster answers at {where}: start one "
                           f"(ray start --head, or ray up cluster.yaml), or drop --address to run "
                           f"on this machine") from None
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEPT_FREED_BYTES = -1, -3, 1 << 30
-MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                   "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")  # a user's own, left as they are
-memory_kept = False
-
-
-def keep_freed_memory() -> None:
-    """--keep-freed-memory: glibc keeps what a step frees for the next, not zero-filled anew by the
-    kernel (bench/memory.md); before each fork the free pages go back to it."""
-    global memory_kept
-    if memory_kept or any(name in os.environ for name in MALLOC_SETTINGS):
-        return
-    try:
-        os.confstr("CS_GNU_LIBC_VERSION")
-        libc = ctypes.CDLL(None)
-        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
-    except (ValueError, OSError, AttributeError):
-        return
-    if mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES) and mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES):
-        os.register_at_fork(before=lambda: malloc_trim(0))
-        memory_kept = True
-
-
-def worker_env(cfg: Config) -> dict:
-    """The workers' environment (a variable the user set stays theirs): torch's flight recorder
-    (hang records); glibc's one arena, as a thread's own serves blocks over 64 MiB from mmap."""
-    env = {"TORCH_FR_BUFFER_SIZE": "2000"}
-    if cfg.keep_freed_memory and not any(name in os.environ for name in MALLOC_SETTINGS):
-        env["MALLOC_ARENA_MAX"] = "1"
-    return {"env_vars": {name: value for name, value in env.items() if name not in os.environ}}
 
 
 # ==================================================================================================
@@ -5042,63 +5135,6 @@ RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_
 if __name__ != "__main__":
     # imported, its functions reach Ray's processes by reference: Ray ships them this file
     RUNTIME_ENV["py_modules"] = [sys.modules[__name__]]
-
-
-class FailureLog(ray.train.UserCallback):
-    """A line for each failure and restart of the workers, recovery.json, Ray's full errors in
-    ray.log: in Ray Train's controller, from its public callbacks."""
-
-    def __init__(self, cfg: Config, logs: str, board=None, done: int = 0):
-        self.cfg, self.logs, self.board, self.done = cfg, logs, board, done
-        self.events, self.failures, self.node_ips, self.seen = [], 0, {}, None
-        self.save_failed = False
-
-    def __setstate__(self, state: dict) -> None:  # unpickled in Ray Train's controller
-        self.__dict__.update(state)
-        quiet_ray_train()
-
-    def after_report(self, run_context, metrics: list, checkpoint) -> None:
-        epoch = metrics[0]["epoch"]
-        if not self.events or self.events[-1]["event"] == "failed":  # a worker group's first
-            for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
-                failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
-            self.node_ips = {rank: m.get("node") for rank, m in enumerate(metrics)}
-            nodes = sorted(set(self.node_ips.values()) - {None})
-            self.add(f"{plural(len(metrics), 'worker')} started on {', '.join(nodes)}"
-                     if self.events else None, event="started", workers=len(metrics), nodes=nodes)
-        self.done = epoch - 1 if "step" in metrics[0] else epoch
-
-    def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        if worker_exceptions is self.seen or not worker_exceptions:
-            return
-        self.seen, self.failures = worker_exceptions, self.failures + 1
-        limit = self.cfg.max_failures
-        append_log(self.logs, "\n".join(f"rank {rank}: {error}" for rank, error in
-                                        sorted(worker_exceptions.items())))
-        of = "no limit" if limit == -1 else f"{limit} allowed"
-        then = (f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
-                if limit != -1 and self.failures > limit else f"failure {self.failures} "
-                f"(--max-failures: {of}): restarting the workers from the last checkpoint")
-        what = describe_worker_failures(worker_exceptions, self.node_ips)
-        self.add(f"{what} during epoch {self.done + 1}; {then}", event="failed",
-                 failure=self.failures, during_epoch=self.done + 1, what=what,
-                 node_ips=self.node_ips, errors={rank: first_line(error)
-                                                 for rank, error in worker_exceptions.items()})
-
-    def add(self, message: Optional[str], **event) -> None:
-        if message:
-            self.say(f"ray-dp: {message}")
-        self.events.append({"at": time.time(), **event})
-        try:
-            write_json(os.path.join(self.logs, "recovery.json"), {"events": self.events})
-        except OSError as exc:
-            if not self.save_failed:
-                self.say(f"ray-dp: cannot write {self.logs}/recovery.json ({exc}); training goes "
-                         f"on without it")
-            self.save_failed = True
-
-    def say(self, line: str) -> None:
-        self.board.say.remote(line) if self.board is not None else print(line, flush=True)
 
 
 # ==================================================================================================
