@@ -1240,108 +1240,29 @@ def train_loop_per_worker(config: dict) -> dict:
 # ==================================================================================================
 
 
-def run(cfg: Config, resume: "Resume" = None, data: Optional[DataInfo] = None,
+def run(cfg: Config, resume: "Resume" = None, data: Optional["DataInfo"] = None,
         typed: tuple = ()) -> Optional[dict]:
     """Train the resolved and validated cfg from `resume`. Under torchrun every process runs this;
     rank 0 alone checks, speaks and writes, and its loop decides for all."""
-    resume = resume or Resume()
-    torchrun, follower = under_torchrun(), torchrun_follower()
-    if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts here
-        CLOCK.clear()
-        CLOCK["imported"] = time.time()
-    if not follower:
-        cfg, data, notes = preflight(cfg, resume, data, typed)
-        CLOCK["checked"] = time.time()
-        cfg = cfg if torchrun else connect(cfg)
-        CLOCK["connected"] = time.time()
-        start_fresh(cfg)  # under torchrun before rank 0's loop looks for checkpoints
-        remove_stored(f"{cfg.run_dir}/hang")  # an earlier command's record of a hang
-        print(describe(cfg, data, torchrun), *notes, sep="\nnote: ", flush=True)
-    options = loop_options(cfg, data, resume, torchrun)
+    # the pre-flight checks with the data and the model, Ray (started or attached), the header
+    cfg, resume, options = prepared(cfg, resume, data, typed)
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
-    try:
+    with failures_said(cfg, options):  # a failed run: one line, and its record
         result = fit(cfg, loop, options, resume.done)
-    except ray.train.TrainingFailedError as exc:
-        raise RunFailed(describe_training_error(exc, {}) if follower
-                        else record_failure(cfg, exc, options.board)) from None
-    except OSError as exc:  # torchrun: rank 0's own write
-        raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
-    return None if follower else summary_of(cfg, result, options.board, torchrun)
+    return summary_of(cfg, result, options)
 
 
-def fit(cfg: Config, loop, options: LoopOptions, done: int = 0) -> ray.train.Result:
+def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.Result:
     """Run `loop` on the run's workers (Ray's, or under torchrun this very process) and wait."""
-    follower, training = torchrun_follower(), loop is not eval_loop_per_worker
-    logs = None if follower else local_run_dir(cfg)
-    set_ray_train_knobs(cfg)
-    if not options.torchrun:
-        options = replace(options, board=options.board or new_board())
-    else:  # Ray Train's local mode logs each report at INFO
-        quiet_ray_train()
-    CLOCK["fit"] = time.time()
-    for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
-        if registered is not None and registered.__module__ in sys.modules:
-            travels(sys.modules[registered.__module__])
-    code = None if options.torchrun else ray.put(code_for_workers(cfg))
-    options = replace(options, clock=dict(CLOCK),  # your code in the object store: Ray's controller
-                      code=code)  # leaves it alone
-    workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
-               (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
+    launch = Launch(cfg, loop, options, done)  # what the workers are handed, the driver's console
     # the launch: Ray Train starts the worker processes and their process group (its
     # init_process_group, with TorchConfig's backend), then runs `loop` in each
-    trainer = TorchTrainer(
-        loop, train_loop_config={"config": cfg, "options": options},
-        scaling_config=scaling_config(cfg, workers),
-        run_config=RunConfig(
-            name=cfg.name, storage_path=cfg.storage_path,
-            checkpoint_config=CheckpointConfig() if options.torchrun else checkpoint_config(cfg),
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=run_callbacks(cfg, logs, options, done, training),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            worker_runtime_env=worker_env(cfg)),
-        torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo", timeout_s=int(cfg.timeout)))
-    # SIGTERM to the driver: rank 0 hears of it at its next beat (--mode ddp under Ray)
-    stop = graceful_stop() if training and options.board else None
-    if stop is not None:
-        stop.on_ask = functools.partial(ask_board, options.board, "ask_stop", timeout=10)
-    quiet = contextlib.redirect_stdout(io.StringIO()) if follower else contextlib.nullcontext()
-    relay = relayed(options.board, options.progress) if options.board else contextlib.nullcontext()
-    if options.torchrun:  # torchrun's process group is this very process's
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", worker_env(cfg)["env_vars"].get(
-            "TORCH_FR_BUFFER_SIZE", "2000"))
-    try:
-        with quiet, training_now(stop), relay, dumps_asked(options.board):
-            return trainer.fit()
-    except SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, exits
-        raise KeyboardInterrupt from None
-    finally:
-        CLOCK["fitted"] = time.time()
-
-
-def main(argv=None) -> int:
-    """The command line: one command, one line for every way it can end."""
-    new_command()
-    command, cfg = "train", None
-    try:
-        command, cfg, options = parse_command(argv)
-        commands = {"compare": compare, "eval": run_eval, "train": run, "models": list_models,
-                    "doctor": doctor, "finished": finished}
-        outcome = commands[command](cfg, **options)
-    except (ConfigError, DataError) as exc:
-        return fail(f"error: {exc}", 2)
-    except RunFailed as exc:
-        return fail(f"training failed: {exc}", 1)
-    except RunStopped as exc:
-        return fail(str(exc), 143)  # 128 + SIGTERM, as a shell reports one
-    except ray.train.TrainingFailedError as exc:
-        return fail(f"evaluation failed: {describe_training_error(exc, {})}", 1)
-    except OSError as exc:
-        if not disk_full(exc):
-            raise
-        return fail(f"error: {storage_full(cfg, exc)}", 1)
-    except KeyboardInterrupt:
-        return fail(interrupted(command, cfg), 130)
-    return 1 if command == "doctor" and not outcome else 0
+    trainer = TorchTrainer(loop, train_loop_config={"config": cfg, "options": launch.options},
+                           scaling_config=launch.scaling_config, run_config=launch.run_config,
+                           torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
+                                                    timeout_s=int(cfg.timeout)))
+    with launch:
+        return trainer.fit()
 
 
 # ==================================================================================================
@@ -1486,6 +1407,32 @@ def default_run_name(command: str, cfg: Config) -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
+def main(argv=None) -> int:
+    """The command line: one command, one line for every way it can end."""
+    new_command()
+    command, cfg = "train", None
+    try:
+        command, cfg, options = parse_command(argv)
+        commands = {"compare": compare, "eval": run_eval, "train": run, "models": list_models,
+                    "doctor": doctor, "finished": finished}
+        outcome = commands[command](cfg, **options)
+    except (ConfigError, DataError) as exc:
+        return fail(f"error: {exc}", 2)
+    except RunFailed as exc:
+        return fail(f"training failed: {exc}", 1)
+    except RunStopped as exc:
+        return fail(str(exc), 143)  # 128 + SIGTERM, as a shell reports one
+    except ray.train.TrainingFailedError as exc:
+        return fail(f"evaluation failed: {describe_training_error(exc, {})}", 1)
+    except OSError as exc:
+        if not disk_full(exc):
+            raise
+        return fail(f"error: {storage_full(cfg, exc)}", 1)
+    except KeyboardInterrupt:
+        return fail(interrupted(command, cfg), 130)
+    return 1 if command == "doctor" and not outcome else 0
+
+
 def new_command() -> None:
     """What a command starts from: its start-up marks, your code loaded anew."""
     CODE.clear()
@@ -1607,12 +1554,96 @@ def list_models(cfg: None) -> None:
 # The driver's plumbing: Ray started or attached, what the workers are handed, how a run ends.
 # ==================================================================================================
 
+def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -> tuple:
+    """(cfg, resume, LoopOptions) of a run: on rank 0, the checks that need the data, Ray, --fresh
+    and the header; the clock's marks."""
+    resume = resume or Resume()
+    torchrun = under_torchrun()
+    if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts here
+        CLOCK.clear()
+        CLOCK["imported"] = time.time()
+    if not torchrun_follower():
+        cfg, data, notes = preflight(cfg, resume, data, typed)
+        CLOCK["checked"] = time.time()
+        cfg = cfg if torchrun else connect(cfg)
+        start_fresh(cfg)  # under torchrun before rank 0's loop looks for checkpoints
+        remove_stored(f"{cfg.run_dir}/hang")  # an earlier command's record of a hang
+        print(describe(cfg, data, torchrun), *notes, sep="\nnote: ", flush=True)
+    return cfg, resume, loop_options(cfg, data, resume, torchrun)
+
+
+@contextlib.contextmanager
+def failures_said(cfg: Config, options: "LoopOptions"):
+    """A run that failed for good as RunFailed, its one line (rank 0 records it)."""
+    try:
+        yield
+    except ray.train.TrainingFailedError as exc:
+        raise RunFailed(describe_training_error(exc, {}) if torchrun_follower()
+                        else record_failure(cfg, exc, options.board)) from None
+    except OSError as exc:  # torchrun: rank 0's own write
+        raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
+
+
+class Launch:
+    """What fit hands Ray Train besides the loop: the workers' options (Ray's Board, your code,
+    the clock), the run's configuration and callbacks; around the fit, the driver's console, its
+    SIGTERM and SIGUSR1."""
+
+    def __init__(self, cfg: Config, loop, options: "LoopOptions", done: int):
+        follower, training = torchrun_follower(), loop is not eval_loop_per_worker
+        set_ray_train_knobs(cfg)
+        if options.torchrun:  # Ray Train's local mode logs each report at INFO
+            quiet_ray_train()
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
+        board = None if options.torchrun else options.board or new_board()
+        CLOCK["fit"] = time.time()
+        for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
+            if registered is not None and registered.__module__ in sys.modules:
+                travels(sys.modules[registered.__module__])
+        self.options = replace(options, board=board, clock=dict(CLOCK),  # your code: in the
+                               code=None if options.torchrun else ray.put(code_for_workers(cfg)))
+        workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
+                   (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
+        self.scaling_config = scaling_config(cfg, workers)
+        self.run_config = RunConfig(
+            name=cfg.name, storage_path=cfg.storage_path,
+            checkpoint_config=CheckpointConfig() if options.torchrun else checkpoint_config(cfg),
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            callbacks=run_callbacks(cfg, None if follower else local_run_dir(cfg), self.options,
+                                    done, training),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            worker_runtime_env=worker_env(cfg))
+        # SIGTERM to the driver: rank 0 hears of it at its next beat
+        stop = graceful_stop() if training and board else None
+        if stop is not None:
+            stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
+        self.contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
+                         training_now(stop), board and relayed(board, options.progress),
+                         dumps_asked(board)]
+        self.context = contextlib.ExitStack()
+
+    def __enter__(self) -> "Launch":
+        for context in filter(None, self.contexts):
+            self.context.enter_context(context)
+        return self
+
+    def __exit__(self, kind, error, trace) -> bool:
+        CLOCK["fitted"] = time.time()
+        self.context.close()
+        if kind is SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, exits
+            raise KeyboardInterrupt from None
+        return False
+
+
 DP_NOTE = ("nn.DataParallel normalised each GPU's 1/%d of the batch with its own BatchNorm "
            "statistics (per replica); only DDP can synchronise them (--mode ddp --sync-bn)")
 
 
-def summary_of(cfg: Config, result: ray.train.Result, board, torchrun: bool) -> dict:
-    """A finished run's result.json and last lines; a run that stopped, one line."""
+def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") -> Optional[dict]:
+    """A finished run's result.json and last lines (rank 0's); a run that stopped, one line."""
+    if torchrun_follower():
+        return None
+    board, torchrun = options.board, options.torchrun
     if "data_error" in result.return_value:
         raise DataError(result.return_value["data_error"])
     if (stopped := result.return_value["stopped"]) and stopped.get("error"):
