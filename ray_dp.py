@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
@@ -123,6 +124,9 @@ def setting(default, help, **facts):
     return option(default, help, rerun="free", evaluation="free", **facts)
 
 
+BEST_BY = ("test_loss", "test_acc", "train_loss", "samples_per_second", "epoch_seconds")
+
+
 @dataclass(frozen=True)
 class Config:
     mode: str = option("ddp", "ddp: DistributedDataParallel, a process per worker; scratch: "
@@ -147,8 +151,9 @@ class Config:
     compile: bool = option(False, "torch.compile the model", rerun="free",
                            scratch="the lesson's plain fp32 code")
     lr: float = option(0.05, "peak learning rate", metavar="LR", lesson=0.2, bounds="(0, inf)")
-    lr_schedule: str = option("cosine", "cosine decay to 0 over --epochs, or constant",
-                              choices=("cosine", "constant"), lesson="constant")
+    lr_schedule: str = option("cosine", "cosine decay to 0 over --epochs, constant, or yours: "
+                              "FILE.py:NAME, (optimizer, cfg, steps_per_epoch) -> an LRScheduler "
+                              "stepped every step", metavar="SCHEDULE", lesson="constant")
     momentum: float = option(0.9, "SGD momentum", metavar="M", lesson=0.0, bounds="[0, 1)")
     accum_steps: int = option(1, "micro-batches per optimizer step (gradients all-reduced on the "
                               "last)", metavar="K", bounds="[1, inf)",
@@ -169,8 +174,9 @@ class Config:
         "for resnet18, else 224)", type=int, metavar="N", evaluation="checkpoint",
         bounds="[1, inf)", scratch="the lesson's LeNet on 28 x 28 images")
     augment: bool = option(True, "--dataset folder: random resized crops and flips in training")
-    optimizer: str = option("sgd", "sgd (with --momentum) or adamw", choices=("sgd", "adamw"),
-                            scratch="the lesson's plain SGD")
+    optimizer: str = option("sgd", "sgd (with --momentum), adamw, or yours: FILE.py:NAME, an "
+                            "optimizer class (params, lr=) or (params, cfg) -> an optimizer",
+                            metavar="OPTIMIZER", scratch="the lesson's plain SGD")
     weight_decay: float = option(0.0, "weight decay, on weights only", metavar="WD",
                                  bounds="[0, inf)", scratch="the lesson's plain SGD")
     warmup_epochs: int = option(0, "epochs of linear learning-rate warm-up", metavar="N")
@@ -220,6 +226,11 @@ class Config:
     checkpoint_every: str = option(
         "10m", "also checkpoint within an epoch every STEPS steps or Nm minutes (0: at epochs' "
         "ends only)", metavar="STEPS|Nm", rerun="free", lesson="0")
+    keep_checkpoints: int = option(3, "epoch checkpoints kept: the latest K (0: all), and the "
+                                   "best (--best-by) beside them", metavar="K", rerun="free",
+                                   bounds="[0, inf)")
+    best_by: str = option("test_loss", "the epoch metric checkpoint_best is chosen by: the lowest "
+                          "loss or seconds, else the highest", choices=BEST_BY)
     check_replicas: str = setting("auto", "compare the workers' replicas (every parameter and "
                                   "buffer) at each save and every STEPS steps (auto: as often as "
                                   "costs 1%% of training; off: never)", metavar="off|auto|STEPS")
@@ -800,6 +811,8 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     groups = params if not cfg.weight_decay else [
         {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    if is_code(cfg.optimizer):
+        return own_optimizer(cfg, groups)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
@@ -829,12 +842,12 @@ def loss_function(cfg: Config, training: bool = True):
 
 
 def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: int,
-                checkpointer: "Checkpointer") -> dict:
+                checkpointer: "Checkpointer", schedule=None) -> dict:
     """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint); its
-    metrics, the train loss averaged over every worker's samples."""
+    metrics, the train loss averaged over every worker's samples. `schedule`: yours, per step."""
     criterion, tic = loss_function(cfg), time.perf_counter()
     model.train()
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups if schedule is None else ():
         group["lr"] = learning_rate(cfg, epoch)
     first, losses = checkpointer.epoch_start(epoch)  # step 0, or where a mid-epoch save left it
     batches.sampler.set_epoch(epoch, losses.done)  # 5. set_epoch: a new shuffle each epoch
@@ -854,6 +867,8 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if schedule is not None:
+            schedule.step()
         if checkpointer.after_step(epoch, step, steps, losses):  # saved, and every rank stops
             break
     # 7. the loss all-reduced, for logging: a mean over every worker's samples of the epoch
@@ -1182,7 +1197,7 @@ def worker_setup(config: dict) -> tuple:
     if cfg.min_workers:  # elastic: the same global batch over the workers there are now
         cfg = replace(cfg, workers=worker.world)
     launcher = config.get("launcher") or (TorchrunLauncher(cfg, worker) if options.torchrun
-                                          else RayLauncher(options.resume_from))
+                                          else RayLauncher(cfg.run_dir, options.resume_from))
     return cfg, worker, launcher, options
 
 
@@ -1206,22 +1221,28 @@ def train_loop_per_worker(config: dict) -> dict:
     model = wrap_model(on_device(model, worker.device, cfg.model), worker.device, cfg)  # 3.
     model = torch.compile(model) if cfg.compile else model
     optimizer = build_optimizer(cfg, model)
+    # 4. DistributedSampler: this rank's shard of the data, as micro-batches
+    batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
+    schedule = own_schedule(cfg, optimizer, len(batches) // cfg.accum_steps)  # None: ray_dp's
     if state is not None:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    # 4. DistributedSampler: this rank's shard of the data, as micro-batches
-    batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
+        if schedule is not None:
+            schedule.load_state_dict(state["optimizer"]["schedule"])
     samples = samples_fingerprint(train_set)
 
     def checkpoint_of(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
         # the bare model (model.module), not DDP's wrapper: what 9. saves
-        return checkpoint_state(unwrap(model).state_dict(), optimizer.state_dict(), epoch, cfg,
-                                history, classes, partial, samples)
+        optimized = {**optimizer.state_dict(), **({"schedule": schedule.state_dict()}
+                                                  if schedule is not None else {})}
+        return checkpoint_state(unwrap(model).state_dict(), optimized, epoch, cfg, history,
+                                classes, partial, samples)
     checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, model, optimizer)
     history = checkpointer.resumed(state)
     with checkpointer:
         for epoch in range(checkpointer.first_epoch, cfg.epochs):
-            trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, checkpointer)
+            trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, checkpointer,
+                                  schedule)
             if checkpointer.stopped:  # within the epoch, its checkpoint saved
                 break
             # 8. exact evaluation: each test sample scored once over all ranks
@@ -1393,7 +1414,7 @@ def with_absolute_paths(cfg: Config) -> Config:
     """Ray's workers run in directories of their own; your code's file is named by its path."""
     paths = {name: os.path.abspath(getattr(cfg, name)) for name in PATH_FIELDS
              if getattr(cfg, name) and not is_uri(getattr(cfg, name))}
-    for name in ("model", "dataset", "loss"):
+    for name in CODE_FLAGS:
         where, colon, what = getattr(cfg, name).rpartition(":")
         if colon and where.endswith(".py") and "://" not in where:
             paths[name] = f"{os.path.abspath(where)}:{what}"
@@ -1532,7 +1553,7 @@ def settings_as_flags(settings: dict) -> list:
             raise ConfigError(f"ray_dp.train() has no setting {name!r}; did you mean {close}? (its "
                               f"settings are the flags of ray_dp.py --help, with _ for -)")
         flag = "--" + name.replace("_", "-")
-        if name in ("model", "dataset", "loss") and value is not None:
+        if name in CODE_FLAGS and value is not None:
             value = as_spec(value, name)
         if name == "gpu":
             flags += [] if value is None else ["--gpu" if value else "--cpu"]
@@ -1677,7 +1698,8 @@ def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=())
               lambda: check_same_samples(cfg, resume, data),
               lambda: resume.resumes and is_code(cfg.model) and check_state_fits(
                   cfg, data, load_checkpoint(resume.latest)),
-              lambda: None if resume.resumes else check_weights(cfg, data)]
+              lambda: None if resume.resumes else check_weights(cfg, data),
+              lambda: check_training_choices(cfg, data)]
     return cfg, data, [note for check in checks if isinstance(note := check(), str)]
 
 
@@ -1911,6 +1933,9 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
          "--dataset folder needs --mode ddp (scratch mode: the lesson's in-memory batches)"),
         (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
          f"--image-size {cfg.image_size} is too small for {cfg.model} (at least 14)"),
+        (not is_code(cfg.lr_schedule) or not (cfg.warmup_epochs or cfg.mode == "scratch"),
+         f"--lr-schedule {cfg.lr_schedule} sets every step's rate: it takes no --warmup-epochs, "
+         f"and needs --mode ddp"),
         (0 <= cfg.warmup_epochs < cfg.epochs,
          f"--warmup-epochs must be 0 to --epochs - 1 = {cfg.epochs - 1}, got {cfg.warmup_epochs}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
@@ -1954,7 +1979,8 @@ def check_declared(cfg: Config) -> None:
 
 def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None:
     """The model, the data set, the loss, the storage and the directories the config names."""
-    for flag, ours in (("model", MODELS), ("dataset", DATASETS), ("loss", LOSSES)):
+    for flag, ours in (("model", MODELS), ("dataset", DATASETS), ("loss", LOSSES),
+                       ("optimizer", ("sgd", "adamw")), ("lr_schedule", ("cosine", "constant"))):
         if is_code(spec := getattr(cfg, flag)):
             user_code(spec, flag)
         elif spec not in ours and (flag != "model"
@@ -1963,8 +1989,8 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
             close = difflib.get_close_matches(spec, known, n=3, cutoff=0.5)
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
             listed = "--model list shows them" if flag == "model" else ", ".join(known)
-            raise ConfigError(f"--{flag} {spec} is not a {flag} of ray_dp{hint} ({listed}, or "
-                              f"your own: FILE.py:NAME)")
+            raise ConfigError(f"--{flag.replace('_', '-')} {spec} is not a{flag[0] in 'aeio' and 'n' or ''} "
+                              f"{flag.replace('lr_', '')} of ray_dp{hint} ({listed}, or your own: FILE.py:NAME)")
     if cfg.sync_bn and not is_code(cfg.model) and not has_batchnorm(cfg.model):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
@@ -2154,6 +2180,27 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
     return high
 
 
+def check_training_choices(cfg: Config, data: DataInfo) -> None:
+    """--best-by a metric the epochs report; your optimizer and schedule through one step."""
+    if cfg.best_by == "test_acc" and not data.classes:
+        raise ConfigError(f"--best-by test_acc: {cfg.dataset} is a regression, whose epochs have "
+                          f"no accuracy; choose test_loss")
+    if cfg.eval_only or not (is_code(cfg.optimizer) or is_code(cfg.lr_schedule)):
+        return
+    net, flag = build_model(cfg.model, data.sample_shape, data.outputs), "--optimizer"
+    try:
+        optimizer, flag = build_optimizer(cfg, net), "--lr-schedule"
+        schedule = own_schedule(cfg, optimizer, 1)
+        sum(p.sum() for p in net.parameters()).backward()
+        optimizer.step()
+        schedule is not None and schedule.step()
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{flag} {getattr(cfg, flag[2:].replace('-', '_'))} fails on --model "
+                          f"{cfg.model}: {first_line(exc)}") from None
+
+
 def check_model_fits(cfg: Config, data: DataInfo) -> None:
     """The model takes the data's inputs, or one line names the size that works."""
     shape = tuple(data.sample_shape)
@@ -2288,6 +2335,7 @@ def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
 # ==================================================================================================
 
 CODE: dict = {}  # spec -> your object, as the driver loaded it (and sent it to the workers)
+CODE_FLAGS = ("model", "dataset", "loss", "optimizer", "lr_schedule")
 
 
 def is_code(spec: str) -> bool:
@@ -2300,20 +2348,20 @@ def user_code(spec: str, flag: str):
         return CODE[spec]
     where, _, name = spec.rpartition(":")
     if where == "__main__":
-        raise ConfigError(f"--{flag} {spec} names an object of the script that called "
+        raise ConfigError(f"--{flag.replace('_', '-')} {spec} names an object of the script that called "
                           f"ray_dp.train(): pass it ({flag}=...), or name a file: FILE.py:NAME")
     if where.endswith(".py") and not os.path.isfile(where):
-        raise ConfigError(f"--{flag} {spec}: there is no file {where}")
+        raise ConfigError(f"--{flag.replace('_', '-')} {spec}: there is no file {where}")
     try:
         module = load_module(where)
     except Exception as exc:
         if isinstance(exc, ModuleNotFoundError) and f"{where}.".startswith(f"{exc.name}."):
-            raise ConfigError(f"--{flag} {spec}: no module {exc.name} (a file's path ends in "
+            raise ConfigError(f"--{flag.replace('_', '-')} {spec}: no module {exc.name} (a file's path ends in "
                               f".py)") from None
-        raise ConfigError(f"--{flag} {spec}: {where} fails to import: {first_line(exc)}") from None
+        raise ConfigError(f"--{flag.replace('_', '-')} {spec}: {where} fails to import: {first_line(exc)}") from None
     if not hasattr(module, name):
         close = difflib.get_close_matches(name, [n for n in dir(module) if n[0] != "_"], n=1)
-        raise ConfigError(f"--{flag} {spec}: {where} has no {name}"
+        raise ConfigError(f"--{flag.replace('_', '-')} {spec}: {where} has no {name}"
                           + (f"; did you mean {close[0]}?" if close else ""))
     CODE[spec] = getattr(module, name)
     if (defined_in := sys.modules.get(getattr(CODE[spec], "__module__", None))) is not None:
@@ -2384,6 +2432,29 @@ def takes_arguments(function, name: Optional[str] = None) -> bool:
     return any(p.kind == p.VAR_KEYWORD or p.name == name for p in kinds)
 
 
+def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
+    """--optimizer FILE.py:NAME: an optimizer class, called (params, lr=--lr), or a function
+    (params, cfg) -> an optimizer."""
+    made = user_code(cfg.optimizer, "optimizer")
+    optimizer = made(groups, lr=cfg.lr) if isinstance(made, type) else made(groups, cfg)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"--optimizer {cfg.optimizer} made a {type(optimizer).__name__}, not "
+                          f"a torch.optim.Optimizer")
+    return optimizer
+
+
+def own_schedule(cfg: Config, optimizer, steps_per_epoch: int):
+    """--lr-schedule FILE.py:NAME (optimizer, cfg, steps_per_epoch) -> an LRScheduler, stepped
+    after every optimizer step; None for ray_dp's own (set per epoch)."""
+    if not is_code(cfg.lr_schedule):
+        return None
+    schedule = user_code(cfg.lr_schedule, "lr_schedule")(optimizer, cfg, steps_per_epoch)
+    if not isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
+        raise ConfigError(f"--lr-schedule {cfg.lr_schedule} made a {type(schedule).__name__}, "
+                          f"not a torch.optim.lr_scheduler.LRScheduler")
+    return schedule
+
+
 def code_file(spec: str) -> Optional[dict]:
     """What the run directory records of your code: its spec, its file's (else source's) hash."""
     if not is_code(spec):
@@ -2410,7 +2481,8 @@ def source_text(value) -> bytes:
 
 def code_for_workers(cfg: Config) -> list:
     """CODE and MODELS for Ray's workers: not the data set's function, nor what it read."""
-    return [{spec: CODE[spec] for spec in (cfg.model, cfg.loss) if spec in CODE},
+    return [{spec: CODE[spec] for spec in (cfg.model, cfg.loss, cfg.optimizer, cfg.lr_schedule)
+             if spec in CODE},
             {cfg.model: MODELS[cfg.model]} if cfg.model in MODELS else {}]
 
 
@@ -2615,7 +2687,16 @@ def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_FORMAT = 2  # epochs numbered from 1 wherever a user reads them
 CHECKPOINT_DIR = re.compile(r"checkpoint_epoch_(\d+)(?:_step_(\d+))?")
+BEST_CHECKPOINT = f"checkpoint_best/{CHECKPOINT_FILE}"  # a copy of the best epoch's (--best-by)
 RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json")
+
+
+def best_epoch(history: list, metric: str) -> Optional[dict]:
+    """The epoch best by `metric`: the lowest loss or seconds, else the highest; the earliest of
+    equals."""
+    sign = 1 if metric.endswith(("loss", "seconds")) else -1
+    return min((e for e in history if math.isfinite(e.get(metric, math.nan))),
+               key=lambda e: (sign * e[metric], e["epoch"]), default=None)
 
 
 def checkpoint_dir_name(epoch: int, step: int = 0) -> str:
@@ -2643,13 +2724,13 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
 
 
 def code_record(cfg: Config) -> dict:
-    return {flag: record for flag in ("model", "dataset", "loss")
+    return {flag: record for flag in CODE_FLAGS
             if (record := code_file(getattr(cfg, flag)))}
 
 
 def note_code_changed(cfg: Config, state: dict, since: str) -> None:
     """A note for each of your files (objects, where none) whose text changed since then."""
-    for flag in ("model", "dataset", "loss"):
+    for flag in CODE_FLAGS:
         if is_code(spec := getattr(cfg, flag)):
             user_code(spec, flag)
     changed = {now.get("file", now["spec"]) for flag, now in code_record(cfg).items()
@@ -2661,7 +2742,7 @@ def note_code_changed(cfg: Config, state: dict, since: str) -> None:
 
 def check_code_named(stored: dict, typed: set, what: str) -> None:
     """A checkpoint never decides which code runs: your code's flags are typed again."""
-    unnamed = [as_flag(name, stored[name]) for name in ("model", "dataset", "loss")
+    unnamed = [as_flag(name, stored[name]) for name in CODE_FLAGS
                if is_code(stored[name]) and name not in typed]
     if unnamed:
         raise ConfigError(f"{what} trained your own code: name it again, {', '.join(unnamed)} "
@@ -2966,8 +3047,11 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(last), CHECKPOINT_FILE)
     if not (is_uri(checkpoint) or os.path.isfile(checkpoint)):
         checkpoint = latest_committed(cfg.run_dir) or checkpoint
+    best = best_epoch(history, cfg.best_by)
     summary = run_record(
-        cfg, history[-1], out, checkpoint, epochs=history,
+        cfg, history[-1], out, checkpoint, epochs=history, best=best and {
+            "epoch": best["epoch"], "metric": cfg.best_by, "value": best[cfg.best_by],
+            "checkpoint": os.path.join(cfg.run_dir, BEST_CHECKPOINT)},
         sec_per_epoch=statistics.median(m["epoch_seconds"] for m in whole),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
         **{key: out[key] for key in ("started_at_epoch", "node_ranks", "first_step_at")},
@@ -3003,8 +3087,11 @@ def wrote_run(cfg: Config, summary: dict) -> str:
     result = os.path.join(cfg.run_dir, "result.json")
     if first > last:
         return f"wrote {result} (no epoch left to train)"
+    first = max(first, last - cfg.keep_checkpoints + 1) if cfg.keep_checkpoints else first
     checkpoints = checkpoint_dir_name(first) + (f" to {checkpoint_dir_name(last)}" * (last > first))
-    return (f"wrote {result} and {checkpoints} beside it; TensorBoard events in "
+    best = summary.get("best") or {}
+    best = best and f", checkpoint_best (epoch {best['epoch']}, {best['metric']} {best['value']:.4g})"
+    return (f"wrote {result} and {checkpoints}{best} beside it; TensorBoard events in "
             f"{os.path.join(cfg.logdir, cfg.name)}")
 
 
@@ -3193,8 +3280,8 @@ class FailureLog(ray.train.UserCallback):
             return
         self.seen, self.failures = worker_exceptions, self.failures + 1
         limit = self.cfg.max_failures
-        append_log(self.logs, "\n".join(f"rank {rank}: {error}" for rank, error in
-                                        sorted(worker_exceptions.items())))
+        append_log(self.logs, "\n".join(f"rank {rank}: {''.join(traceback.format_exception(error))}"
+                                        for rank, error in sorted(worker_exceptions.items())))
         of = "no limit" if limit == -1 else f"{limit} allowed"
         then = (f"failure {self.failures}, more than --max-failures {limit} allows: stopping"
                 if limit != -1 and self.failures > limit else f"failure {self.failures} "
@@ -3486,7 +3573,8 @@ class Checkpointer:
         self.console.say(format_epoch(metrics, self.cfg.epochs))
         if not self.replicas_agree("epoch", f"at the end of epoch {metrics['epoch']}"):
             return
-        self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"]),
+        best = best_epoch(history, self.cfg.best_by) is metrics  # its checkpoint copied as the best
+        self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"]), "best": best,
                               "node": node_name()}, state, metrics["epoch"])
         self.saved()
         if self.stop_votes and metrics["epoch"] < self.cfg.epochs:
@@ -4298,7 +4386,7 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
 
 
 def checkpoint_file(path: str) -> str:
-    """The checkpoint file PATH means: the file, DIR/checkpoint.pt, or a run's latest."""
+    """The checkpoint file PATH means: the file, DIR/checkpoint.pt, a run's best, else its latest."""
     if is_uri(path):
         check_store("eval-only", path)
     kind = stored_type(path)
@@ -4307,8 +4395,9 @@ def checkpoint_file(path: str) -> str:
     full = path.rstrip("/") if is_uri(path) else os.path.abspath(path)
     if kind == "file":
         return full
-    if stored_type(f"{full}/{CHECKPOINT_FILE}") == "file":
-        return f"{full}/{CHECKPOINT_FILE}"
+    for inside in (CHECKPOINT_FILE, BEST_CHECKPOINT):  # a run's best, rather than its latest
+        if stored_type(f"{full}/{inside}") == "file":
+            return f"{full}/{inside}"
     try:
         latest = latest_committed(full)
     except BrokenSnapshot as exc:
@@ -4785,8 +4874,8 @@ class RayLauncher:
     """Ray Train's workers: Ray finds the run's latest checkpoint, its controller commits rank 0's
     and writes the TensorBoard events (TensorBoardWriter)."""
 
-    def __init__(self, resume_from: Optional[object] = None):
-        self.resume_from, self.restore_seconds = resume_from, 0.0
+    def __init__(self, run_dir: str, resume_from: Optional[object] = None):
+        self.run_dir, self.resume_from, self.restore_seconds = run_dir, resume_from, 0.0
 
     def latest_checkpoint(self) -> Optional[dict]:
         tic, checkpoint = time.perf_counter(), ray.train.get_checkpoint()
@@ -4806,6 +4895,9 @@ class RayLauncher:
             torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                              checkpoint_dir_name=dir_name)
+            if metrics.get("best"):  # once Ray holds the epoch's
+                write_stored(os.path.join(self.run_dir, BEST_CHECKPOINT),
+                             Path(tmp, CHECKPOINT_FILE).read_bytes())
 
 
 class TorchrunLauncher:
@@ -4827,24 +4919,29 @@ class TorchrunLauncher:
 
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
         if state is not None:
-            save_checkpoint(self.cfg.run_dir, state, epoch, step)
+            save_checkpoint(self.cfg.run_dir, state, epoch, step, self.cfg.keep_checkpoints,
+                            metrics.get("best", False))
         if not step:
             ray.train.report(metrics)
             if self.tensorboard:
                 self.tensorboard.write(metrics)
 
 
-def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0) -> None:
+def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0, keep: int = 0,
+                    best: bool = False) -> None:
     """Rank 0's checkpoint where Ray would have committed it, whole or not at all (renamed into
-    place, or one object); then, once it is durable, the mid-epoch ones before it go."""
+    place, or one object), and as the best; once it is durable, the mid-epoch ones before it go,
+    and the epoch ones but the latest `keep` (0: all)."""
     saved = io.BytesIO()
     torch.save(state, saved)
     name = checkpoint_dir_name(epoch, step)
-    write_stored(os.path.join(run_dir, name, CHECKPOINT_FILE), saved.getvalue())
+    for target in [os.path.join(name, CHECKPOINT_FILE)] + [BEST_CHECKPOINT] * best:
+        write_stored(os.path.join(run_dir, target), saved.getvalue())
     storage, path = files_at(run_dir)
-    for older in epoch_checkpoints(run_dir):
-        folder = PurePosixPath(older).parent.name
-        if folder != name and checkpoint_order(folder)[1]:
+    folders = [PurePosixPath(older).parent.name for older in epoch_checkpoints(run_dir)]
+    whole = [folder for folder in folders if not checkpoint_order(folder)[1]]
+    for folder in folders:
+        if folder != name and (checkpoint_order(folder)[1] or keep and folder in whole[:-keep]):
             storage.delete_dir(f"{path}/{folder}")
 
 
@@ -5091,13 +5188,13 @@ def snapshot_shape(state) -> bool:
 
 
 def checkpoint_config(cfg: Config) -> CheckpointConfig:
-    """Every epoch's checkpoint, and of the mid-epoch ones what room --epochs + 1 leaves (Ray keeps
-    the best by keep_score, and the latest); a run listed before keep_score keeps them all."""
+    """The latest --keep-checkpoints epochs' checkpoints (0: every epoch's, and of the mid-epoch
+    ones what room --epochs + 1 leaves): Ray keeps the best by keep_score, and the latest."""
     committed = (ray_snapshot(cfg.run_dir) or {}).get("checkpoint_results", [])
     if not all("keep" in entry["metrics"] for entry in committed):
         return CheckpointConfig(num_to_keep=None)
-    return CheckpointConfig(num_to_keep=cfg.epochs + 1, checkpoint_score_attribute="keep",
-                            checkpoint_score_order="max")
+    return CheckpointConfig(num_to_keep=cfg.keep_checkpoints or cfg.epochs + 1,
+                            checkpoint_score_attribute="keep", checkpoint_score_order="max")
 
 
 SIGTERM_SETTER = ("ray._private.utils", "set_sigterm_handler")

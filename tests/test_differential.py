@@ -88,6 +88,12 @@ COMBOS = [
     ("3w-own-torch-mse-loss", 3, dict(model=f"{OWN}:TabularMLP", dataset=f"{OWN}:diabetes",
                                       loss="torch.nn:MSELoss"), None),
     ("3w-own-lazy-two-targets", 3, dict(model=f"{OWN}:LazyMLP", dataset=f"{OWN}:two_targets", loss="mse"), None),
+    # your optimizer (a function; a class of torch's) and schedule, stepped every step (accumulation: every K)
+    ("own-adam-one-cycle", 2, dict(optimizer=f"{OWN}:adam_betas", lr_schedule=f"{OWN}:one_cycle", lr=0.002), None),
+    ("3w-torch-radam-one-cycle-accum-2", 3, dict(optimizer="torch.optim:RAdam", lr_schedule=f"{OWN}:one_cycle",
+                                                 lr=0.002, accum_steps=2), None),
+    ("rerun-own-adam-one-cycle-2w-to-3w", 2, dict(optimizer=f"{OWN}:adam_betas", lr_schedule=f"{OWN}:one_cycle",
+                                                  lr=0.002), 3),
     ("rerun-own-wine-2w-to-3w", 2, dict(model=f"{OWN}:TabularMLP", dataset=f"{OWN}:wine"), 3),
     ("rerun-2w-to-3w", 2, {}, 3),
     ("rerun-accum-adamw-2w-to-3w", 2, dict(accum_steps=2, optimizer="adamw", lr=0.002), 3),

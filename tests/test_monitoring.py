@@ -131,9 +131,11 @@ def test_the_quick_start_prints_what_the_readme_shows_one_epoch_line_each_from_r
     run_dir = next((tmp_path / "runs").glob("ddp-lenet-digits-*"))
     assert not (run_dir / "ray.log").exists() or "Traceback" not in (run_dir / "ray.log").read_text()
     assert has_shape_of(readme_quick_start_output(), proc.stdout.strip().splitlines()), proc.stdout
+    best = json.loads((run_dir / "result.json").read_text())["best"]
     assert proc.stdout.strip().splitlines()[-1] == (
-        f"wrote {run_dir / 'result.json'} and checkpoint_epoch_001 to checkpoint_epoch_003 beside it; TensorBoard "
-        f"events in {tmp_path / 'runs' / 'tensorboard' / run_dir.name}")
+        f"wrote {run_dir / 'result.json'} and checkpoint_epoch_001 to checkpoint_epoch_003, checkpoint_best (epoch "
+        f"{best['epoch']}, test_loss {best['value']:.4g}) beside it; TensorBoard events in "
+        f"{tmp_path / 'runs' / 'tensorboard' / run_dir.name}")
 
 
 def test_the_shape_check_tells_other_lines_apart():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import ray_dp
 from helpers import (DIGIT_NAMES, assert_bitwise_equal, digits_folder, error_of, final_weights, keys, new_bucket,
-                     run_distributed, save_run, train, upload)
+                     run_distributed, save_run, train, train_worker, upload)
 
 # its tests share a module-scoped fixture: under pytest-xdist they run on one worker, which computes it once
 XDIST_GROUP = "test_object_storage"
@@ -270,6 +270,35 @@ def test_torchrun_keeps_and_resumes_its_checkpoints_in_a_bucket(s3, tmp_path):
     assert keys(s3, "torchrun", "runs/q/checkpoint_epoch_003/") == ["runs/q/checkpoint_epoch_003/checkpoint.pt"]
 
 
+def torchrun_trains_12_epochs(storage):
+    """ray_dp's worker loop on this rank as torchrun runs it (rank 0 keeps the checkpoints), 12 epochs keeping 2."""
+    cfg = ray_dp.Config(dataset="synthetic", synthetic_size=48, batch_size=12, epochs=12, lr=0.2, quiet=True,
+                        name="kept", storage_path=storage, keep_checkpoints=2, checkpoint_every="2", workers=2,
+                        logdir=storage if not ray_dp.is_uri(storage) else "/tmp/unused-tb")
+    worker = ray_dp.Worker(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    ray_dp.ray.train.report = lambda metrics, **_: None  # no Ray Train session in this test's processes
+    launcher = ray_dp.TorchrunLauncher(cfg, worker)
+    launcher.tensorboard = None
+    history = train_worker(cfg, worker, launcher, ray_dp.LoopOptions(torchrun=True), {})["history"]
+    best = ray_dp.load_checkpoint(f"{cfg.run_dir}/{ray_dp.BEST_CHECKPOINT}")
+    _, test = ray_dp.load_dataset(cfg)
+    net = ray_dp.build_model(cfg.model, ray_dp.input_shape(cfg, test), 10)
+    net.load_state_dict(best["model"])
+    return history, best["epoch"], ray_dp.evaluate(net.eval(), test, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("where", ["disk", "bucket"])
+def test_12_epochs_keeping_2_hold_the_latest_2_and_the_best_which_scores_as_its_epoch_did(s3, tmp_path, where):
+    storage = str(tmp_path) if where == "disk" else f"s3://{new_bucket(s3, 'kept')}/runs"
+    (history, best_epoch, scores), _ = run_distributed(torchrun_trains_12_epochs, 2, storage)
+    names = (sorted(p.name for p in (tmp_path / "kept").iterdir()) if where == "disk"
+             else sorted({key.split("/")[2] for key in keys(s3, "kept", "runs/kept/")} - {""}))  # "": the prefix
+    assert names == ["checkpoint_best", "checkpoint_epoch_011", "checkpoint_epoch_012"]
+    best = ray_dp.best_epoch(history, "test_loss")
+    assert best_epoch == best["epoch"] < 11 and best["test_loss"] == min(e["test_loss"] for e in history)
+    assert (scores["test_loss"], scores["test_acc"]) == pytest.approx((best["test_loss"], best["test_acc"]), abs=1e-6)
+
+
 def test_predictions_and_compares_tables_go_into_a_bucket(s3):
     new_bucket(s3, "outputs")
     data = ray_dp.NamedTensors(torch.zeros(2, 1, 1, 1), torch.tensor([0, 1]), classes=["cat", "dog"])
@@ -292,12 +321,20 @@ def test_a_bucket_trains_resumes_and_evaluates_exactly_as_the_same_folder_on_dis
     runs = f"s3://{new_bucket(s3, 'training')}/runs"
     for epochs in ("1", "2"):  # stopped after its first epoch, then resumed by the same command
         assert ray_dp.main([*flags, "--data-dir", "s3://images/digits", "--storage-path", runs, "--name", "q",
-                            "--logdir", str(tmp_path / "tb"), "--epochs", epochs]) == 0
+                            "--logdir", str(tmp_path / "tb"), "--epochs", epochs, "--keep-checkpoints", "1"]) == 0
     out = capsys.readouterr().out
     assert "resuming at epoch 2 of 2 with 2 workers, from the checkpoint of epoch 1" in out
-    assert out.splitlines()[-1].startswith(f"wrote {runs}/q/result.json and checkpoint_epoch_002 beside it")
     stored = json.loads(s3.get_object(Bucket="training", Key="runs/q/result.json")["Body"].read())
+    best = stored["best"]
+    assert out.splitlines()[-1].startswith(
+        f"wrote {runs}/q/result.json and checkpoint_epoch_002, checkpoint_best (epoch {best['epoch']}, test_loss "
+        f"{best['value']:.4g}) beside it")
     assert stored["checkpoint"] == f"{runs}/q/checkpoint_epoch_002/checkpoint.pt"
+    # --keep-checkpoints 1: Ray deleted epoch 1's once epoch 2's was committed, and lists what the bucket holds
+    held = {key.rsplit("/", 2)[1] for key in keys(s3, "training", "runs/q/") if key.endswith("/checkpoint.pt")}
+    assert held == {"checkpoint_epoch_002", "checkpoint_best"}
+    listed = ray_dp.ray_snapshot(f"{runs}/q")["checkpoint_results"]
+    assert [entry["checkpoint_dir_name"] for entry in listed] == ["checkpoint_epoch_002"]
     # the same images, statistics, order and augmentation: the same model, to the bit
     assert stored["config"]["normalize"] == local["config"]["normalize"]
     assert_bitwise_equal(ray_dp.load_checkpoint(stored["checkpoint"])["model"], final_weights(local))
@@ -307,7 +344,10 @@ def test_a_bucket_trains_resumes_and_evaluates_exactly_as_the_same_folder_on_dis
     assert ray_dp.main(["--eval-only", f"{runs}/q", "--workers", "3", "--storage-path", runs, "--name", "evaluated",
                         "--predict-out", str(predictions)]) == 0
     evaluated = json.loads(s3.get_object(Bucket="training", Key="runs/evaluated/result.json")["Body"].read())
-    assert evaluated["final"]["test_acc"] == stored["final"]["test_acc"] and evaluated["world_size"] == 3
+    assert evaluated["checkpoint"] == best["checkpoint"]  # a run's best
+    scored = stored["epochs"][best["epoch"] - 1]
+    assert (evaluated["final"]["test_acc"], evaluated["world_size"]) == (scored["test_acc"], 3)
+    assert evaluated["final"]["test_loss"] == pytest.approx(scored["test_loss"], abs=1e-6)
     with open(predictions) as f:
         rows = list(csv.DictReader(f))
     val = sorted(f"s3://images/{key}" for key in keys(s3, "images", "digits/val/"))

@@ -164,6 +164,19 @@ BAD = [
     (["--mode", "scratch", "--dataset", "digits", "--loss", "mse"], "--loss needs --mode ddp"),
     (["--mode", "scratch", "--dataset", "{tmp}/mine.py:wine"], "--mode scratch trains the lesson's LeNet on images"),
     (["--loss", "huber"], "--loss huber is not a loss of ray_dp (cross_entropy, mse, or your own: FILE.py:NAME)"),
+    (["--lr-schedule", "{tmp}/mine.py:one_cycel"],
+     "--lr-schedule {tmp}/mine.py:one_cycel: {tmp}/mine.py has no one_cycel; did you mean one_cycle?"),
+    (["--model", "mlp", "--dataset", "digits", "--optimizer", "{tmp}/mine.py:not_an_optimizer"],
+     "--optimizer {tmp}/mine.py:not_an_optimizer made a list, not a torch.optim.Optimizer"),
+    (["--model", "mlp", "--dataset", "digits", "--lr-schedule", "{tmp}/mine.py:adam_betas"],
+     "--lr-schedule {tmp}/mine.py:adam_betas fails on --model mlp: TypeError: "),
+    (["--model", "mlp", "--dataset", "digits", "--lr-schedule", "{tmp}/mine.py:one_cycle", "--warmup-epochs", "1"],
+     "--lr-schedule {tmp}/mine.py:one_cycle sets every step's rate: it takes no --warmup-epochs"),
+    (["--mode", "scratch", "--dataset", "digits", "--optimizer", "torch.optim:Adam"], "--optimizer needs --mode ddp"),
+    (["--model", "mlp", "--dataset", "{tmp}/mine.py:diabetes", "--loss", "mse", "--best-by", "test_acc"],
+     "--best-by test_acc: {tmp}/mine.py:diabetes is a regression, whose epochs have no accuracy; choose test_loss"),
+    (["--keep-checkpoints", "-1"], "--keep-checkpoints must be at least 0, got -1"),
+    (["--best-by", "val_loss"], "argument --best-by: invalid choice: 'val_loss'"),
 ]
 
 

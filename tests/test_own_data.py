@@ -104,7 +104,7 @@ def test_weights_keep_what_fits_and_say_what_is_new(tmp_path):
     (["--image-size", "0"], "--image-size must be at least 1, got 0"),
     (["--model", "lenet", "--image-size", "8"], "--image-size 8 is too small for lenet"),
     (["--model", "mobilenet_v2x"], "did you mean mobilenet_v2"),
-    (["--optimizer", "adam"], "argument --optimizer: invalid choice: 'adam'"),
+    (["--optimizer", "adam"], "--optimizer adam is not an optimizer of ray_dp; did you mean adamw?"),
     (["--warmup-epochs", "10"], "--warmup-epochs must be 0 to --epochs - 1 = 9"),
     (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1)"),
     (["--mode", "scratch", "--weight-decay", "0.1"], "--weight-decay needs --mode ddp (scratch mode: the lesson's plain SGD)"),

@@ -8,6 +8,7 @@ those of the uninterrupted run."""
 import contextlib
 import copy
 import io
+import os
 import shutil
 import signal
 import socket
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ray_dp
-from helpers import train_worker, here, assert_bitwise_equal, run_distributed, save_run
+from helpers import REPO, train_worker, here, assert_bitwise_equal, run_distributed, save_run
 from test_trust import tiny_folder
 
 # Its tests share a module-scoped fixture of many runs on 2 gloo processes: under pytest-xdist they run on one worker
@@ -28,6 +29,7 @@ from test_trust import tiny_folder
 XDIST_GROUP = "gloo-runs"
 BASE = dict(dataset="synthetic", synthetic_size=60, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
             name="spot", checkpoint_every="1", log_every=1)
+OWN = os.path.join(REPO, "tests", "user_code.py")  # your optimizer and schedule, named by their file
 
 
 class Killed(Exception):
@@ -130,7 +132,10 @@ def runs(tmp_path_factory):
              ("dropout-adamw", config(tmp, model="mobilenet_v3_small", synthetic_size=24, optimizer="adamw",
                                       lr=0.002, checkpoint_every="1"), (1, 3)),
              ("scratch", config(tmp, mode="scratch", lr_schedule="constant", momentum=0.0, checkpoint_every="2"),
-              (1, 3, 6, 9))]
+              (1, 3, 6, 9)),
+             # your optimizer and schedule: the schedule's state in the checkpoint, with the optimizer's
+             ("own-adam-one-cycle", config(tmp, optimizer=f"{OWN}:adam_betas", lr_schedule=f"{OWN}:one_cycle",
+                                           lr=0.002), (3, 7))]
     return run_distributed(kills_and_resumes, 2, cases)[0]
 
 
@@ -149,7 +154,8 @@ def test_every_step_and_every_2_steps_are_saved_and_named_by_epoch_and_step(runs
     assert (state["epoch"], state["partial"]["step"], state["partial"]["samples"]) == (1, 3, 36)
 
 
-@pytest.mark.parametrize("name", ["in-memory-accum-2", "folder-augment-loader-process", "dropout-adamw", "scratch"])
+@pytest.mark.parametrize("name", ["in-memory-accum-2", "folder-augment-loader-process", "dropout-adamw", "scratch",
+                                  "own-adam-one-cycle"])
 def test_a_run_killed_at_any_step_and_resumed_ends_bitwise_where_the_uninterrupted_one_does(runs, name):
     out = runs[name]
     for micro_batches, resumed in out["resumed"].items():

@@ -1,4 +1,5 @@
-"""A user's own code, as a user would write it for ray_dp's --model, --dataset and --loss: nothing here knows
+"""A user's own code, as a user would write it for ray_dp's --model, --dataset, --loss, --optimizer and --lr-schedule:
+nothing here knows
 ray_dp. (Tests name it by its path: FILE.py:NAME.)"""
 import torch
 import torch.nn as nn
@@ -137,3 +138,19 @@ class LazyMLP(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+def adam_betas(params, cfg):
+    """Adam with betas of its own, from --lr."""
+    return torch.optim.Adam(params, lr=cfg.lr, betas=(0.8, 0.99))
+
+
+def one_cycle(optimizer, cfg, steps_per_epoch):
+    """A one-cycle schedule over the run, stepped once per optimizer step."""
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr, epochs=cfg.epochs,
+                                               steps_per_epoch=steps_per_epoch)
+
+
+def not_an_optimizer(params, cfg):
+    return list(params)
+
