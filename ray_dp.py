@@ -2740,10 +2740,10 @@ def note_code_changed(cfg: Config, state: dict, since: str) -> None:
         print(f"note: {path} changed since {since}", flush=True)
 
 
-def check_code_named(stored: dict, typed: set, what: str) -> None:
+def check_code_named(stored: dict, typed: set, what: str, flags=CODE_FLAGS) -> None:
     """A checkpoint never decides which code runs: your code's flags are typed again."""
     unnamed = [as_flag(name, stored[name]) for name in CODE_FLAGS
-               if is_code(stored[name]) and name not in typed]
+               if name in flags and is_code(stored[name]) and name not in typed]
     if unnamed:
         raise ConfigError(f"{what} trained your own code: name it again, {', '.join(unnamed)} "
                           f"(ray_dp.train(): the same objects); a checkpoint never names the code")
@@ -4370,7 +4370,7 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
     if refused:
         are = "is a training flag and has" if len(refused) == 1 else "are training flags and have"
         raise ConfigError(f"{', '.join(refused)} {are} no effect with --eval-only")
-    check_code_named(trained, typed, "the checkpoint")
+    check_code_named(trained, typed, "the checkpoint", EVAL_FROM_CHECKPOINT)
     code = checkpoint.get("code") or {}
     contradicting = [name for name in CONFIG_FIELDS if name in typed & EVAL_FIXED
                      and not same_setting(name, trained[name], getattr(cfg, name), code.get(name))]

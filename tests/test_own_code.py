@@ -400,6 +400,19 @@ def test_a_checkpoint_never_names_the_code_that_runs_eval_only_and_a_rerun_name_
     assert not (code / "ran").exists()
 
 
+def test_your_optimizer_and_schedule_are_named_again_by_a_rerun_and_not_needed_by_eval_only(code, no_cluster,
+                                                                                            capsys):
+    trained(code, model=f"{code}/mine.py:TabularMLP", dataset=f"{code}/mine.py:wine",
+            optimizer=f"{code}/mine.py:adam_betas", lr_schedule=f"{code}/mine.py:one_cycle")
+    own = ["--model", f"{code}/mine.py:TabularMLP", "--dataset", f"{code}/mine.py:wine"]
+    err = error_of(["--name", "own", *own, *runs(code)], capsys)
+    assert err.startswith(f"ray_dp.py: error: run 'own' trained your own code: name it again, --optimizer "
+                          f"{code}/mine.py:adam_betas, --lr-schedule {code}/mine.py:one_cycle ("), err
+    cfg, _ = ray_dp.eval_config(ray_dp.Config(eval_only=str(code / "runs" / "own"), model=own[1], dataset=own[3]),
+                                {"model", "dataset"})
+    assert (cfg.optimizer, cfg.lr_schedule) == ("sgd", "cosine")  # a training setting: not the checkpoint's code
+
+
 def test_a_rerun_of_another_object_under_the_same_name_notes_it(code, no_cluster, capsys):
     # a notebook's class, its cell edited: the same name (notebook:Net), another text, and no file to hash
     def cell(width):
