@@ -1989,8 +1989,9 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
             close = difflib.get_close_matches(spec, known, n=3, cutoff=0.5)
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
             listed = "--model list shows them" if flag == "model" else ", ".join(known)
-            raise ConfigError(f"--{flag.replace('_', '-')} {spec} is not a{flag[0] in 'aeio' and 'n' or ''} "
-                              f"{flag.replace('lr_', '')} of ray_dp{hint} ({listed}, or your own: FILE.py:NAME)")
+            what = {"optimizer": "an optimizer", "lr_schedule": "a schedule"}.get(flag, f"a {flag}")
+            raise ConfigError(f"--{flag.replace('_', '-')} {spec} is not {what} of ray_dp{hint} "
+                              f"({listed}, or your own: FILE.py:NAME)")
     if cfg.sync_bn and not is_code(cfg.model) and not has_batchnorm(cfg.model):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
@@ -2346,22 +2347,23 @@ def user_code(spec: str, flag: str):
     """The object FILE.py:NAME or module:NAME names, loaded once; one line for what is wrong."""
     if spec in CODE:
         return CODE[spec]
+    typed = "--" + flag.replace("_", "-")
     where, _, name = spec.rpartition(":")
     if where == "__main__":
-        raise ConfigError(f"--{flag.replace('_', '-')} {spec} names an object of the script that called "
+        raise ConfigError(f"{typed} {spec} names an object of the script that called "
                           f"ray_dp.train(): pass it ({flag}=...), or name a file: FILE.py:NAME")
     if where.endswith(".py") and not os.path.isfile(where):
-        raise ConfigError(f"--{flag.replace('_', '-')} {spec}: there is no file {where}")
+        raise ConfigError(f"{typed} {spec}: there is no file {where}")
     try:
         module = load_module(where)
     except Exception as exc:
         if isinstance(exc, ModuleNotFoundError) and f"{where}.".startswith(f"{exc.name}."):
-            raise ConfigError(f"--{flag.replace('_', '-')} {spec}: no module {exc.name} (a file's path ends in "
+            raise ConfigError(f"{typed} {spec}: no module {exc.name} (a file's path ends in "
                               f".py)") from None
-        raise ConfigError(f"--{flag.replace('_', '-')} {spec}: {where} fails to import: {first_line(exc)}") from None
+        raise ConfigError(f"{typed} {spec}: {where} fails to import: {first_line(exc)}") from None
     if not hasattr(module, name):
         close = difflib.get_close_matches(name, [n for n in dir(module) if n[0] != "_"], n=1)
-        raise ConfigError(f"--{flag.replace('_', '-')} {spec}: {where} has no {name}"
+        raise ConfigError(f"{typed} {spec}: {where} has no {name}"
                           + (f"; did you mean {close[0]}?" if close else ""))
     CODE[spec] = getattr(module, name)
     if (defined_in := sys.modules.get(getattr(CODE[spec], "__module__", None))) is not None:
@@ -3090,7 +3092,8 @@ def wrote_run(cfg: Config, summary: dict) -> str:
     first = max(first, last - cfg.keep_checkpoints + 1) if cfg.keep_checkpoints else first
     checkpoints = checkpoint_dir_name(first) + (f" to {checkpoint_dir_name(last)}" * (last > first))
     best = summary.get("best") or {}
-    best = best and f", checkpoint_best (epoch {best['epoch']}, {best['metric']} {best['value']:.4g})"
+    best = best and (f", checkpoint_best (epoch {best['epoch']}, {best['metric']} "
+                     f"{best['value']:.4g})")
     return (f"wrote {result} and {checkpoints}{best} beside it; TensorBoard events in "
             f"{os.path.join(cfg.logdir, cfg.name)}")
 
@@ -4214,7 +4217,8 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
             f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
             f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
-            f"lr {cfg.lr} ({cfg.lr_schedule}), {', '.join(switches(cfg, data))}, "
+            f"lr {cfg.lr} ({cfg.lr_schedule.rpartition(':')[2]}), "
+            f"{', '.join(switches(cfg, data))}, "
             f"{plural(cfg.epochs, 'epoch')}, run dir {cfg.run_dir}")
 
 
@@ -4222,7 +4226,8 @@ def switches(cfg: Config, data: DataInfo) -> list:
     plain = cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum)
     loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
     said = [(True, "plain SGD" if plain else "AdamW" if cfg.optimizer == "adamw"
-             else f"SGD momentum {cfg.momentum}"),
+             else f"SGD momentum {cfg.momentum}" if cfg.optimizer == "sgd"
+             else f"optimizer {cfg.optimizer.rpartition(':')[2]}"),
             (cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
             (cfg.warmup_epochs, plural(cfg.warmup_epochs, "warm-up epoch")),
             (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
@@ -4386,7 +4391,7 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
 
 
 def checkpoint_file(path: str) -> str:
-    """The checkpoint file PATH means: the file, DIR/checkpoint.pt, a run's best, else its latest."""
+    """The checkpoint file PATH means: the file, DIR/checkpoint.pt, a run's best, else latest."""
     if is_uri(path):
         check_store("eval-only", path)
     kind = stored_type(path)
