@@ -45,6 +45,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -1640,7 +1641,7 @@ class Launch:
             stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
         self.contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
                          training_now(stop), board and relayed(board, options.progress),
-                         dumps_asked(board)]
+                         dumps_asked(board), stop and own_ray_watched(cfg, stop)]
         self.context = contextlib.ExitStack()
 
     def __enter__(self) -> "Launch":
@@ -1754,7 +1755,7 @@ def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = Fa
                     log_to_driver=worker_output)
     if not sys.stdout.isatty():  # the workers' lines without Ray's colour codes in a file or pipe
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-    RAY_STARTED["worker_output"] = worker_output
+    RAY_STARTED.update(worker_output=worker_output, local=not address)
     if not address:
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **settings)
         return
@@ -3651,6 +3652,39 @@ def graceful_stop() -> Optional[GracefulStop]:
     stop = GracefulStop(handler)
     signal.signal(signal.SIGTERM, stop)
     return stop
+
+
+@contextlib.contextmanager
+def own_ray_watched(cfg: Config, stop: GracefulStop):
+    """SIGTERM to the driver's whole process group (timeout, scancel) stops the Ray ray_dp started
+    too, whose GCS the driver would wait a minute for: once it is gone and the workers had seconds
+    to save, the run's one line and exit 143."""
+    import psutil
+    me, done = psutil.Process(), threading.Event()
+    host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+
+    def gcs_answers() -> bool:  # its process may linger after a SIGTERM; its port closes
+        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=2):
+            return True
+        return False
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            ours = me.children(recursive=True)
+            if stop.asked and not gcs_answers():
+                psutil.wait_procs([p for p in ours if "Train" in p.name()], timeout=10)  # saving
+                latest, place = last_saved(cfg)
+                print(f"ray_dp.py: stopped {place} (SIGTERM, to ray_dp's own Ray too); the same "
+                      f"command resumes from {latest}", file=sys.stderr, flush=True)
+                os._exit(143)  # 128 + SIGTERM, as a shell reports one
+    if RAY_STARTED.get("local"):
+        asked = stop.on_ask  # the Board gone with its Ray: the workers had the signal too
+        stop.on_ask = lambda: asked() or not gcs_answers()
+        threading.Thread(target=watch, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 @contextlib.contextmanager

@@ -33,9 +33,14 @@ def test_readme_quick_start_learns_digits_and_checkpoints_each_epoch(quick_start
     assert result["final"]["test_acc"] >= QUICK_START_ACC
     assert result["world_size"] == 2 and result["device"] == "cpu"
 
-    # One checkpoint per epoch, one file each (rank 0's alone), loadable as plain data into a bare LeNet.
+    # The latest 3 epochs' checkpoints (--keep-checkpoints), one file each (rank 0's alone), loadable as plain
+    # data into a bare LeNet; and a copy of the best epoch's (--best-by test_loss).
     files = checkpoint_files(tmp_path / "quick")
-    assert [f.parent.name for f in files] == [f"checkpoint_epoch_{e:03d}" for e in range(1, 11)]  # from 1
+    assert [f.parent.name for f in files] == [f"checkpoint_epoch_{e:03d}" for e in range(8, 11)]  # from 1
+    best = min(epochs, key=lambda m: m["test_loss"])["epoch"]
+    assert result["best"] == {"epoch": best, "metric": "test_loss", "value": epochs[best - 1]["test_loss"],
+                              "checkpoint": str(tmp_path / "quick" / ray_dp.BEST_CHECKPOINT)}
+    assert ray_dp.load_checkpoint(result["best"]["checkpoint"])["epoch"] == best
     assert all(f.name == ray_dp.CHECKPOINT_FILE for f in files)
     state = ray_dp.load_checkpoint(files[-1])
     assert state["epoch"] == 10 and state["config"]["workers"] == 2  # the state after 10 epochs
@@ -115,7 +120,7 @@ def test_compare_writes_the_lessons_table_csv_and_markdown(tmp_path, capsys):
             assert float(r["allreduce_ms_per_step"]) > 0 and float(r["busbw_GBps"]) > 0
     markdown = (out_dir / "compare.md").read_text()
     assert markdown.count("\n") == 2 + len(rows) and "| scratch-ring-2w |" in markdown
-    with open(os.path.join(REPO, "README.md")) as f:  # the README's tables are what compare writes
+    with open(os.path.join(REPO, "docs", "teaching.md")) as f:  # the docs' tables are what compare writes
         assert markdown.splitlines()[0] in [line for line in f.read().splitlines() if line.startswith("| run |")]
     assert "| scratch-ring-2w |" in capsys.readouterr().out  # the table is printed too
     assert sorted(p.name for p in out_dir.iterdir() if p.is_file()) == ["compare.csv", "compare.md"]
@@ -141,11 +146,12 @@ def test_a_folder_of_images_learns_like_the_same_digits_and_evaluates_each_file_
     assert capsys.readouterr().out.splitlines()[-1] == (f"wrote {tmp_path / 'evaluated' / 'result.json'} and "
                                                         f"{predictions} (360 predictions)")
     evaluated = json.loads((tmp_path / "evaluated" / "result.json").read_text())
-    assert evaluated["world_size"] == 3 and evaluated["checkpoint"].endswith("checkpoint_epoch_010/checkpoint.pt")
-    assert evaluated["final"]["test_acc"] == trained["final"]["test_acc"]  # exactly: same counts
+    assert evaluated["world_size"] == 3 and evaluated["checkpoint"] == trained["best"]["checkpoint"]  # the best
+    scored = trained["epochs"][trained["best"]["epoch"] - 1]
+    assert evaluated["final"]["test_acc"] == scored["test_acc"]  # exactly: same counts
     assert evaluated["final"]["test_count"] == 360 and sum(map(sum, evaluated["final"]["confusion"])) == 360
     assert [c["name"] for c in evaluated["per_class"]] == sorted(DIGIT_NAMES)  # ImageFolder's order
-    assert sum(c["correct"] for c in evaluated["per_class"]) == round(360 * trained["final"]["test_acc"])
+    assert sum(c["correct"] for c in evaluated["per_class"]) == round(360 * scored["test_acc"])
 
     # One process scores the saved weights on the same files the same way.
     cfg = ray_dp.Config(**{k: v for k, v in trained["config"].items() if k != "normalize"},

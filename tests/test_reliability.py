@@ -105,9 +105,9 @@ def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_within_the_epoch
     assert sum(ledger[what] for what in ray_dp.LEDGER) == pytest.approx(ledger["wall"], abs=0.01)
     assert abs(ledger["other"]) < 0.02 * ledger["wall"], ledger
     assert ledger["failed"] == 1 and ledger["failures"] > 1 and 0 < ledger["goodput"] < 1
-    # the epochs' checkpoints, and of the mid-epoch ones what room --epochs + 1 leaves: the latest
+    # the latest 3 epochs' checkpoints (--keep-checkpoints' default): the mid-epoch ones went as Ray stored newer ones
     assert sorted(p.name for p in (tmp_path / "crash").glob("checkpoint_epoch_*")) == [
-        "checkpoint_epoch_001", "checkpoint_epoch_002", "checkpoint_epoch_003", "checkpoint_epoch_003_step_000160"]
+        "checkpoint_epoch_001", "checkpoint_epoch_002", "checkpoint_epoch_003"]
 
 
 def test_a_run_directory_ray_never_listed_resumes_on_ray_from_its_latest_epoch_identically(
@@ -161,8 +161,9 @@ def train_loop_per_worker(config, fast=sys.argv[1]):
         for step, batch in enumerate(batches(self)):
             if self.sampler.epoch == 1 and not os.path.exists(fast):
                 time.sleep(0.6)
-                with open(fast + ".at", "w") as at:  # the step being trained, for the test to read
+                with open(f"{fast}.{os.getpid()}", "w") as at:  # the step being trained, for the test to read
                     at.write(str(step))
+                os.replace(f"{fast}.{os.getpid()}", fast + ".at")  # whole: never read empty
             yield batch
     ray_dp.InMemoryBatches.__iter__ = slowed
     return ray_dp.train_loop_per_worker(config)
@@ -230,6 +231,27 @@ def test_sigterm_to_the_driver_saves_within_seconds_however_long_the_steps_and_t
     assert result["started_at_epoch"] == 2 and result["epochs"][1].get("resumed_at_step") == int(stopped[1])
     assert result["recovery"]["steps_redone"] == 0
     assert_bitwise_equal(final_weights(result), reference)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_drivers_whole_process_group_stops_its_own_ray_too_and_exits_143_within_seconds(tmp_path):
+    # timeout(1) and scancel signal the whole group: ray_dp's own Ray (its GCS) stops with the driver, which once
+    # waited a minute for that GCS and exited 1
+    driver = subprocess.Popen([sys.executable, "ray_dp.py", "--workers", "2", "--dataset", "digits", "--epochs", "40",
+                               "--storage-path", str(tmp_path), "--name", "group", "--logdir", str(tmp_path / "tb")],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    for line in driver.stdout:
+        if line.startswith("epoch 2/40"):
+            os.killpg(driver.pid, signal.SIGTERM)
+            signalled = time.time()
+            break
+    stderr = driver.communicate(timeout=120)[1]
+    assert driver.returncode == 143 and time.time() - signalled < 30, stderr
+    stopped = re.fullmatch(r"ray_dp.py: stopped after epoch (\d+) of 40 \(SIGTERM, to ray_dp's own Ray too\); the "
+                           r"same command resumes from (\S+)", stderr.splitlines()[-1])
+    assert stopped and int(stopped[1]) >= 2 and os.path.isfile(stopped[2]), stderr
+    assert ray_dp.load_checkpoint(stopped[2])["epoch"] == int(stopped[1])
 
 
 def test_a_worker_death_without_max_failures_fails_with_a_message(tmp_path, monkeypatch, capsys):
