@@ -349,8 +349,12 @@ def startup(repeats):
             with open(os.path.join(tmp, "quick", "result.json")) as f:
                 result = json.load(f)
         training = result["epochs"][-1]["ended_at"] - result["first_step_at"]
+        # result.json's startup: rank 0's clock marks (loop, data, model, first_step), in order
+        marks = list(result["startup"].items())
+        phases = {f"the command's start to {marks[0][0]}": marks[0][1] - started}
+        phases.update({f"{a} to {b}": t_b - t_a for (a, t_a), (b, t_b) in zip(marks, marks[1:])})
         return {"to_first_step": result["first_step_at"] - started, "total": ended - started,
-                "training": training, "phases": result["startup"]}
+                "training": training, "phases": phases}
 
     results = interleave({"bare": bare, "ray_dp": quick_start}, repeats)
     bare_first, ours_first = (median_of(results[k], lambda r: r["to_first_step"]) for k in ("bare", "ray_dp"))
@@ -373,7 +377,8 @@ def startup_markdown(report, repeats) -> list:
     return ["", f"## 5. Start-up: `python ray_dp.py {' '.join(QUICK_START)}` vs a bare TorchTrainer "
                 f"(bench/bare_trainer.py, the same Ray settings and scaling config; medians of {repeats} "
                 f"interleaved runs)", ""] + table(report["figures"]) + [
-            "", "The quick start's own breakdown (result.json's `startup`, medians, seconds):", ""] + table(
+            "", "The quick start's own phases: from the command's start to rank 0's loop, then between rank 0's "
+                "clock marks (result.json's `startup`); medians, seconds:", ""] + table(
         report["phases"])
 
 
@@ -479,9 +484,13 @@ def step_against_plain_loop(repeats, steps=6):
                 def __iter__(self):
                     return iter(batches)
 
+            worker = ray_dp.Worker(0, 1, torch.device("cpu"))
+            # what train_epoch asks after each step, as a run's loop makes it (once: it hooks the model's forward)
+            checkpointer = ray_dp.Checkpointer(cfg, worker, model=ours, optimizer=ours_optimizer)
+
             def ray_dp_step():
                 begun = time.perf_counter()
-                ray_dp.train_epoch(ours, ours_optimizer, Held(), cfg, ray_dp.Worker(0, 1, torch.device("cpu")), 0)
+                ray_dp.train_epoch(ours, ours_optimizer, Held(), cfg, worker, 0, checkpointer)
                 return (time.perf_counter() - begun) / steps
 
             def plain_step():
@@ -493,11 +502,12 @@ def step_against_plain_loop(repeats, steps=6):
                     loss.backward()
                     optimizer.step()
                 return (time.perf_counter() - begun) / steps
-            ray_dp_step(), plain_step()  # warm-up
             runs = {"ray_dp": [], "plain": []}
-            for round_ in range(repeats):
-                for name in (["ray_dp", "plain"] if round_ % 2 == 0 else ["plain", "ray_dp"]):
-                    runs[name].append(ray_dp_step() if name == "ray_dp" else plain_step())
+            with checkpointer:
+                ray_dp_step(), plain_step()  # warm-up
+                for round_ in range(repeats):
+                    for name in (["ray_dp", "plain"] if round_ % 2 == 0 else ["plain", "ray_dp"]):
+                        runs[name].append(ray_dp_step() if name == "ray_dp" else plain_step())
             ours, plain = statistics.median(runs["ray_dp"]), statistics.median(runs["plain"])
             figures.update({f"{label}: ray_dp s/step": ours, f"{label}: plain loop s/step": plain,
                             f"{label}: ratio": ours / plain})
@@ -666,11 +676,13 @@ def spot_costs(repeats):
     checkpoint of a model and its SGD momentum (checkpoint_state, then save_checkpoint: torch.save and the rename
     into place, on this machine's disk; under Ray the same bytes go through ray.train.report), median of the repeats,
     and what it costs as a share of training at the default --checkpoint-every 10m. Per step: the dropout stream
-    seeded per (rank, epoch, step), and, averaged over the steps, rank 0's EpochGuard: its vote and its message to the driver's Board
-    with the look at its last answer, at each --log-every step (a local Ray). Saves under Ray: the same uninterrupted
+    seeded per (rank, epoch, step), and, averaged over the steps, rank 0's Checkpointer as the loop asks it after
+    each step (its ledger, watchdog and progress; at each agreement, here every --log-every 10 steps, its votes and
+    its message to the driver's Board; a local Ray, one process, whose all-reduce is a no-op: bench/health.md times
+    the agreement's on 2). Saves under Ray: the same uninterrupted
     run with --checkpoint-every 20 (8 checkpoints within each of its 2 epochs), the seconds per
-    checkpoint as rank 0 spends it in each epoch (checkpoint_seconds / checkpoints_within in result.json: the
-    all-reduce of the epoch's losses so far, Ray's report, its copy into storage and commit); from the second
+    checkpoint as rank 0 spends it in each epoch (checkpoint_seconds / checkpoints_within in result.json: rank
+    0's state, Ray's report, its copy into storage and commit); from the second
     epoch on, Ray's report (timed around it alone) takes about 3 times as long. A loss: `--workers 2 --dataset digits --batch-size 8 --epochs 2` (179 steps an epoch) with
     rank 1 killed (os._exit) at step 151 of epoch 2 and --max-failures 1, at --checkpoint-every 0 (epochs' ends only)
     and 20, against the same run uninterrupted: wall seconds of the whole command in this process (Ray started
@@ -709,20 +721,31 @@ def spot_costs(repeats):
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
              runtime_env=ray_dp.RUNTIME_ENV)
     try:
-        board = ray.remote(num_cpus=0)(ray_dp.Board).remote()
-        guard = ray_dp.EpochGuard(cfg, ray_dp.Worker(0, 1, torch.device("cpu")), None,
-                                  ray_dp.LoopOptions(board=board), None)
-        guard.start(0)
-        ray.get(board.steps_redone.remote())
-        tic = time.perf_counter()
-        for step in guard.steps(n):  # at log steps (--log-every 10): the votes, and the message to the board
-            guard.stepped(step)
-        figures["per step: rank 0's EpochGuard and the driver's Board (--log-every 10), us"] = round(
-            (time.perf_counter() - tic) / n * 1e6, 1)
+        figures["per step: rank 0's Checkpointer and the driver's Board (--log-every 10), us"] = round(
+            checkpointer_per_step(cfg, n) * 1e6, 1)
         figures.update(a_loss(max(1, repeats // 3)))
     finally:
         ray.shutdown()
     return figures
+
+
+def checkpointer_per_step(cfg, steps):
+    """Seconds per step of rank 0's Checkpointer (one process), asked after each step as train_epoch asks it, with
+    the driver's Board of the Ray this process is attached to."""
+    import ray
+    board = ray.remote(num_cpus=0)(ray_dp.Board).remote()
+    checkpointer = ray_dp.Checkpointer(cfg, ray_dp.Worker(0, 1, torch.device("cpu")),
+                                       options=ray_dp.LoopOptions(board=board))
+    loss = torch.tensor(1.0)
+    with checkpointer:
+        first, losses = checkpointer.epoch_start(0)
+        ray.get(board.steps_redone.remote())
+        tic = time.perf_counter()
+        for step in range(first, steps):
+            losses.add(loss, 32)  # the step's loss, as the loop adds it
+            checkpointer.after_step(0, step, steps, losses)
+        seconds = time.perf_counter() - tic
+    return seconds / (steps - first)
 
 
 def a_loss(repeats):
