@@ -8,6 +8,7 @@
     python ray_dp.py --mode scratch --dataset digits      # d2l's hand-written all-reduce LeNet
     python ray_dp.py compare --workers 2 --dataset digits # ddp vs scratch, 1 vs N workers
     python ray_dp.py --eval-only runs/myrun --workers 3 --predict-out preds.csv
+    python ray_dp.py predict runs/myrun --inputs photos/ --workers 3 --out preds.csv
     python ray_dp.py --address auto --gpu ...             # a cluster: ray up cluster.yaml
     python ray_dp.py doctor --address auto --workers 8    # check that cluster first
     torchrun --nproc_per_node 4 ray_dp.py ...             # the tutorial's launcher, same flags
@@ -297,11 +298,7 @@ def load_dataset(cfg: Config) -> tuple:
     its first argument has no default (or is named cfg)."""
     if cfg.dataset in DATASETS:
         return DATASETS[cfg.dataset](cfg)
-    load = user_code(cfg.dataset, "dataset")
-    try:
-        data = load(cfg) if takes_arguments(load) else load()
-    except Exception as exc:
-        raise DataError(f"--dataset {cfg.dataset} failed: {first_line(exc)}") from None
+    data = your_data(cfg.dataset, "dataset", cfg)
     if not (isinstance(data, (tuple, list)) and len(data) == 2
             and all(hasattr(split, "__getitem__") and hasattr(split, "__len__") for split in data)):
         raise DataError(f"--dataset {cfg.dataset} returned {type(data).__name__}, not a pair "
@@ -1312,6 +1309,11 @@ RERUN_ADOPTS = fields_where("rerun", "fixed", "adopt")
 EVAL_REFUSES = fields_where("evaluation", "train")
 EVAL_FROM_CHECKPOINT = fields_where("evaluation", "checkpoint", "adopt")
 EVAL_FIXED = fields_where("evaluation", "checkpoint")
+PREDICT_OWN = {"dataset", "data_dir", "loss"}  # predict's: your inputs, scored by a built-in loss
+PREDICT_FLAGS = fields_where("evaluation", "free", "adopt") - PREDICT_OWN - {
+    "download", "eval_only", "predict_out"} | {"model"}  # yours, named again
+PREDICT_WORDS = {"--eval-only": "predict", "--predict-out": "--out", "--data-dir": "--inputs",
+                 "--dataset": "--inputs"}  # what predict's flags are checked as
 DOCTOR_FLAGS = fields_where("doctor", True)
 PATH_FIELDS = fields_where("path", True)
 STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
@@ -1366,17 +1368,21 @@ COMMAND_HELP = {
     "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
               "reachable, the same Python/Ray/torch/torchvision on every node, resources for "
               "--workers, storage every node shares, a worker group of --workers started and its "
-              "all-reduce timed at 4 KiB to 64 MiB, the data. Exits 0 only if every check passed."}
+              "all-reduce timed at 4 KiB to 64 MiB, the data. Exits 0 only if every check passed.",
+    "predict": "predict: a run's model on new inputs, each scored once over --workers workers; a "
+               "row per input: its path or index, its class (number, name, probability) or values"}
 
 
 def build_parser(command: str = "train") -> argparse.ArgumentParser:
     parser = _Parser(prog="ray_dp.py" if command == "train" else f"ray_dp.py {command}",
-                     usage="%(prog)s [compare | doctor] [flags]" if command == "train" else None,
+                     usage="%(prog)s [compare | doctor | predict] [flags]" if command == "train"
+                     else None,
                      description=COMMAND_HELP[command], formatter_class=_HelpFormatter,
                      allow_abbrev=False, epilog=(
                          "other commands: 'ray_dp.py compare [flags]' trains ddp and the scratch "
                          "LeNet at 1 and N workers side by side and prints the lesson's table; "
-                         "'ray_dp.py doctor [flags]' checks a Ray cluster before training on it "
+                         "'ray_dp.py doctor [flags]' checks a Ray cluster before training on it; "
+                         "'ray_dp.py predict RUN --inputs DIR|FILE.py:NAME' predicts on new data "
                          "(each takes --help)") if command == "train" else None)
     if command == "compare":
         parser.add_argument("--scale-lr", action="store_true",
@@ -1387,12 +1393,19 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
                             help="seconds every rank has to come to each probe collective before "
                                  "the ones that did not are named; also the longest one probe "
                                  "collective may take (the process group's timeout)")
+    if command == "predict":
+        parser.add_argument("eval_only", metavar="RUN", help="a run or checkpoint (--eval-only's)")
+        parser.add_argument("--inputs", required=True, metavar="DIR|FILE.py:NAME", help="images, "
+                            "any layout; or your function (as --dataset's) returning a Dataset of "
+                            "inputs or of (input, anything) pairs")
+        parser.add_argument("--out", dest="predict_out", default="", metavar="FILE.csv")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
         if f.name in LESSON_DEFAULTS:
             kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
-        if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS):
+        if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS) or (
+                command == "predict" and f.name not in PREDICT_FLAGS):
             continue
         if f.name == "workers":
             parser.add_argument(flag, action=_WorkersAction, default=f.default, **kwargs)
@@ -1424,8 +1437,8 @@ def with_absolute_paths(cfg: Config) -> Config:
 
 def default_run_name(command: str, cfg: Config) -> str:
     model, data = (spec.rpartition(":")[2] for spec in (cfg.model, cfg.dataset))
-    prefix = {"compare": "compare", "eval": f"eval-{model}-{data}"}.get(
-        command, f"{cfg.mode}-{model}-{data}")
+    prefix = {"compare": "compare", "eval": f"eval-{model}-{data}",
+              "predict": f"predict-{model}-{data}"}.get(command, f"{cfg.mode}-{model}-{data}")
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
@@ -1436,7 +1449,7 @@ def main(argv=None) -> int:
     try:
         command, cfg, options = parse_command(argv)
         commands = {"compare": compare, "eval": run_eval, "train": run, "models": list_models,
-                    "doctor": doctor, "finished": finished}
+                    "doctor": doctor, "finished": finished, "predict": run_predict}
         outcome = commands[command](cfg, **options)
     except (ConfigError, DataError) as exc:
         return fail(f"error: {exc}", 2)
@@ -1479,15 +1492,30 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     """(command, final config, the command's options): the flags, completed by the lesson's
     defaults, torchrun, the checkpoint or the run it resumes, then validated once."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv[:1] in (["compare"], ["doctor"]) else "train"
+    command = argv[0] if argv[:1] in (["compare"], ["doctor"], ["predict"]) else "train"
     parser, flags = build_parser(command), argv if command == "train" else argv[1:]
     args = vars(parser.parse_args(flags))
     if command == "doctor":
         return "doctor", *doctor_config(args)
     untyped = argparse.Namespace(**dict.fromkeys(args, NOT_TYPED))  # what keeps it was not typed
     typed = {k for k, v in vars(parser.parse_args(flags, untyped)).items() if v is not NOT_TYPED}
+    try:
+        return configured(command, args, typed)
+    except ConfigError as exc:  # predict's RUN, --inputs and --out, as typed
+        if command != "predict":
+            raise
+        named = re.sub("|".join(PREDICT_WORDS), lambda word: PREDICT_WORDS[word[0]], str(exc))
+        raise ConfigError(named) from None
+
+
+def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]:
+    """parse_command's (command, config, options) of the flags as parsed, `typed` those typed."""
     options = ({"scale_lr": args.pop("scale_lr"), "typed": tuple(sorted(typed))}
                if command == "compare" else {})
+    if command == "predict":  # a folder's images, or your function's data set
+        inputs, typed = args.pop("inputs"), typed | PREDICT_OWN
+        args.update(dataset=inputs if is_code(inputs) else "folder", loss="cross_entropy",
+                    **({} if is_code(inputs) else {"data_dir": inputs}))
     if args["model"] == "list":
         return "models", None, {}
     cfg = resolve(command, args, typed)
@@ -1498,8 +1526,9 @@ def parse_command(argv) -> tuple[str, Config, dict]:
         raise ConfigError("compare trains the lesson's LeNet with cross-entropy (its scratch rows: "
                           "d2l's functional one): drop --model and --loss")
     if cfg.eval_only:
-        cfg, options["checkpoint"] = eval_config(cfg, typed)
-        command = "eval"
+        own = PREDICT_OWN if command == "predict" else set()
+        cfg, options["checkpoint"] = eval_config(cfg, typed, own)
+        command = "eval" if command == "train" else command
     cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
     if torchrun_follower():  # rank 0 resolves and checks the run for every rank
         return command, cfg, {"resume": Resume()}
@@ -1528,7 +1557,7 @@ NOT_TYPED = object()
 def resolve(command: str, args: dict, typed: set) -> Config:
     """The flags as typed, completed by the lesson's defaults (scratch, compare), torchrun's world
     and absolute paths."""
-    if command == "compare" or args["mode"] == "scratch":
+    if command == "compare" or args.get("mode") == "scratch":
         args = {**args, **{k: v for k, v in LESSON_DEFAULTS.items() if k not in typed}}
     if under_torchrun():
         args = torchrun_launch(command, args, typed)
@@ -2425,6 +2454,15 @@ def as_spec(value, flag: str) -> str:
     return spec
 
 
+def your_data(spec: str, flag: str, cfg: Config):
+    """Your data function's return, given the config if it takes it; one line if it raises."""
+    load = user_code(spec, flag)
+    try:
+        return load(cfg) if takes_arguments(load) else load()
+    except Exception as exc:
+        raise DataError(f"--{flag} {spec} failed: {first_line(exc)}") from None
+
+
 def takes_arguments(function, name: Optional[str] = None) -> bool:
     """It takes `name`; without a name, a first argument without a default (or named cfg)."""
     import inspect
@@ -2977,6 +3015,14 @@ def start_fresh(cfg: Config) -> None:
 
 def write_json(path: str, data: dict) -> None:
     write_stored(path, json.dumps(data, indent=2).encode())
+
+
+def write_csv(path: str, rows: list) -> None:
+    """Rows, the header first, as a CSV written whole (a file or an object)."""
+    import csv
+    text = io.StringIO()
+    csv.writer(text).writerows(rows)
+    write_stored(path, text.getvalue().encode())
 
 
 def write_stored(path: str, data: bytes) -> None:
@@ -4395,9 +4441,10 @@ def run_callbacks(cfg: Config, logs: Optional[str], options: LoopOptions, done: 
 # ==================================================================================================
 
 
-def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
+def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config, dict]:
     """The config and checkpoint for --eval-only: what the checkpoint fixes comes from it; a typed
-    training flag, or a value that contradicts it, is refused rather than ignored."""
+    training flag, or a value that contradicts it, is refused rather than ignored. `own`: fields
+    the command sets itself (predict: its inputs), not the checkpoint's."""
     path = checkpoint_file(cfg.eval_only)
     checkpoint = load_checkpoint(path)
     if "model" in uncertified(checkpoint):
@@ -4410,8 +4457,8 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
         are = "is a training flag and has" if len(refused) == 1 else "are training flags and have"
         raise ConfigError(f"{', '.join(refused)} {are} no effect with --eval-only")
     check_code_named(trained, typed, "the checkpoint", EVAL_FROM_CHECKPOINT)
-    code = checkpoint.get("code") or {}
-    contradicting = [name for name in CONFIG_FIELDS if name in typed & EVAL_FIXED
+    code = {flag: kept for flag, kept in (checkpoint.get("code") or {}).items() if flag not in own}
+    contradicting = [name for name in CONFIG_FIELDS if name in typed & EVAL_FIXED - own
                      and not same_setting(name, trained[name], getattr(cfg, name), code.get(name))]
     if contradicting:
         was = ", ".join(as_flag(name, trained[name]) for name in contradicting)
@@ -4419,7 +4466,7 @@ def eval_config(cfg: Config, typed: set) -> tuple[Config, dict]:
         raise ConfigError(f"the checkpoint holds a {trained['model']} trained on "
                           f"{trained['dataset']} with {was}; {says} contradicts it (drop it)")
     taken = {name: trained[name] for name in EVAL_FROM_CHECKPOINT if name not in typed}
-    note_code_changed(replace(cfg, **taken), checkpoint, f"{path} was saved")
+    note_code_changed(replace(cfg, **taken), {"code": code}, f"{path} was saved")
     # a scratch checkpoint is a LeNet state_dict too: every checkpoint is evaluated the ddp way
     return replace(cfg, **taken, mode="ddp", eval_only=path), checkpoint
 
@@ -4496,22 +4543,8 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     info = DataInfo((len(train_set), len(test_set)), input_shape(cfg, test_set), names,
                     not isinstance(test_set, TensorDataset), (test_set, test_set),
                     outputs=outputs(test_set, names))
-    check_model_fits(cfg, info)
-    check_state_fits(cfg, info, checkpoint)
-    if stored_type(cfg.run_dir) == "file":
-        raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
-    if epoch_checkpoints(cfg.run_dir):
-        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, whose "
-                          f"result.json this evaluation would overwrite; choose another --name")
-    cfg = connect(cfg)
-    print(f"ray-dp: evaluating {cfg.eval_only} ({cfg.model} on {cfg.dataset}, "
-          f"{len(test_set)} test samples) on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers",
-          flush=True)
-    options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(names),
-                          outputs=info.outputs, data=ray.put((None, shared(test_set))))
-    out = fit(cfg, eval_loop_per_worker, options).return_value
-    if "data_error" in out:
-        raise DataError(out["data_error"])
+    cfg, out = scored(cfg, checkpoint, info, f"evaluating {cfg.eval_only} ({cfg.model} on "
+                      f"{cfg.dataset}, {len(test_set)} test samples)")
     metrics = out["metrics"]
     predictions, confusion = metrics.pop("predictions"), metrics.pop("confusion")
     metrics.update({"confusion": confusion} if names else {})
@@ -4529,25 +4562,118 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     return record
 
 
+def scored(cfg: Config, checkpoint: dict, info: DataInfo, doing: str) -> tuple[Config, dict]:
+    """The checkpoint's model on info's test set, each sample once over the workers, after the
+    checks that need no cluster: (the config with its device, what rank 0 returned)."""
+    check_model_fits(cfg, info)
+    check_state_fits(cfg, info, checkpoint)
+    if stored_type(cfg.run_dir) == "file":
+        raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
+    if epoch_checkpoints(cfg.run_dir):
+        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, whose "
+                          f"result.json this evaluation would overwrite; choose another --name")
+    cfg = connect(cfg)
+    print(f"ray-dp: {doing} on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers", flush=True)
+    options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(info.classes),
+                          outputs=info.outputs, data=ray.put((None, shared(info.datasets[1]))))
+    out = fit(cfg, eval_loop_per_worker, options).return_value
+    if "data_error" in out:
+        raise DataError(out["data_error"])
+    return cfg, out
+
+
 def write_predictions(path: str, test_set, predictions: list, names: list) -> None:
     """--predict-out: each test sample's label and prediction, by number and name, with its
     probability (a regression: its target and prediction), and an image's file."""
-    import csv
     files = [file for file, _ in test_set.samples] if hasattr(test_set, "samples") else None
-    text = io.StringIO()
-    writer = csv.writer(text)
     width = len(predictions[0]) if predictions and not names else 1
     head = (["label", "predicted", "probability", "label_name", "predicted_name"] if names
             else ["target", "predicted"] if width == 1
             else [f"{kind}_{j}" for kind in ("target", "predicted") for j in range(width)])
-    writer.writerow(["index", *head, *(["path"] if files else [])])
+    rows = [["index", *head, *(["path"] if files else [])]]
     targets = labels_of(test_set) if names else [test_set[i][1] for i in range(len(test_set))]
     for i, (target, values) in enumerate(zip(targets, predictions)):
         row = ([target, int(values[0]), f"{values[1]:.6f}", names[target], names[int(values[0])]]
                if names else [*torch.as_tensor(target).reshape(-1).tolist(),
                               *(f"{value:.6g}" for value in values)])
-        writer.writerow([i, *row, *([files[i]] if files else [])])
-    write_stored(path, text.getvalue().encode())
+        rows.append([i, *row, *([files[i]] if files else [])])
+    write_csv(path, rows)
+
+
+def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dict]:
+    """ray_dp.predict("runs/myrun", inputs="photos/", workers=3): predict's rows (and its CSV, if
+    `out`); inputs: a folder, FILE.py:NAME or your function; settings as ray_dp.train()'s."""
+    new_command()
+    inputs = as_spec(inputs, "inputs") if callable(inputs) else os.fspath(inputs)
+    flags = ["predict", os.fspath(run), "--inputs", inputs, *(["--out", str(out)] if out else [])]
+    _, cfg, options = parse_command(flags + settings_as_flags(settings))
+    return run_predict(cfg, **options)
+
+
+def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
+    """predict: the run's model on each input, once over the workers; a row per input in their
+    order (an image's path or an input's index, then its prediction), to --out if given."""
+    names = list(checkpoint["classes"])  # a regression's outputs: its last layer's (bias's) width
+    width = len(names) or [t for t in checkpoint["model"].values() if t.ndim][-1].shape[0]
+    cfg = replace(cfg, loss="cross_entropy" if names else "mse")  # of stand-in targets
+    inputs, keys = predict_inputs(cfg, torch.tensor(0) if names else torch.zeros(width))
+    info = DataInfo((len(inputs), len(inputs)), input_shape(cfg, inputs), names,
+                    not isinstance(inputs, TensorDataset), (inputs, inputs), outputs=width)
+    cfg, out = scored(cfg, checkpoint, info, f"predicting {plural(len(inputs), 'input')} with "
+                      f"{cfg.eval_only} ({cfg.model})")
+    columns = ["predicted"] if width == 1 else [f"predicted_{j}" for j in range(width)]
+    rows = [{**key, **({"predicted": int(values[0]), "predicted_name": names[int(values[0])],
+                        "probability": values[1]} if names else dict(zip(columns, values)))}
+            for key, values in zip(keys, out["metrics"]["predictions"])]
+    if cfg.predict_out:
+        write_csv(cfg.predict_out, [list(rows[0]), *map(dict.values, rows)])
+    print(f"wrote {cfg.predict_out} ({plural(len(rows), 'prediction')})" if cfg.predict_out else
+          f"{plural(len(rows), 'prediction')}, written nowhere: --out FILE.csv", flush=True)
+    return rows
+
+
+def predict_inputs(cfg: Config, target: torch.Tensor) -> tuple:
+    """predict's inputs as a test set of stand-in targets, and each one's key: a folder's images,
+    any layout (by path, sorted), read as the run's evaluation reads its own; or your Dataset."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+    if is_code(where := cfg.dataset):
+        data = your_data(where, "inputs", cfg)
+        if not (isinstance(data, torch.utils.data.Dataset) and hasattr(data, "__len__")):
+            raise DataError(f"--inputs {where} returned {type(data).__name__}, not a Dataset")
+        keys = [{"index": i} for i in range(len(data))]
+        inputs = (TensorDataset(data.tensors[0], target.expand(len(data), *target.shape).clone())
+                  if isinstance(data, TensorDataset) else Unlabelled(data, None, target))
+    elif os.path.isdir(where := cfg.data_dir):
+        files = sorted(os.path.relpath(os.path.join(folder, name), where) for folder, _, names
+                       in os.walk(where, followlinks=True) for name in names
+                       if has_file_allowed_extension(name, IMG_EXTENSIONS))
+        read = image_transforms(cfg)[1]  # decoded first
+        read.transforms.insert(0, functools.partial(read_image, data_dir=where))
+        keys = [{"path": file} for file in files]
+        inputs = Unlabelled([os.path.join(where, file) for file in files], read, target)
+    else:
+        raise DataError(f"--inputs {where} is neither a folder nor FILE.py:NAME")
+    if not keys:
+        raise DataError(f"--inputs {where} holds no inputs" if is_code(where) else
+                        f"--inputs {where} holds no image ({', '.join(IMG_EXTENSIONS)})")
+    check_sendable(cfg, (inputs,))
+    return inputs, keys
+
+
+class Unlabelled(torch.utils.data.Dataset):
+    """predict's inputs: each item, read if a file, or the input of your (input, anything) pair;
+    with a stand-in target, scored but never shown."""
+
+    def __init__(self, items, read, target: torch.Tensor):
+        self.items, self.read, self.target = items, read, target
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple:
+        item = self.items[index]
+        item = item[0] if isinstance(item, (tuple, list)) else item
+        return (self.read(item) if self.read else item), self.target
 
 
 def format_eval(metrics: dict, per_class: list, out: dict) -> str:
@@ -4629,10 +4755,7 @@ def compare_rows(configs: list[Config], summaries: list[dict]) -> list[dict]:
 
 
 def write_compare(out_dir: str, rows: list[dict]) -> str:
-    import csv
-    text = io.StringIO()
-    csv.writer(text).writerows([list(rows[0]), *(row.values() for row in rows)])
-    write_stored(os.path.join(out_dir, "compare.csv"), text.getvalue().encode())
+    write_csv(os.path.join(out_dir, "compare.csv"), [list(rows[0]), *map(dict.values, rows)])
     table = "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])] +
                       ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows])
     write_stored(os.path.join(out_dir, "compare.md"), (table + "\n").encode())
@@ -4863,7 +4986,7 @@ def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
     lacks, images, folders = [], 0, 0
     for split, listed in zip(("train", "val"), data):
-        if listed is None:  # --eval-only reads val/ alone
+        if not hasattr(listed, "class_to_idx"):  # --eval-only reads val/ alone; predict, no class
             continue
         root = os.path.join(cfg.data_dir, split)
         here = {path[len(root) + 1:] for path, _ in make_dataset(
@@ -5000,7 +5123,7 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
     if not world.isdigit() or int(world) < 1:
         raise ConfigError(f"torchrun's WORLD_SIZE must be a positive whole number, got {world!r}")
     world = int(world)
-    if args["mode"] == "dp":
+    if args.get("mode") == "dp":
         raise ConfigError("--mode dp is one process driving every GPU; "
                           "under torchrun use --mode ddp")
     if command != "train" or args["eval_only"]:

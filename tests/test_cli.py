@@ -186,6 +186,103 @@ def test_eval_only_takes_model_and_data_from_the_checkpoint(run_dir):
         assert cfg.eval_only == str(run_dir / "checkpoint_epoch_001" / "checkpoint.pt")
 
 
+OWN = f"{REPO}/tests/user_code.py"
+
+
+@pytest.fixture
+def predicting(run_dir):
+    """What predict's refusals need beside the digits LeNet run: a run of your TabularMLP on wine, a folder of
+    colour images (which the grayscale LeNet cannot take), a folder holding no image, and a file."""
+    from PIL import Image
+    cfg = ray_dp.with_absolute_paths(ray_dp.Config(model=f"{OWN}:TabularMLP", dataset=f"{OWN}:wine"))
+    net = ray_dp.build_model(cfg.model, (13,), 3)
+    state = ray_dp.checkpoint_state(net.state_dict(), {}, 1, cfg, [], ["class_0", "class_1", "class_2"])
+    (run_dir.parent / "wine" / "checkpoint_epoch_001").mkdir(parents=True)
+    torch.save(state, run_dir.parent / "wine" / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE)
+    (run_dir.parent / "colour" / "a").mkdir(parents=True)
+    Image.new("RGB", (28, 28), (200, 30, 30)).save(run_dir.parent / "colour" / "a" / "red.png")
+    (run_dir.parent / "no_images").mkdir()
+    (run_dir.parent / "no_images" / "notes.txt").write_text("not an image")
+    return run_dir
+
+
+PREDICT_BAD_INPUTS = [
+    (lambda d: [str(d.parent / "nowhere"), "--inputs", str(d.parent / "colour")],
+     "error: predict {d.parent}/nowhere does not exist"),
+    (lambda d: [str(d.parent / "colour"), "--inputs", str(d.parent / "colour")],
+     "error: predict {d.parent}/colour holds no checkpoint"),
+    (lambda d: [str(d), "--inputs", str(d.parent / "no_images")],
+     "error: --inputs {d.parent}/no_images holds no image (.jpg, .jpeg, .png,"),
+    (lambda d: [str(d), "--inputs", str(d.parent / "nowhere")],
+     "error: --inputs {d.parent}/nowhere is neither a folder nor FILE.py:NAME"),
+    (lambda d: [str(d), "--inputs", str(d.parent / "no_images" / "notes.txt")],
+     "error: --inputs {d.parent}/no_images/notes.txt: {d.parent}/no_images/notes.txt is a file, not a directory"),
+    (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--out", str(d.parent / "p.txt")],
+     "error: --out must name a .csv file, got {d.parent}/p.txt"),
+    (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--out", str(d / "dir.csv")],
+     "error: --out {d}/dir.csv is a directory; name a .csv file"),
+    (lambda d: [str(d), "--inputs", f"{d.parent}/mine.py:rows"], "error: --inputs {d.parent}/mine.py:rows: there is no "
+                                                                   "file {d.parent}/mine.py"),
+    (lambda d: [str(d), "--inputs", f"{OWN}:new_wine"], f"error: --inputs {OWN}:new_wine: {OWN} has no new_wine; did "
+                                                        f"you mean new_wines?"),
+    (lambda d: [str(d), "--inputs", f"{OWN}:wine"], f"error: --inputs {OWN}:wine returned tuple, not a Dataset"),
+    (lambda d: [str(d), "--inputs", f"{OWN}:new_wines"], f"error: --model lenet fails on 16 samples of {OWN}:new_wines "
+                                                         f"(inputs (16, 13)): "),
+    (lambda d: [str(d), "--inputs", str(d.parent / "colour")], "error: the checkpoint's weights do not fit --model "
+                                                               "lenet: size mismatch for "),
+    (lambda d: [str(d.parent / "wine"), "--inputs", f"{OWN}:new_wines"],
+     f"error: the checkpoint trained your own code: name it again, --model {OWN}:TabularMLP (ray_dp.train(): "),
+    (lambda d: [str(d.parent / "wine"), "--model", f"{OWN}:TabularMLP", "--inputs", f"{OWN}:new_patients"],
+     f"error: the checkpoint's weights do not fit --model {OWN}:TabularMLP ({OWN} as it is now): size mismatch"),
+    (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--epochs", "3"],
+     "error: unrecognized arguments: --epochs 3 (see --help)"),
+    (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--dataset", "digits"],
+     "error: unrecognized arguments: --dataset digits (see --help)"),  # named as typed
+    (lambda d: [str(d)], "error: the following arguments are required: --inputs (see --help)"),
+]
+
+
+@pytest.mark.parametrize("make_argv, message", PREDICT_BAD_INPUTS,
+                         ids=[message.split(": ", 1)[1][:60] for _, message in PREDICT_BAD_INPUTS])
+def test_predict_bad_input_is_one_sentence_before_any_cluster(make_argv, message, predicting, no_cluster, capsys):
+    (predicting / "dir.csv").mkdir()
+    before = snapshot(predicting.parent)
+    assert ray_dp.main(["predict", *make_argv(predicting), "--storage-path", str(predicting.parent / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ray_dp.py: ") and err.count("\n") == 1 and message.format(d=predicting) in err, err
+    assert snapshot(predicting.parent) == before  # nothing written
+
+
+def test_predict_under_torchrun_says_to_run_it_with_python(run_dir, no_cluster, monkeypatch, capsys):
+    for name, value in {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    assert ray_dp.main(["predict", str(run_dir), "--inputs", str(run_dir)]) == 2
+    assert capsys.readouterr().err == ("ray_dp.py: error: under torchrun ray_dp trains; run compare and predict with "
+                                       "python ray_dp.py, whose Ray workers need no torchrun\n")
+
+
+def test_predict_reads_your_inputs_alone_and_a_folders_images_in_path_order(run_dir, tmp_path):
+    # (input, anything) pairs: the input alone, with a stand-in target; a TensorDataset stays in memory
+    cfg = ray_dp.Config(dataset=f"{OWN}:new_patients")
+    inputs, keys = ray_dp.predict_inputs(cfg, torch.zeros(2))
+    assert len(inputs) == len(keys) == 89 and keys[:2] == [{"index": 0}, {"index": 1}]
+    assert inputs[5][0].shape == (9,) and torch.equal(inputs[5][1], torch.zeros(2))
+    inputs, _ = ray_dp.predict_inputs(ray_dp.Config(dataset=f"{OWN}:new_wines"), torch.tensor(0))
+    assert isinstance(inputs, ray_dp.TensorDataset) and inputs.tensors[1].tolist() == [0] * 36
+    # images in any layout, every one under the folder once, sorted by their path; other files left out
+    from PIL import Image
+    for name in ["b/2.png", "a b/1.jpg", "a/z/3.png", "0.png"]:
+        (tmp_path / "new" / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (40, 30)).save(tmp_path / "new" / name)
+    (tmp_path / "new" / "a" / "notes.txt").write_text("not an image")
+    cfg = ray_dp.Config(dataset="folder", data_dir=str(tmp_path / "new"), image_size=28,
+                        normalize=((0.5,) * 3, (0.2,) * 3))
+    inputs, keys = ray_dp.predict_inputs(cfg, torch.tensor(0))
+    assert [key["path"] for key in keys] == ["0.png", "a b/1.jpg", "a/z/3.png", "b/2.png"]
+    assert inputs[0][0].shape == (3, 28, 28) and inputs[0][0].min() == -2.5  # resized, cropped, normalised
+
+
 def test_missing_fashion_mnist_says_how_to_fix(no_cluster, tmp_path, capsys):
     assert ray_dp.main(["--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err

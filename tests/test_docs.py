@@ -78,7 +78,7 @@ COMMANDS = doc_commands()
 
 def parsed(command):
     """ray_dp.py's parser's reading of the command (its errors are ConfigError)."""
-    name = command.args[0] if command.args[:1] in (["compare"], ["doctor"]) else "train"
+    name = command.args[0] if command.args[:1] in (["compare"], ["doctor"], ["predict"]) else "train"
     return ray_dp.build_parser(name).parse_args(command.args[1:] if name != "train" else command.args)
 
 

@@ -128,19 +128,26 @@ def test_compare_writes_the_lessons_table_csv_and_markdown(tmp_path, capsys):
         assert list((tmp_path / "tb" / "cmp" / r["run"]).glob("events.out.tfevents.*")), r["run"]
 
 
-def test_a_folder_of_images_learns_like_the_same_digits_and_evaluates_each_file_once(tmp_path, quick_start,
-                                                                                     capsys):
-    import csv
-    # The quick start's digits as PNG files (train/<name>/, val/<name>/), the same flags besides.
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory):
+    """The quick start's digits as PNG files (train/<name>/, val/<name>/), trained with the same flags besides: (its
+    storage directory, the image folder, its result.json)."""
+    tmp_path = tmp_path_factory.mktemp("folder")
     folder = digits_folder(tmp_path / "images")
-    trained = train(tmp_path, "folder", "--workers", "2", "--dataset", "folder", "--data-dir", str(folder),
-                    "--no-augment")
+    return tmp_path, folder, train(tmp_path, "folder", "--workers", "2", "--dataset", "folder", "--data-dir",
+                                   str(folder), "--no-augment")
+
+
+def test_a_folder_of_images_learns_like_the_same_digits_and_evaluates_each_file_once(folder_run, tmp_path,
+                                                                                     quick_start, capsys):
+    import csv
+    runs, folder, trained = folder_run
     assert abs(trained["final"]["test_acc"] - quick_start[1]["final"]["test_acc"]) <= 0.03
     assert trained["final"]["test_count"] == 360 and trained["config"]["normalize"]
 
     predictions = tmp_path / "predictions.csv"
     capsys.readouterr()
-    assert ray_dp.main(["--eval-only", str(tmp_path / "folder"), "--workers", "3", "--storage-path", str(tmp_path),
+    assert ray_dp.main(["--eval-only", str(runs / "folder"), "--workers", "3", "--storage-path", str(tmp_path),
                         "--name", "evaluated", "--predict-out", str(predictions)]) == 0
     # The last line names what the evaluation wrote.
     assert capsys.readouterr().out.splitlines()[-1] == (f"wrote {tmp_path / 'evaluated' / 'result.json'} and "
@@ -170,3 +177,76 @@ def test_a_folder_of_images_learns_like_the_same_digits_and_evaluates_each_file_
     assert all(r["path"].split("/")[-2] == r["label_name"] for r in rows)  # its folder is its class
     assert sum(r["label"] == r["predicted"] for r in rows) / 360 == evaluated["final"]["test_acc"]
     assert all(0.1 <= float(r["probability"]) <= 1 for r in rows)  # a max over 10 classes is at least 1/10
+
+
+def test_predict_scores_each_new_image_once_on_3_workers_as_one_process_does(folder_run, tmp_path, capsys):
+    import csv
+    from PIL import Image
+    runs, _, trained = folder_run
+    # 100 digits the run never trained on, as unlabelled PNG files in a layout of no classes (a quarter at another
+    # size), beside a file that is no image
+    _, test = ray_dp.load_digits()
+    images, labels = test.tensors[0][:100], test.tensors[1][:100]
+    for i, image in enumerate(images):
+        path = tmp_path / "new" / ["", "field", "field/day 2"][i % 3] / f"{i:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pixels = Image.fromarray((image[0] * 255).round().to(torch.uint8).numpy(), mode="L")
+        (pixels.resize((40, 40)) if i % 4 == 0 else pixels).save(path)
+    (tmp_path / "new" / "field" / "notes.txt").write_text("taken in the field")
+    capsys.readouterr()
+    assert ray_dp.main(["predict", str(runs / "folder"), "--inputs", str(tmp_path / "new"), "--workers", "3",
+                        "--out", str(tmp_path / "preds.csv"), "--storage-path", str(tmp_path / "runs")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / 'preds.csv'} (100 predictions)"
+    with open(tmp_path / "preds.csv") as f:
+        rows = list(csv.DictReader(f))
+    files = sorted(str(p.relative_to(tmp_path / "new")) for p in (tmp_path / "new").rglob("*.png"))
+    assert len(rows) == 100 and [r["path"] for r in rows] == files  # every image once, in path order
+
+    # One process: the model predict loaded, run plainly on the same files as the run's evaluation reads them.
+    cfg = ray_dp.Config(**{**trained["config"], "normalize": tuple(trained["config"]["normalize"])})
+    model = ray_dp.build_model("lenet", (3, 28, 28), 10)
+    model.load_state_dict(ray_dp.load_checkpoint(ray_dp.checkpoint_file(str(runs / "folder")))["model"])
+    read = ray_dp.image_transforms(cfg)[1]
+    with torch.no_grad():
+        x = torch.stack([read(Image.open(tmp_path / "new" / file).convert("RGB")) for file in files])
+        probability, predicted = model.eval()(x).softmax(1).max(1)
+    assert [int(r["predicted"]) for r in rows] == predicted.tolist()
+    assert [float(r["probability"]) for r in rows] == pytest.approx(probability.tolist(), abs=1e-5)
+    names = sorted(DIGIT_NAMES)  # ImageFolder's order
+    assert [r["predicted_name"] for r in rows] == [names[c] for c in predicted.tolist()]
+    truth = {f"{i:03d}.png": DIGIT_NAMES[label] for i, label in enumerate(labels.tolist())}
+    assert sum(r["predicted_name"] == truth[r["path"].rsplit("/", 1)[-1]] for r in rows) >= 90  # it reads digits
+
+
+@pytest.mark.parametrize("trained_on, inputs, workers", [("wine", "new_wines", 2),
+                                                      ("two_targets", "new_patients", 1)])
+def test_predict_on_your_own_inputs_as_one_process_does(trained_on, inputs, workers, tmp_path):
+    # A run of an untrained TabularMLP (predict's model is the checkpoint's, whatever its weights): wine's classes
+    # predicted on 2 workers from a TensorDataset of inputs; a regression's two values on 1 worker from (input, name)
+    # pairs read one at a time
+    import csv
+    own = os.path.join(REPO, "tests", "user_code.py")
+    cfg, data = ray_dp.check_data(ray_dp.with_absolute_paths(ray_dp.Config(
+        model=f"{own}:TabularMLP", dataset=f"{own}:{trained_on}", loss="mse" if trained_on == "two_targets"
+        else "cross_entropy")))
+    torch.manual_seed(0)
+    net = ray_dp.build_model(cfg.model, data.sample_shape, data.outputs)
+    path = tmp_path / "run" / ray_dp.checkpoint_dir_name(1) / ray_dp.CHECKPOINT_FILE
+    path.parent.mkdir(parents=True)
+    torch.save(ray_dp.checkpoint_state(net.state_dict(), {}, 1, cfg, [], data.classes), path)
+    rows = ray_dp.predict(tmp_path / "run", inputs=f"{own}:{inputs}", out=tmp_path / "p.csv", workers=workers,
+                          model=f"{own}:TabularMLP", storage_path=str(tmp_path / "runs"))  # Python's call
+    with torch.no_grad():
+        outputs = net.eval()(ray_dp.load_dataset(cfg)[1].tensors[0])  # what user_code's inputs are: test rows
+    assert [r["index"] for r in rows] == list(range(len(outputs)))  # your data set's order, each input once
+    if data.classes:
+        probability, predicted = outputs.softmax(1).max(1)
+        assert [(r["predicted"], r["predicted_name"]) for r in rows] == [(c, data.classes[c]) for c in
+                                                                         predicted.tolist()]
+        assert [r["probability"] for r in rows] == pytest.approx(probability.tolist(), abs=1e-5)
+    else:
+        assert list(rows[0]) == ["index", "predicted_0", "predicted_1"]
+        assert [r[f"predicted_{j}"] for r in rows for j in (0, 1)] == pytest.approx(outputs.flatten().tolist(),
+                                                                                    abs=1e-5)
+    with open(tmp_path / "p.csv") as f:
+        assert list(csv.DictReader(f)) == [{key: str(value) for key, value in row.items()} for row in rows]

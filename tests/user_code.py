@@ -154,3 +154,25 @@ def one_cycle(optimizer, cfg, steps_per_epoch):
 def not_an_optimizer(params, cfg):
     return list(params)
 
+
+def new_wines():
+    """Wines to predict: the test rows' 13 features alone, a Dataset of inputs."""
+    return TensorDataset(wine()[1].tensors[0])
+
+
+class Named(torch.utils.data.Dataset):
+    """Rows read one at a time, each with a name the model never sees: (input, name) pairs."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i], f"row {i}"
+
+
+def new_patients(cfg):
+    """Patients to predict two values of (two_targets' test rows), as (features, name) pairs."""
+    return Named(two_targets(cfg)[1].tensors[0])
