@@ -19,6 +19,7 @@ DOCS = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "d
 NOT_HERE = {"--mode dp": "--mode dp needs CUDA GPUs",
             "my_models.py": "there is no file",  # the reader's own files
             "runs/RUN": "does not exist",  # the reader's run
+            "new_images/": "is neither a folder nor FILE.py:NAME",  # the reader's new images
             "/data/flowers": "resnet50-11ad3fa6.pth is not a file"}  # the reader's images and weights
 # runnable here, and run as typed by another test
 RUN_ELSEWHERE = {"compare": "test_ray_e2e.py: compare --workers 2 --dataset digits --epochs 1",
