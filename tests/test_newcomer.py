@@ -132,7 +132,7 @@ def test_help_names_compare_and_doctor(monkeypatch, capsys):
         ray_dp.main(["--help"])
     out = capsys.readouterr().out
     assert done.value.code == 0
-    assert out.startswith("usage: ray_dp.py [compare | doctor] [flags]")
+    assert out.startswith("usage: ray_dp.py [compare | doctor | predict] [flags]")
     assert "'ray_dp.py compare [flags]'" in out and "'ray_dp.py\ndoctor [flags]'" in out
 
 
