@@ -2224,7 +2224,8 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
         schedule = own_schedule(cfg, optimizer, 1)
         sum(p.sum() for p in net.parameters()).backward()
         optimizer.step()
-        schedule is not None and schedule.step()
+        if schedule is not None:
+            schedule.step()
     except ConfigError:
         raise
     except Exception as exc:
