@@ -1529,6 +1529,8 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
         own = PREDICT_OWN if command == "predict" else set()
         cfg, options["checkpoint"] = eval_config(cfg, typed, own)
         command = "eval" if command == "train" else command
+    if command == "predict" and not (is_code(cfg.dataset) or os.path.exists(cfg.data_dir)):
+        raise ConfigError(f"--inputs {cfg.data_dir} is neither a folder nor FILE.py:NAME")
     cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
     if torchrun_follower():  # rank 0 resolves and checks the run for every rank
         return command, cfg, {"resume": Resume()}
@@ -4652,8 +4654,8 @@ def predict_inputs(cfg: Config, target: torch.Tensor) -> tuple:
         read.transforms.insert(0, functools.partial(read_image, data_dir=where))
         keys = [{"path": file} for file in files]
         inputs = Unlabelled([os.path.join(where, file) for file in files], read, target)
-    else:
-        raise DataError(f"--inputs {where} is neither a folder nor FILE.py:NAME")
+    else:  # gone since the command was checked
+        raise DataError(f"--inputs {where} is not a folder")
     if not keys:
         raise DataError(f"--inputs {where} holds no inputs" if is_code(where) else
                         f"--inputs {where} holds no image ({', '.join(IMG_EXTENSIONS)})")
