@@ -4057,8 +4057,8 @@ def write_ledger_events(cfg: Config, ledger: dict, epoch: int) -> None:
     from torch.utils.tensorboard import SummaryWriter
     with SummaryWriter(os.path.join(cfg.logdir, cfg.name)) as writer:
         for what in LEDGER:
-            writer.add_scalar(f"time/{what.replace(' ', '_')}_seconds", ledger[what], epoch)
-        writer.add_scalar("time/goodput", ledger["goodput"], epoch)
+            writer.add_scalar(f"ledger/{what.replace(' ', '_')}_seconds", ledger[what], epoch)
+        writer.add_scalar("ledger/goodput", ledger["goodput"], epoch)
 
 
 class Watchdog:

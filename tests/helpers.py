@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -145,6 +146,13 @@ def final_weights(result):
 def assert_bitwise_equal(a, b):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "parameters differ"
+
+
+def assert_ledger_adds_up(ledger, failed=0):
+    """result.json's ledger: its categories sum to the wall clock, what no clock saw ("other") within 2% of it."""
+    assert sum(ledger[what] for what in ray_dp.LEDGER) == pytest.approx(ledger["wall"], abs=0.01), ledger
+    assert abs(ledger["other"]) < 0.02 * ledger["wall"] and ledger["failed"] == failed, ledger
+    assert 0 < ledger["goodput"] < 1 and ledger["training steps"] > 0, ledger
 
 
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]

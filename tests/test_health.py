@@ -175,6 +175,20 @@ def test_the_ledger_sums_to_the_wall_clock_and_charges_a_failure_its_lost_steps_
     assert again["wall"] == 190.0 and again["failed"] == 1 and again["training steps"] == 62.0
 
 
+def test_checkpoint_advice_is_young_and_dalys_interval_when_the_run_saves_far_more_or_less_often():
+    # 10 saves of 0.5 s, a failure every 30 min: every sqrt(2 x 0.5 x 1800) = 42 s loses the least
+    summary = {"ledger": {"failed": 2, "saved": 10, "saves": 5.0, "wall": 3600.0}, "sec_per_epoch": 600.0,
+               "final": {"train_samples": 1000}}
+    advice = ray_dp.checkpoint_advice(ray_dp.Config(), summary)  # a save at each epoch's end: every 10 min
+    assert advice == ("saves cost 0.5 s and a failure came every 30 min: checkpoints every 0.71 min would lose the "
+                      "least (Young/Daly), not every 10 min: --checkpoint-every 0.7m")
+    assert ray_dp.checkpoint_advice(ray_dp.Config(checkpoint_every="1m"), summary) is None  # within 2x of it
+    # in steps: 1000 samples an epoch of 600 s, a save every 5 steps of 64: every 192 s, over 4 times too seldom
+    assert "not every 3.2 min" in ray_dp.checkpoint_advice(ray_dp.Config(checkpoint_every="5", batch_size=64),
+                                                            summary)
+    assert ray_dp.checkpoint_advice(ray_dp.Config(), {**summary, "ledger": {**summary["ledger"], "failed": 0}}) is None
+
+
 def slowed_rank_1(cfg):
     if dist.get_rank() == 1:  # its forward passes 20 ms longer
         forward = ray_dp.LeNet.forward

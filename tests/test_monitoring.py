@@ -84,6 +84,10 @@ def test_tensorboard_serves_the_metrics_of_result_json_for_each_run(tmp_path, te
         assert [value for _, _, value in steps] == pytest.approx([loss for _, loss in expected], rel=1e-6)
     tags = tensorboard("plugin/scalars/tags")["run-a"]
     assert {"time/epoch_seconds", "time/samples_per_second", "time/data_seconds", "train/lr"} <= set(tags)
+    # where the time went (result.json's ledger), at the run's last epoch
+    assert {f"ledger/{what.replace(' ', '_')}_seconds" for what in ray_dp.LEDGER} | {"ledger/goodput"} <= set(tags)
+    goodput = tensorboard("plugin/scalars/scalars", run="run-a", tag="ledger/goodput")
+    assert [(step, value) for _, step, value in goodput] == [(2, pytest.approx(results["run-a"]["ledger"]["goodput"]))]
     assert tensorboard("plugin/text/tags")["run-a"] == ["config/text_summary"]
 
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import ray_dp
-from helpers import REPO, assert_bitwise_equal, final_weights
+from helpers import REPO, assert_bitwise_equal, assert_ledger_adds_up, final_weights
 
 pytestmark = [pytest.mark.timeout(600)]
 BIN = os.path.dirname(sys.executable)
@@ -242,6 +242,8 @@ def test_the_doctor_passes_on_two_nodes_and_an_elastic_run_that_loses_one_goes_o
     # The global batch is kept across the resize: 179 steps of 8 samples, 8 per worker on 1 worker.
     assert [m["train_samples"] for m in result["epochs"]] == [1432, 1432]
     assert summary_line(stdout).endswith("(workers 2 -> 1), epochs redone: 2")
+    assert_ledger_adds_up(result["ledger"], failed=1)  # the lost node's time charged to its failure
+    assert result["ledger"]["failures"] > 0
 
 
 @pytest.mark.ray
@@ -255,6 +257,7 @@ def test_torchrun_runs_the_same_loop_with_the_same_result(tmp_path, single_node_
     assert [m["test_acc"] for m in result["epochs"]] == [m["test_acc"] for m in single_node_result["epochs"]]
     assert_bitwise_equal(final_weights(result), final_weights(single_node_result))
     assert proc.stdout.count("epoch 1/2:") == 1  # rank 0 prints, the other process does not
+    assert_ledger_adds_up(result["ledger"])  # where torchrun's time went: the same ledger as Ray's
     assert list((tmp_path / "tb" / "torchrun").glob("events.out.tfevents.*"))
 
 

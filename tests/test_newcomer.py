@@ -283,8 +283,6 @@ class Net(nn.Module):  # the notebook's own model, which says when it first runs
         return self.layer(x.flatten(1))
 
 
-summary = ray_dp.train(workers=2, dataset="digits", epochs=1, storage_path="runs", name="attached",
-                       address={address!r}, gpu=False)
 own = ray_dp.train(workers=2, model=Net, dataset="my_data.py:wine", epochs=2, batch_size=16,
                    storage_path="runs", name="own", address={address!r}, gpu=False)
 print("OWN", own["final"]["test_acc"], own["config"]["model"])
@@ -301,7 +299,7 @@ print("NAMED", named["final"]["test_count"])
 ray.shutdown()
 local = ray_dp.train(workers=2, model=Net, dataset="digits", epochs=2, storage_path="runs", name="local",
                      quiet=True, worker_output=True)
-print("SUMMARIES", json.dumps([[m["epoch"] for m in s["epochs"]] for s in (summary, local)]))
+print("SUMMARIES", json.dumps([[m["epoch"] for m in s["epochs"]] for s in (named, local)]))
 """
 
 

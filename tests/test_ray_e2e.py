@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ray_dp
-from helpers import DIGIT_NAMES, REPO, digits_folder, train
+from helpers import DIGIT_NAMES, REPO, assert_ledger_adds_up, digits_folder, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("ray_cluster")]
 
@@ -32,6 +32,7 @@ def test_readme_quick_start_learns_digits_and_checkpoints_each_epoch(quick_start
     assert all(m["test_count"] == 360 and m["train_samples"] == 1408 for m in epochs)  # 1437 // 64 steps x 64
     assert result["final"]["test_acc"] >= QUICK_START_ACC
     assert result["world_size"] == 2 and result["device"] == "cpu"
+    assert_ledger_adds_up(result["ledger"])  # where the time went: the categories sum to the wall clock
 
     # The latest 3 epochs' checkpoints (--keep-checkpoints), one file each (rank 0's alone), loadable as plain
     # data into a bare LeNet; and a copy of the best epoch's (--best-by test_loss).
