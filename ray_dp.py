@@ -102,6 +102,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 # ==================================================================================================
 
 MODES = ("ddp", "scratch", "dp")
+OPTIMIZERS, SCHEDULES = ("sgd", "adamw"), ("cosine", "constant")  # or yours
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "library")
 NUM_CLASSES = 10
 MODEL_IMAGE_SIZE = {"lenet": 28, "mlp": 28, "resnet18": 32}  # a folder's default --image-size
@@ -110,15 +111,16 @@ NO_LESSON = object()
 
 def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", doctor: bool = False,
            lesson=NO_LESSON, path: bool = False, store: str = "", scratch: str = "",
-           bounds: str = "", **argparse_kwargs):
+           bounds: str = "", code: bool = False, **argparse_kwargs):
     """A flag with its facts. rerun: "fixed" (another typed value is refused), "adopt" (the run's
     unless typed), "free"; evaluation: "train" (refused), "checkpoint", "adopt", "free"; doctor:
     it takes it; lesson: scratch's default; path: made absolute; store: a URI "read" or "write";
-    scratch: why scratch mode refuses any value but the default; bounds: an interval, "[0, 1)"."""
+    scratch: why scratch mode refuses any value but the default; bounds: an interval, "[0, 1)";
+    code: it may name your code (FILE.py:NAME), which travels with the job."""
     return field(default=default, metadata={"help": help, "rerun": rerun, "evaluation": evaluation,
                                             "doctor": doctor, "lesson": lesson, "path": path,
                                             "store": store, "scratch": scratch, "bounds": bounds,
-                                            **argparse_kwargs})
+                                            "code": code, **argparse_kwargs})
 
 
 def setting(default, help, **facts):
@@ -155,7 +157,8 @@ class Config:
     lr: float = option(0.05, "peak learning rate", metavar="LR", lesson=0.2, bounds="(0, inf)")
     lr_schedule: str = option("cosine", "cosine decay to 0 over --epochs, constant, or yours: "
                               "FILE.py:NAME, (optimizer, cfg, steps_per_epoch) -> an LRScheduler "
-                              "stepped every step", metavar="SCHEDULE", lesson="constant")
+                              "stepped every step", metavar="SCHEDULE", lesson="constant",
+                              code=True)
     momentum: float = option(0.9, "SGD momentum", metavar="M", lesson=0.0, bounds="[0, 1)")
     accum_steps: int = option(1, "micro-batches per optimizer step (gradients all-reduced on the "
                               "last)", metavar="K", bounds="[1, inf)",
@@ -167,7 +170,7 @@ class Config:
     model: str = option("lenet", "lenet, mlp, resnet18 (the lessons'), any torchvision "
                         "classification model (--model list), or yours: FILE.py:NAME or "
                         "module:NAME, an nn.Module class or a function", metavar="NAME",
-                        evaluation="checkpoint", scratch="the lesson's functional LeNet")
+                        evaluation="checkpoint", scratch="the lesson's functional LeNet", code=True)
     weights: str = option("", "start from this state_dict (e.g. torchvision's .pth); tensors that "
                           "do not fit stay new; a file or a URI", metavar="PATH", path=True,
                           store="read", scratch="the lesson's plain SGD")
@@ -178,7 +181,7 @@ class Config:
     augment: bool = option(True, "--dataset folder: random resized crops and flips in training")
     optimizer: str = option("sgd", "sgd (with --momentum), adamw, or yours: FILE.py:NAME, an "
                             "optimizer class (params, lr=) or (params, cfg) -> an optimizer",
-                            metavar="OPTIMIZER", scratch="the lesson's plain SGD")
+                            metavar="OPTIMIZER", scratch="the lesson's plain SGD", code=True)
     weight_decay: float = option(0.0, "weight decay, on weights only", metavar="WD",
                                  bounds="[0, inf)", scratch="the lesson's plain SGD")
     warmup_epochs: int = option(0, "epochs of linear learning-rate warm-up", metavar="N")
@@ -192,7 +195,7 @@ class Config:
     loss: str = option("cross_entropy", "cross_entropy, mse, or your own: FILE.py:NAME or "
                        "module:NAME, a function or nn.Module class: (output, target) -> the mean "
                        "or per-sample losses", metavar="LOSS", evaluation="checkpoint",
-                       scratch="the lesson's cross-entropy")
+                       scratch="the lesson's cross-entropy", code=True)
     loader_workers: Optional[int] = setting(
         None, "loader processes per worker (0: in-memory data indexed on the device; default: 0 "
         "in memory, 2 read per sample)", type=int, metavar="N", bounds="[0, inf)",
@@ -203,7 +206,7 @@ class Config:
     dataset: str = option("fashion-mnist", "fashion-mnist, cifar10, digits (no download), "
                           "synthetic; folder: --data-dir holding train/<class>/* and "
                           "val/<class>/*; or yours: FILE.py:NAME, a function returning (train, "
-                          "test)", evaluation="checkpoint", doctor=True)
+                          "test)", evaluation="checkpoint", doctor=True, code=True)
     data_dir: str = option("./data", "where data sets are, or are downloaded to; a folder's on "
                            "every node or in object storage", metavar="DIR", rerun="adopt",
                            evaluation="adopt", doctor=True, path=True, store="read")
@@ -1208,7 +1211,8 @@ def train_loop_per_worker(config: dict) -> dict:
     train_set, test_set = data
     classes = class_names(train_set) if classifies(train_set) else []
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = build_model(cfg.model, input_shape(cfg, train_set), outputs(train_set, classes))
+    width = outputs(train_set, classes)
+    model = build_model(cfg.model, input_shape(cfg, train_set), width)
     state = launcher.latest_checkpoint()  # one checkpoint, the same on every rank
     if state is None and cfg.weights:
         load_weights(model, starting_weights(cfg, options))
@@ -1234,7 +1238,7 @@ def train_loop_per_worker(config: dict) -> dict:
         optimized = {**optimizer.state_dict(), **({"schedule": schedule.state_dict()}
                                                   if schedule is not None else {})}
         return checkpoint_state(unwrap(model).state_dict(), optimized, epoch, cfg, history,
-                                classes, partial, samples)
+                                classes, partial, samples, width)
     checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, model, optimizer)
     history = checkpointer.resumed(state)
     with checkpointer:
@@ -1295,7 +1299,8 @@ def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.R
 copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
 IMPORTED_AT = time.time()
 CLOCK: dict = {}
-ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store", "scratch", "bounds")
+ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store", "scratch", "bounds",
+             "code")
 
 
 def fields_where(role: str, *values) -> set:
@@ -1316,6 +1321,7 @@ PREDICT_WORDS = {"--eval-only": "predict", "--predict-out": "--out", "--data-dir
                  "--dataset": "--inputs"}  # what predict's flags are checked as
 DOCTOR_FLAGS = fields_where("doctor", True)
 PATH_FIELDS = fields_where("path", True)
+CODE_FLAGS = tuple(f.name for f in fields(Config) if f.metadata["code"])
 STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
 FIELD_TYPES = {f.name: {"int": int, "float": (int, float), "str": str, "bool": bool,
                         "Optional[int]": (type(None), int),
@@ -1398,7 +1404,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         parser.add_argument("--inputs", required=True, metavar="DIR|FILE.py:NAME", help="images, "
                             "any layout; or your function (as --dataset's) returning a Dataset of "
                             "inputs or of (input, anything) pairs")
-        parser.add_argument("--out", dest="predict_out", default="", metavar="FILE.csv")
+        parser.add_argument("--out", dest="predict_out", required=True, metavar="FILE.csv")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
@@ -1531,6 +1537,8 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
         command = "eval" if command == "train" else command
     if command == "predict" and not (is_code(cfg.dataset) or os.path.exists(cfg.data_dir)):
         raise ConfigError(f"--inputs {cfg.data_dir} is neither a folder nor FILE.py:NAME")
+    if command == "predict":  # a built-in loss of stand-in targets, scored but never shown
+        cfg = replace(cfg, loss="cross_entropy" if options["checkpoint"]["classes"] else "mse")
     cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
     if torchrun_follower():  # rank 0 resolves and checks the run for every rank
         return command, cfg, {"resume": Resume()}
@@ -1965,9 +1973,10 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
          "--dataset folder needs --mode ddp (scratch mode: the lesson's in-memory batches)"),
         (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
          f"--image-size {cfg.image_size} is too small for {cfg.model} (at least 14)"),
-        (not is_code(cfg.lr_schedule) or not (cfg.warmup_epochs or cfg.mode == "scratch"),
-         f"--lr-schedule {cfg.lr_schedule} sets every step's rate: it takes no --warmup-epochs, "
-         f"and needs --mode ddp"),
+        (not is_code(cfg.lr_schedule) or not cfg.warmup_epochs,
+         f"--lr-schedule {cfg.lr_schedule} sets every step's rate: it takes no --warmup-epochs"),
+        (not is_code(cfg.lr_schedule) or cfg.mode != "scratch",
+         f"--lr-schedule {cfg.lr_schedule} needs --mode ddp (scratch mode: the lesson's own)"),
         (0 <= cfg.warmup_epochs < cfg.epochs,
          f"--warmup-epochs must be 0 to --epochs - 1 = {cfg.epochs - 1}, got {cfg.warmup_epochs}"),
         (not (cfg.mode == "dp" and cfg.sync_bn),
@@ -2012,7 +2021,7 @@ def check_declared(cfg: Config) -> None:
 def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None:
     """The model, the data set, the loss, the storage and the directories the config names."""
     for flag, ours in (("model", MODELS), ("dataset", DATASETS), ("loss", LOSSES),
-                       ("optimizer", ("sgd", "adamw")), ("lr_schedule", ("cosine", "constant"))):
+                       ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES)):
         if is_code(spec := getattr(cfg, flag)):
             user_code(spec, flag)
         elif spec not in ours and (flag != "model"
@@ -2222,10 +2231,16 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
         return
     net, flag = build_model(cfg.model, data.sample_shape, data.outputs), "--optimizer"
     try:
-        optimizer, flag = build_optimizer(cfg, net), "--lr-schedule"
-        schedule = own_schedule(cfg, optimizer, 1)
+        optimizer = build_optimizer(cfg, net)
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not held & {id(p) for p in net.parameters()}:
+            raise ConfigError(f"--optimizer {cfg.optimizer} holds none of --model {cfg.model}'s "
+                              f"parameters, so it would train nothing: build it from the params "
+                              f"it is given")
         sum(p.sum() for p in net.parameters()).backward()
         optimizer.step()
+        flag = "--lr-schedule"
+        schedule = own_schedule(cfg, optimizer, 1)
         if schedule is not None:
             schedule.step()
     except ConfigError:
@@ -2369,7 +2384,6 @@ def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
 # ==================================================================================================
 
 CODE: dict = {}  # spec -> your object, as the driver loaded it (and sent it to the workers)
-CODE_FLAGS = ("model", "dataset", "loss", "optimizer", "lr_schedule")
 
 
 def is_code(spec: str) -> bool:
@@ -2482,7 +2496,7 @@ def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
     made = user_code(cfg.optimizer, "optimizer")
     optimizer = made(groups, lr=cfg.lr) if isinstance(made, type) else made(groups, cfg)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"--optimizer {cfg.optimizer} made a {type(optimizer).__name__}, not "
+        raise ConfigError(f"--optimizer {cfg.optimizer} returned {type(optimizer).__name__}, not "
                           f"a torch.optim.Optimizer")
     return optimizer
 
@@ -2494,7 +2508,7 @@ def own_schedule(cfg: Config, optimizer, steps_per_epoch: int):
         return None
     schedule = user_code(cfg.lr_schedule, "lr_schedule")(optimizer, cfg, steps_per_epoch)
     if not isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
-        raise ConfigError(f"--lr-schedule {cfg.lr_schedule} made a {type(schedule).__name__}, "
+        raise ConfigError(f"--lr-schedule {cfg.lr_schedule} returned {type(schedule).__name__}, "
                           f"not a torch.optim.lr_scheduler.LRScheduler")
     return schedule
 
@@ -2757,13 +2771,14 @@ def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
 
 def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config,
                      history: list, classes: list, partial: Optional[dict] = None,
-                     samples: Optional[str] = None) -> dict:
+                     samples: Optional[str] = None, outputs: int = 0) -> dict:
     """The state after `epoch` epochs (and `partial`'s steps of the next), weights contiguous."""
     model_state = {key: value.contiguous() for key, value in model_state.items()}
     return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch,
             "certificate": certificate(model_state, optimizer_state, cfg.seed, epoch, partial),
             "config": asdict(cfg), "history": list(history), "classes": list(classes),
-            "format": CHECKPOINT_FORMAT, **({"partial": partial} if partial else {}),
+            "outputs": outputs or len(classes), "format": CHECKPOINT_FORMAT,
+            **({"partial": partial} if partial else {}),
             **({"samples": samples} if samples else {}), "code": code_record(cfg)}
 
 
@@ -2884,6 +2899,10 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
     check_same_training(cfg, stored, state.get("code"))
     note_code_changed(cfg, state, f"run '{cfg.name}' saved its checkpoint")
     done = state["epoch"]
+    if is_code(cfg.lr_schedule) and stored["epochs"] != cfg.epochs:
+        raise ConfigError(f"run '{cfg.name}' made --lr-schedule {cfg.lr_schedule} for --epochs "
+                          f"{stored['epochs']}, and its saved state resumes as it was: rerun with "
+                          f"--epochs {stored['epochs']}, or start over with --fresh")
     if cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs and done < cfg.epochs:
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
               f"{stored['epochs']}): epoch {done + 1} trains at lr "
@@ -4573,8 +4592,8 @@ def scored(cfg: Config, checkpoint: dict, info: DataInfo, doing: str) -> tuple[C
     if stored_type(cfg.run_dir) == "file":
         raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
     if epoch_checkpoints(cfg.run_dir):
-        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, whose "
-                          f"result.json this evaluation would overwrite; choose another --name")
+        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, which this "
+                          f"command would write over; choose another --name")
     cfg = connect(cfg)
     print(f"ray-dp: {doing} on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers", flush=True)
     options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(info.classes),
@@ -4605,10 +4624,17 @@ def write_predictions(path: str, test_set, predictions: list, names: list) -> No
 
 def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dict]:
     """ray_dp.predict("runs/myrun", inputs="photos/", workers=3): predict's rows (and its CSV, if
-    `out`); inputs: a folder, FILE.py:NAME or your function; settings as ray_dp.train()'s."""
+    `out`); inputs: a folder, FILE.py:NAME, your function or Dataset; settings as train()'s."""
     new_command()
+    if isinstance(inputs, torch.utils.data.Dataset):  # its class's module travels as yours do
+        dataset, inputs = inputs, lambda: dataset
+        if (module := sys.modules.get(type(dataset).__module__)) is not None:
+            travels(module)
+    if not (callable(inputs) or isinstance(inputs, (str, os.PathLike))):
+        raise ConfigError(f"inputs= takes a folder, FILE.py:NAME, a function or a Dataset, not "
+                          f"a {type(inputs).__name__}")
     inputs = as_spec(inputs, "inputs") if callable(inputs) else os.fspath(inputs)
-    flags = ["predict", os.fspath(run), "--inputs", inputs, *(["--out", str(out)] if out else [])]
+    flags = ["predict", os.fspath(run), "--inputs", inputs, "--out", str(out or "")]
     _, cfg, options = parse_command(flags + settings_as_flags(settings))
     return run_predict(cfg, **options)
 
@@ -4616,9 +4642,9 @@ def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dic
 def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
     """predict: the run's model on each input, once over the workers; a row per input in their
     order (an image's path or an input's index, then its prediction), to --out if given."""
-    names = list(checkpoint["classes"])  # a regression's outputs: its last layer's (bias's) width
-    width = len(names) or [t for t in checkpoint["model"].values() if t.ndim][-1].shape[0]
-    cfg = replace(cfg, loss="cross_entropy" if names else "mse")  # of stand-in targets
+    names = list(checkpoint["classes"])  # a checkpoint from before "outputs": its last bias's width
+    width = checkpoint.get("outputs") or len(names) or [
+        t for t in checkpoint["model"].values() if t.ndim][-1].shape[0]
     inputs, keys = predict_inputs(cfg, torch.tensor(0) if names else torch.zeros(width))
     info = DataInfo((len(inputs), len(inputs)), input_shape(cfg, inputs), names,
                     not isinstance(inputs, TensorDataset), (inputs, inputs), outputs=width)
@@ -4628,10 +4654,12 @@ def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
     rows = [{**key, **({"predicted": int(values[0]), "predicted_name": names[int(values[0])],
                         "probability": values[1]} if names else dict(zip(columns, values)))}
             for key, values in zip(keys, out["metrics"]["predictions"])]
-    if cfg.predict_out:
+    with contextlib.suppress(OSError):  # Ray's folder for the job, holding Ray's marker alone
+        os.unlink(os.path.join(cfg.run_dir, ".validate_storage_marker"))
+        os.rmdir(cfg.run_dir)
+    if cfg.predict_out:  # ray_dp.predict() without out: the rows returned alone
         write_csv(cfg.predict_out, [list(rows[0]), *map(dict.values, rows)])
-    print(f"wrote {cfg.predict_out} ({plural(len(rows), 'prediction')})" if cfg.predict_out else
-          f"{plural(len(rows), 'prediction')}, written nowhere: --out FILE.csv", flush=True)
+        print(f"wrote {cfg.predict_out} ({plural(len(rows), 'prediction')})", flush=True)
     return rows
 
 

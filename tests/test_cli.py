@@ -145,7 +145,7 @@ EVAL_BAD_INPUTS = [
      "is the checkpoint being evaluated"),
     (lambda d: ["--eval-only", str(d), "--predict-out", str(d / "dir.csv")], "is a directory"),
     (lambda d: ["--eval-only", str(d), "--storage-path", str(d.parent), "--name", d.name],
-     "holds a training run, whose result.json this evaluation would overwrite"),
+     "holds a training run, which this command would write over"),
 ]
 
 
@@ -238,7 +238,8 @@ PREDICT_BAD_INPUTS = [
      "error: unrecognized arguments: --epochs 3 (see --help)"),
     (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--dataset", "digits"],
      "error: unrecognized arguments: --dataset digits (see --help)"),  # named as typed
-    (lambda d: [str(d)], "error: the following arguments are required: --inputs (see --help)"),
+    (lambda d: [str(d)], "error: the following arguments are required: --inputs, --out (see --help)"),
+    (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--out"], "error: argument --out: expected one argument"),
 ]
 
 
@@ -247,7 +248,9 @@ PREDICT_BAD_INPUTS = [
 def test_predict_bad_input_is_one_sentence_before_any_cluster(make_argv, message, predicting, no_cluster, capsys):
     (predicting / "dir.csv").mkdir()
     before = snapshot(predicting.parent)
-    assert ray_dp.main(["predict", *make_argv(predicting), "--storage-path", str(predicting.parent / "runs")]) == 2
+    argv = make_argv(predicting)  # the command line's predict writes its rows: --out is required
+    argv += [] if "--out" in argv or len(argv) == 1 else ["--out", str(predicting.parent / "p.csv")]
+    assert ray_dp.main(["predict", *argv, "--storage-path", str(predicting.parent / "runs")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ray_dp.py: ") and err.count("\n") == 1 and message.format(d=predicting) in err, err
     assert snapshot(predicting.parent) == before  # nothing written
@@ -257,7 +260,7 @@ def test_predict_under_torchrun_says_to_run_it_with_python(run_dir, no_cluster, 
     for name, value in {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
                         "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
-    assert ray_dp.main(["predict", str(run_dir), "--inputs", str(run_dir)]) == 2
+    assert ray_dp.main(["predict", str(run_dir), "--inputs", str(run_dir), "--out", "p.csv"]) == 2
     assert capsys.readouterr().err == ("ray_dp.py: error: under torchrun ray_dp trains; run compare and predict with "
                                        "python ray_dp.py, whose Ray workers need no torchrun\n")
 

@@ -240,6 +240,7 @@ def test_n_workers_end_where_one_process_does(name, runs):
     many, one, cfg = runs[name]
     atol, rtol = bounds(cfg)
     assert many["state"]["epoch"] == one["state"]["epoch"] == cfg.epochs
+    assert many["state"]["outputs"] == (len(many["state"]["classes"]) or 1 + ("two-targets" in name))  # predict's
     assert many["state"]["model"].keys() == one["state"]["model"].keys()
     for key, expected in one["state"]["model"].items():
         got = many["state"]["model"][key]

@@ -69,6 +69,10 @@ class HalfUsed(nn.Module):
         return self.used(x)
 
 
+def adam_of_its_own(params, cfg):  # holds none of the model's parameters
+    return torch.optim.Adam([torch.zeros(3, requires_grad=True)], lr=cfg.lr)
+
+
 def rows(labels, test_labels, dtype=torch.float32):
     x = torch.randn(len(labels) + len(test_labels), 13, generator=torch.Generator().manual_seed(0)).to(dtype)
     return (TensorDataset(x[:len(labels)], torch.tensor(labels)),
@@ -167,12 +171,18 @@ BAD = [
     (["--lr-schedule", "{tmp}/mine.py:one_cycel"],
      "--lr-schedule {tmp}/mine.py:one_cycel: {tmp}/mine.py has no one_cycel; did you mean one_cycle?"),
     (["--model", "mlp", "--dataset", "digits", "--optimizer", "{tmp}/mine.py:not_an_optimizer"],
-     "--optimizer {tmp}/mine.py:not_an_optimizer made a list, not a torch.optim.Optimizer"),
+     "--optimizer {tmp}/mine.py:not_an_optimizer returned list, not a torch.optim.Optimizer"),
     (["--model", "mlp", "--dataset", "digits", "--lr-schedule", "{tmp}/mine.py:adam_betas"],
      "--lr-schedule {tmp}/mine.py:adam_betas fails on --model mlp: TypeError: "),
     (["--model", "mlp", "--dataset", "digits", "--lr-schedule", "{tmp}/mine.py:one_cycle", "--warmup-epochs", "1"],
      "--lr-schedule {tmp}/mine.py:one_cycle sets every step's rate: it takes no --warmup-epochs"),
     (["--mode", "scratch", "--dataset", "digits", "--optimizer", "torch.optim:Adam"], "--optimizer needs --mode ddp"),
+    (["--model", "mlp", "--dataset", "digits", "--optimizer", "torch.optim:LBFGS"],
+     "--optimizer torch.optim:LBFGS fails on --model mlp: TypeError: "),
+    (["--model", "mlp", "--dataset", "digits", "--optimizer", "{tmp}/odd.py:adam_of_its_own"],
+     "--optimizer {tmp}/odd.py:adam_of_its_own holds none of --model mlp's parameters, so it would train nothing"),
+    (["--mode", "scratch", "--dataset", "digits", "--lr-schedule", "{tmp}/mine.py:one_cycle"],
+     "--lr-schedule {tmp}/mine.py:one_cycle needs --mode ddp (scratch mode: the lesson's own)"),
     (["--model", "mlp", "--dataset", "{tmp}/mine.py:diabetes", "--loss", "mse", "--best-by", "test_acc"],
      "--best-by test_acc: {tmp}/mine.py:diabetes is a regression, whose epochs have no accuracy; choose test_loss"),
     (["--keep-checkpoints", "-1"], "--keep-checkpoints must be at least 0, got -1"),
@@ -230,6 +240,17 @@ def test_the_run_records_its_code_a_rerun_notes_a_changed_file_and_refuses_weigh
     err = error_of(flags, capsys)
     assert err.startswith(f"ray_dp.py: error: the checkpoint's weights do not fit --model {code}/mine.py:TabularMLP "
                           f"({code}/mine.py as it is now): size mismatch for net."), err
+
+
+def test_a_rerun_that_lengthens_your_schedules_run_is_refused_before_any_cluster(code, no_cluster, capsys):
+    spec = f"{code}/mine.py:one_cycle"  # its saved state spans the run's 10 epochs of steps
+    trained(code, model=f"{code}/mine.py:TabularMLP", dataset=f"{code}/mine.py:wine", lr_schedule=spec)
+    flags = ["--model", f"{code}/mine.py:TabularMLP", "--dataset", f"{code}/mine.py:wine", "--batch-size", "16",
+             "--lr-schedule", spec, "--name", "own", *runs(code)]
+    ray_dp.parse_command(flags)  # the same --epochs resumes
+    err = error_of([*flags, "--epochs", "12"], capsys)
+    assert err == (f"ray_dp.py: error: run 'own' made --lr-schedule {spec} for --epochs 10, and its saved state "
+                   f"resumes as it was: rerun with --epochs 10, or start over with --fresh\n")
 
 
 def test_result_json_records_your_codes_file_and_hash_as_its_checkpoint_does(code):
@@ -406,8 +427,8 @@ def test_your_optimizer_and_schedule_are_named_again_by_a_rerun_and_not_needed_b
             optimizer=f"{code}/mine.py:adam_betas", lr_schedule=f"{code}/mine.py:one_cycle")
     own = ["--model", f"{code}/mine.py:TabularMLP", "--dataset", f"{code}/mine.py:wine"]
     err = error_of(["--name", "own", *own, *runs(code)], capsys)
-    assert err.startswith(f"ray_dp.py: error: run 'own' trained your own code: name it again, --optimizer "
-                          f"{code}/mine.py:adam_betas, --lr-schedule {code}/mine.py:one_cycle ("), err
+    assert err.startswith(f"ray_dp.py: error: run 'own' trained your own code: name it again, --lr-schedule "
+                          f"{code}/mine.py:one_cycle, --optimizer {code}/mine.py:adam_betas ("), err
     cfg, _ = ray_dp.eval_config(ray_dp.Config(eval_only=str(code / "runs" / "own"), model=own[1], dataset=own[3]),
                                 {"model", "dataset"})
     assert (cfg.optimizer, cfg.lr_schedule) == ("sgd", "cosine")  # a training setting: not the checkpoint's code

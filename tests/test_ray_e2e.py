@@ -220,24 +220,28 @@ def test_predict_scores_each_new_image_once_on_3_workers_as_one_process_does(fol
     assert sum(r["predicted_name"] == truth[r["path"].rsplit("/", 1)[-1]] for r in rows) >= 90  # it reads digits
 
 
-@pytest.mark.parametrize("trained_on, inputs, workers", [("wine", "new_wines", 2),
-                                                      ("two_targets", "new_patients", 1)])
-def test_predict_on_your_own_inputs_as_one_process_does(trained_on, inputs, workers, tmp_path):
-    # A run of an untrained TabularMLP (predict's model is the checkpoint's, whatever its weights): wine's classes
-    # predicted on 2 workers from a TensorDataset of inputs; a regression's two values on 1 worker from (input, name)
-    # pairs read one at a time
+@pytest.mark.parametrize("trained_on, inputs, workers, model", [("wine", "new_wines", 2, "TabularMLP"),
+                                                             ("two_targets", "new_patients", 1, "HeadFirstMLP")])
+def test_predict_on_your_own_inputs_as_one_process_does(trained_on, inputs, workers, model, tmp_path):
+    # A run of an untrained model (predict's model is the checkpoint's, whatever its weights): wine's classes
+    # predicted on 2 workers from a TensorDataset of inputs named by FILE.py:NAME; a regression's two values, of a
+    # model whose output layer comes first, on 1 worker from a Dataset object of (input, name) pairs
     import csv
+    import user_code
     own = os.path.join(REPO, "tests", "user_code.py")
     cfg, data = ray_dp.check_data(ray_dp.with_absolute_paths(ray_dp.Config(
-        model=f"{own}:TabularMLP", dataset=f"{own}:{trained_on}", loss="mse" if trained_on == "two_targets"
+        model=f"{own}:{model}", dataset=f"{own}:{trained_on}", loss="mse" if trained_on == "two_targets"
         else "cross_entropy")))
     torch.manual_seed(0)
     net = ray_dp.build_model(cfg.model, data.sample_shape, data.outputs)
     path = tmp_path / "run" / ray_dp.checkpoint_dir_name(1) / ray_dp.CHECKPOINT_FILE
     path.parent.mkdir(parents=True)
-    torch.save(ray_dp.checkpoint_state(net.state_dict(), {}, 1, cfg, [], data.classes), path)
-    rows = ray_dp.predict(tmp_path / "run", inputs=f"{own}:{inputs}", out=tmp_path / "p.csv", workers=workers,
-                          model=f"{own}:TabularMLP", storage_path=str(tmp_path / "runs"))  # Python's call
+    torch.save(ray_dp.checkpoint_state(net.state_dict(), {}, 1, cfg, [], data.classes, outputs=data.outputs), path)
+    given = f"{own}:{inputs}" if data.classes else getattr(user_code, inputs)(cfg)
+    out = tmp_path / "p.csv" if data.classes else None  # Python's call: the rows, and a CSV if asked
+    rows = ray_dp.predict(tmp_path / "run", inputs=given, out=out, workers=workers, model=f"{own}:{model}",
+                          storage_path=str(tmp_path / "runs"))
+    assert not any((tmp_path / "runs").iterdir()), sorted(map(str, (tmp_path / "runs").rglob("*")))  # Ray's folder for the job, not left behind
     with torch.no_grad():
         outputs = net.eval()(ray_dp.load_dataset(cfg)[1].tensors[0])  # what user_code's inputs are: test rows
     assert [r["index"] for r in rows] == list(range(len(outputs)))  # your data set's order, each input once
@@ -250,5 +254,7 @@ def test_predict_on_your_own_inputs_as_one_process_does(trained_on, inputs, work
         assert list(rows[0]) == ["index", "predicted_0", "predicted_1"]
         assert [r[f"predicted_{j}"] for r in rows for j in (0, 1)] == pytest.approx(outputs.flatten().tolist(),
                                                                                     abs=1e-5)
+        assert not (tmp_path / "p.csv").exists()
+        return
     with open(tmp_path / "p.csv") as f:
         assert list(csv.DictReader(f)) == [{key: str(value) for key, value in row.items()} for row in rows]

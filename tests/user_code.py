@@ -43,6 +43,18 @@ class TabularMLP(nn.Module):
         return self.net(x)
 
 
+class HeadFirstMLP(TabularMLP):
+    """TabularMLP with its output layer declared before the layers that feed it."""
+
+    def __init__(self, sample_shape, num_classes):
+        super().__init__(sample_shape, num_classes)
+        self.head, self.body = self.net[2], nn.Sequential(self.net[0], self.net[1])
+        del self.net
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
 def split(features, targets, test_every=5):
     """Every test_every-th row to the test set, standardised by the training rows' statistics."""
     x = torch.tensor(features, dtype=torch.get_default_dtype())
