@@ -3742,6 +3742,8 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
             if stop.asked and not gcs_answers():
                 psutil.wait_procs([p for p in ours if "Train" in p.name()], timeout=10)  # saving
                 latest, place = last_saved(cfg)
+                with contextlib.suppress(Exception):  # its time counted, as "other": the
+                    record_ledger(cfg, None, None)  # workers' clocks went with the Board
                 print(f"ray_dp.py: stopped {place} (SIGTERM, to ray_dp's own Ray too); the same "
                       f"command resumes from {latest}", file=sys.stderr, flush=True)
                 os._exit(143)  # 128 + SIGTERM, as a shell reports one

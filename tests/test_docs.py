@@ -75,6 +75,7 @@ def doc_commands():
 
 
 COMMANDS = doc_commands()
+SETTINGS = ray_dp.fields_where("rerun", "free")  # flags of how a run runs, not of what it trains
 
 
 def parsed(command):
@@ -128,8 +129,9 @@ def test_every_ray_dp_command_of_the_docs_runs_or_validates_as_typed(tmp_path, m
     import json
     monkeypatch.chdir(tmp_path)  # ./runs, ./data, preds.csv: here
     (tmp_path / "tests").symlink_to(os.path.join(REPO, "tests"))  # tests/user_code.py, as from the repository
-    def same(cfg):  # what a run trains or evaluates
-        return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("name", "predict_out", "workers")}
+    def same(cfg):  # what a run trains, or that it evaluates: a command that differs in settings alone (how it
+        # runs, which checkpoint of the run it scores) is validated above, not run again
+        return {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in SETTINGS}, "eval": bool(cfg.eval_only)}
     # the quick start, named as the docs' --eval-only lines name it (runs/myrun, with checkpoint_epoch_004)
     quick_start = ["--workers", "2", "--dataset", "digits", "--name", "myrun", "--epochs", "4"]
     ran, problems = [same(ray_dp.parse_command(quick_start)[1])], []

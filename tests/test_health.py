@@ -235,3 +235,28 @@ def test_a_watchdog_writes_its_ranks_stacks_and_flight_recorder_and_a_report_nam
     assert ray_dp.hang_report(cfg) == (
         f"rank 1 did not come to collective 5, which the other ranks waited in for --timeout 20 s: its stacks are in "
         f"{tmp_path}/w/hang/rank1.txt (every rank's beside it, and torch's flight recorder in rank<N>.json)")
+
+
+def evaluated(cfg, nudged_rank):
+    """--eval-only's worker loop on this rank, the checkpoint's weights as Ray's object store gives them (one
+    element changed on `nudged_rank`, as a rank that loaded them wrong): the test metrics, or the refusal."""
+    torch.manual_seed(0)
+    weights = ray_dp.build_model("lenet", (1, 28, 28), 10).state_dict()
+    if dist.get_rank() == nudged_rank:
+        weights["classifier.0.bias"][3] += 1e-6
+    get, ray_dp.ray.get = ray_dp.ray.get, lambda ref, **_: ref  # the refs are the objects here
+    try:
+        options = ray_dp.LoopOptions(weights=weights, classes=tuple(map(str, range(10))))
+        return ray_dp.eval_loop_per_worker({"config": cfg, "options": options, "worker": here(), "launcher": None})
+    except ray_dp.ReplicasDiffer as exc:
+        return str(exc)
+    finally:
+        ray_dp.ray.get = get
+
+
+def test_eval_only_scores_only_replicas_that_agree():
+    cfg = ray_dp.Config(dataset="digits", eval_only="run", workers=2, quiet=True)
+    assert [out["metrics"]["test_count"] for out in run_distributed(evaluated, 2, cfg, None)] == [360, 360]
+    assert run_distributed(evaluated, 2, cfg, 1) == [
+        "the replicas differ before scoring: rank 1 of 2 hold other values than rank 0, first in classifier.0.bias; "
+        "nothing is saved from them, and the same command resumes from the last checkpoint"] * 2

@@ -255,6 +255,8 @@ def test_sigterm_to_the_drivers_whole_process_group_stops_its_own_ray_too_and_ex
                            r"same command resumes from (\S+)", stderr.splitlines()[-1])
     assert stopped and int(stopped[1]) >= 2 and os.path.isfile(stopped[2]), stderr
     assert ray_dp.load_checkpoint(stopped[2])["epoch"] == int(stopped[1])
+    ledger = json.loads((tmp_path / "group" / "ledger.json").read_text())  # its time, kept for the run's total
+    assert sum(ledger[what] for what in ray_dp.LEDGER) == pytest.approx(ledger["wall"], abs=0.01) and ledger["wall"] > 5
 
 
 def test_a_worker_death_without_max_failures_fails_with_a_message(tmp_path, monkeypatch, capsys):
