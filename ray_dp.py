@@ -1690,7 +1690,7 @@ class Launch:
 
     def __exit__(self, kind, error, trace) -> bool:
         CLOCK["fitted"] = time.time()
-        self.context.close()
+        self.context.__exit__(kind, error, trace)  # own_ray_watched sees fit()'s error
         if kind is SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, exits
             raise KeyboardInterrupt from None
         return False
@@ -3692,10 +3692,11 @@ class GracefulStop:
     within seconds of training and stops. Otherwise, or at a second SIGTERM, what it did before."""
 
     def __init__(self, before):
-        self.before, self.asked, self.training = before, False, False
+        self.before, self.asked, self.training, self.heard = before, False, False, False
         self.on_ask = None  # the driver's: tell the workers (False: none trains to hear it)
 
     def __call__(self, signum, frame) -> None:
+        self.heard = self.heard or self.training  # before on_ask, which may wait on a dying Ray
         if self.training and not self.asked and (self.on_ask is None or self.on_ask()):
             self.asked = True
             # not print(): the signal may have come inside one
@@ -3728,7 +3729,7 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
     too, whose GCS the driver would wait a minute for: once it is gone and the workers had seconds
     to save, the run's one line and exit 143."""
     import psutil
-    me, done = psutil.Process(), threading.Event()
+    me, done, ending = psutil.Process(), threading.Event(), threading.Lock()
     host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
 
     def gcs_answers() -> bool:  # its process may linger after a SIGTERM; its port closes
@@ -3736,25 +3737,46 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
             return True
         return False
 
+    def stopped() -> None:
+        with ending:  # once, from the watch or from the main thread
+            ours = [p for p in me.children(recursive=True) if named_train(p)]
+            psutil.wait_procs(ours, timeout=10)  # saving
+            latest, place = last_saved(cfg)
+            with contextlib.suppress(Exception):  # its time counted, as "other": the
+                record_ledger(cfg, None, None)  # workers' clocks went with the Board
+            print(f"ray_dp.py: stopped {place} (SIGTERM, to ray_dp's own Ray too); the same "
+                  f"command resumes from {latest}", file=sys.stderr, flush=True)
+            os._exit(143)  # 128 + SIGTERM, as a shell reports one
+
     def watch() -> None:
         while not done.wait(0.5):
-            ours = me.children(recursive=True)
-            if stop.asked and not gcs_answers():
-                psutil.wait_procs([p for p in ours if "Train" in p.name()], timeout=10)  # saving
-                latest, place = last_saved(cfg)
-                with contextlib.suppress(Exception):  # its time counted, as "other": the
-                    record_ledger(cfg, None, None)  # workers' clocks went with the Board
-                print(f"ray_dp.py: stopped {place} (SIGTERM, to ray_dp's own Ray too); the same "
-                      f"command resumes from {latest}", file=sys.stderr, flush=True)
-                os._exit(143)  # 128 + SIGTERM, as a shell reports one
-    if RAY_STARTED.get("local"):
+            if stop.heard and not gcs_answers():
+                stopped()
+    own = RAY_STARTED.get("local")
+    if own:
         asked = stop.on_ask  # the Board gone with its Ray: the workers had the signal too
         stop.on_ask = lambda: asked() or not gcs_answers()
         threading.Thread(target=watch, daemon=True).start()
     try:
         yield
+    except BaseException:  # fit() raised: its controller may have gone before the GCS did
+        if own and stop.heard:
+            until = time.monotonic() + 5
+            while gcs_answers() and time.monotonic() < until:
+                time.sleep(0.25)
+            if not gcs_answers():
+                stopped()
+        raise
     finally:
         done.set()
+
+
+def named_train(process) -> bool:
+    """A process of Ray Train's (its controller, its workers), or False when it has gone."""
+    try:
+        return "Train" in process.name()
+    except Exception:  # psutil.NoSuchProcess, AccessDenied
+        return False
 
 
 @contextlib.contextmanager
@@ -3775,7 +3797,7 @@ def training_now(stop: Optional[GracefulStop]):
     if stop is None:
         yield
         return
-    stop.training, stop.asked = True, False
+    stop.training, stop.asked, stop.heard = True, False, False
     try:
         yield
     finally:

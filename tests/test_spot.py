@@ -425,6 +425,29 @@ def test_sigterm_while_training_asks_for_a_stop_and_otherwise_does_what_it_did_b
     assert not stop.training and stop.on_ask is None  # nothing of the run it served stays behind
 
 
+
+def test_a_fit_that_raises_after_a_group_sigterm_ends_as_the_group_stop_once_its_own_ray_is_gone(monkeypatch, tmp_path,
+                                                                                                  capsys):
+    # the group's SIGTERM may end fit() (its controller gone) before the watch sees the GCS go: the driver then waited
+    # a minute on Ray's GCS and exited 1
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing answers there: ray_dp's own Ray gone
+    exits = []
+    monkeypatch.setattr(ray_dp.ray, "get_runtime_context", lambda: type("C", (), {"gcs_address": f"127.0.0.1:{port}"}))
+    monkeypatch.setattr(ray_dp, "RAY_STARTED", {"local": True})
+    monkeypatch.setattr(ray_dp.os, "_exit", lambda status: exits.append(status) or (_ for _ in ()).throw(SystemExit))
+    cfg = ray_dp.Config(dataset="digits", storage_path=str(tmp_path), name="group")
+    stop = ray_dp.GracefulStop(signal.SIG_IGN)
+    stop.on_ask = lambda: None  # the Board gone: no answer
+    with ray_dp.training_now(stop), pytest.raises(SystemExit):
+        with ray_dp.own_ray_watched(cfg, stop):
+            stop(signal.SIGTERM, None)
+            assert stop.heard and stop.asked  # the GCS does not answer: the workers had the signal too
+            raise RuntimeError("the controller died")  # before the watch's first look
+    assert exits[:1] == [143] and "SIGTERM, to ray_dp's own Ray too" in capsys.readouterr().err
+
 class FakeBoard:
     """The driver's ProgressBoard as rank 0 sees it, without Ray: stepped.remote records, beat.remote answers whether
     a stop was asked."""
