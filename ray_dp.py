@@ -2237,11 +2237,13 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
             raise ConfigError(f"--optimizer {cfg.optimizer} holds none of --model {cfg.model}'s "
                               f"parameters, so it would train nothing: build it from the params "
                               f"it is given")
+        flag = "--lr-schedule"  # made before the step it follows, as the loop makes it
+        schedule = own_schedule(cfg, optimizer, 1)
+        flag = "--optimizer"
         sum(p.sum() for p in net.parameters()).backward()
         optimizer.step()
-        flag = "--lr-schedule"
-        schedule = own_schedule(cfg, optimizer, 1)
         if schedule is not None:
+            flag = "--lr-schedule"
             schedule.step()
     except ConfigError:
         raise

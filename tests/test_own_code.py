@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -252,6 +253,13 @@ def test_a_rerun_that_lengthens_your_schedules_run_is_refused_before_any_cluster
     assert err == (f"ray_dp.py: error: run 'own' made --lr-schedule {spec} for --epochs 10, and its saved state "
                    f"resumes as it was: rerun with --epochs 10, or start over with --fresh\n")
 
+
+def test_your_schedule_is_tried_after_the_step_it_follows_so_torch_warns_nothing():
+    cfg = ray_dp.Config(dataset="digits", model="mlp", optimizer=f"{REPO}/tests/user_code.py:adam_betas",
+                        lr_schedule=f"{REPO}/tests/user_code.py:one_cycle")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()" printed in the run
+        ray_dp.check_training_choices(cfg, ray_dp.check_data(cfg)[1])
 
 def test_result_json_records_your_codes_file_and_hash_as_its_checkpoint_does(code):
     import hashlib
