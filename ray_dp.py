@@ -36,8 +36,10 @@ import difflib
 import errno
 import functools
 import gc
+import hashlib
 import importlib
 import importlib.util
+import inspect
 import io
 import json
 import logging
@@ -88,11 +90,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import (
     BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset)
 
+import ray.cloudpickle
 import ray.train
 import ray.train.torch
+from pyarrow import ArrowException, fs
 from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from PIL import Image
+from tqdm import tqdm
 
 
 # ==================================================================================================
@@ -592,7 +598,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 def from_rank_0(value, device: torch.device):
     """Rank 0's object on every rank; your code's classes go by value (the other ranks have not
     imported your file)."""
-    import ray.cloudpickle
     if rank_and_world()[1] == 1:
         return value
     shared = [ray.cloudpickle.dumps(value) if dist.get_rank() == 0 else None]
@@ -1477,13 +1482,7 @@ def main(argv=None) -> int:
 def new_command() -> None:
     """What a command starts from: its start-up marks, your code loaded anew."""
     CODE.clear()
-    reset_clock()
-
-
-def reset_clock() -> None:
-    """The start-up breakdown's first marks: this process's start and imports, if the command
-    paid for them (a script's first), else the command's start."""
-    first = __name__ == "__main__" and not CLOCK
+    first = __name__ == "__main__" and not CLOCK  # its start and imports: a script's first
     CLOCK.clear()
     CLOCK.update({"started": STARTED_AT, "imported": IMPORTED_AT} if first
                  else {"imported": time.time()})
@@ -1542,7 +1541,8 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
     cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
     if torchrun_follower():  # rank 0 resolves and checks the run for every rank
         return command, cfg, {"resume": Resume()}
-    check_location(cfg)
+    check_run_name(cfg)
+    check_store("storage-path", cfg.storage_path)
     adopted = []
     if command == "train":
         typed_cfg, options["typed"] = cfg, tuple(sorted(typed))
@@ -1646,9 +1646,8 @@ def failures_said(cfg: Config, options: "LoopOptions"):
 
 
 class Launch:
-    """What fit hands Ray Train besides the loop: the workers' options (Ray's Board, your code,
-    the clock), the run's configuration and callbacks; around the fit, the driver's console, its
-    SIGTERM and SIGUSR1."""
+    """What fit hands Ray Train besides the loop: the workers' options (Ray's Board, your code),
+    the run's configuration and callbacks; around the fit: the console, SIGTERM, SIGUSR1."""
 
     def __init__(self, cfg: Config, loop, options: "LoopOptions", done: int):
         follower, training = torchrun_follower(), loop is not eval_loop_per_worker
@@ -1657,11 +1656,10 @@ class Launch:
             quiet_ray_train()
             os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
         board = None if options.torchrun else options.board or new_board()
-        CLOCK["fit"] = time.time()
         for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
             if registered is not None and registered.__module__ in sys.modules:
                 travels(sys.modules[registered.__module__])
-        self.options = replace(options, board=board, clock=dict(CLOCK),  # your code: in the
+        self.options = replace(options, board=board,  # your code: in the object store
                                code=None if options.torchrun else ray.put(code_for_workers(cfg)))
         workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
                    (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
@@ -1789,7 +1787,12 @@ def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = Fa
         if worker_output and not RAY_STARTED.get("worker_output"):
             print("note: --worker-output applies where ray_dp starts Ray; this Ray was running "
                   "already (ray.shutdown() first)", flush=True)
-        return check_runtime_env()
+        if "py_modules" in RUNTIME_ENV and "py_modules" not in (
+                ray.get_runtime_context().runtime_env):
+            raise ConfigError("this Ray was started without ray_dp's runtime environment, so its "
+                              "workers cannot import ray_dp: ray.shutdown(), then ray.init("
+                              "runtime_env=ray_dp.RUNTIME_ENV) (or let ray_dp start Ray)")
+        return
     settings = dict(runtime_env=fresh_runtime_env(), logging_level=logging.ERROR,
                     log_to_driver=worker_output)
     if not sys.stdout.isatty():  # the workers' lines without Ray's colour codes in a file or pipe
@@ -1820,13 +1823,6 @@ def own_ray_worker() -> None:
     graceful_sigterm_in_ray_worker()
 
 
-def check_runtime_env() -> None:
-    if "py_modules" in RUNTIME_ENV and "py_modules" not in ray.get_runtime_context().runtime_env:
-        raise ConfigError("this Ray was started without ray_dp's runtime environment, so its "
-                          "workers cannot import ray_dp: ray.shutdown(), then ray.init(runtime_env="
-                          "ray_dp.RUNTIME_ENV) (or let ray_dp start Ray)")
-
-
 # ==================================================================================================
 # Worker set-up: the options and data a worker is handed, the GPU's fast paths, the allocator.
 # ==================================================================================================
@@ -1844,7 +1840,6 @@ class LoopOptions:
     classes: tuple = ()  # --eval-only: the names of the model's outputs
     outputs: int = 0  # --eval-only: a regression's outputs
     code: Optional[object] = None  # ref of your model, data set and loss (CODE), by value
-    clock: dict = field(default_factory=dict)  # the driver's start-up marks
 
 
 def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
@@ -2148,7 +2143,6 @@ def check_targets(cfg: Config, data: tuple, classes: list) -> None:
 
 def check_sendable(cfg: Config, data: tuple) -> None:
     """Your data sets reach the workers pickled: one that holds a connection cannot."""
-    import ray.cloudpickle
     if is_code(cfg.dataset) and not isinstance(data[0], TensorDataset):
         try:
             ray.cloudpickle.dumps(data)
@@ -2444,7 +2438,6 @@ def load_module(where: str):
 def travels(module):
     """Your module's code goes to the workers by value (their nodes need no copy); an installed
     package's, and __main__'s (which cloudpickle ships anyway), by name. The module."""
-    import ray.cloudpickle
     import site
     import sysconfig
     installed = {os.path.realpath(path) for path in (
@@ -2484,7 +2477,6 @@ def your_data(spec: str, flag: str, cfg: Config):
 
 def takes_arguments(function, name: Optional[str] = None) -> bool:
     """It takes `name`; without a name, a first argument without a default (or named cfg)."""
-    import inspect
     kinds = list(inspect.signature(function).parameters.values())
     if name is None:
         return bool(kinds) and (kinds[0].name == "cfg" or kinds[0].default is kinds[0].empty
@@ -2519,7 +2511,6 @@ def code_file(spec: str) -> Optional[dict]:
     """What the run directory records of your code: its spec, its file's (else source's) hash."""
     if not is_code(spec):
         return None
-    import hashlib
     where = spec.rpartition(":")[0]
     path = os.path.abspath(where) if where.endswith(".py") else None
     text = (Path(path).read_bytes() if os.path.isfile(path) else None) if path else (
@@ -2530,7 +2521,6 @@ def code_file(spec: str) -> Optional[dict]:
 
 def source_text(value) -> bytes:
     """A class's or a function's source; its compiled code where Python keeps no file for it."""
-    import inspect
     import marshal
     try:
         return inspect.getsource(value).encode()
@@ -2583,33 +2573,19 @@ def load_folder(cfg: Config) -> tuple:
 def read_image(path: str, data_dir: str, data: Optional[bytes] = None):
     """ImageFolder's loader (PIL, RGB), for a file or an object's bytes; a file that is no
     readable image is one line naming it, wherever it is decoded."""
-    from PIL import Image
     from torchvision.datasets.folder import default_loader
     try:
         if data is None:
             return default_loader(path)
         with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
-    except BROKEN_IMAGE as exc:
-        raise DataError(unreadable_image(path, data_dir, exc)) from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", " ".join(str(exc).split()))
+        raise DataError(f"{path} is not a readable image ({reason or type(exc).__name__}): remove "
+                        f"or replace it in {path.rsplit('/', 1)[0]}/ (and any other such file in "
+                        f"--data-dir {data_dir})") from None
 
 
-def unreadable_image(path: str, data_dir: str, error: BaseException) -> str:
-    return (f"{path} is not a readable image ({image_error(error)}): remove or replace it in "
-            f"{path.rsplit('/', 1)[0]}/ (and any other such file in --data-dir {data_dir})")
-
-
-def image_error(error: BaseException) -> str:
-    reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", " ".join(str(error).split()))
-    return reason or type(error).__name__
-
-
-def broken_image_errors() -> tuple:
-    from PIL import Image
-    return OSError, SyntaxError, ValueError, Image.DecompressionBombError
-
-
-BROKEN_IMAGE = broken_image_errors()
 IMAGENET_STATISTICS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
 
@@ -2831,7 +2807,6 @@ def load_checkpoint(path: str) -> dict:
 
 def epoch_checkpoints(run_dir: str) -> list[str]:
     """A run's checkpoint files in the order they were trained (by number, not as text)."""
-    from pyarrow import fs
     storage, path = files_at(str(run_dir))
     found = sorted((order, info.path, info.base_name) for info in storage.get_file_info(
         fs.FileSelector(path, allow_not_found=True)) if info.type == fs.FileType.Directory
@@ -2982,7 +2957,6 @@ def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> Optional[
 
 def samples_fingerprint(data) -> Optional[str]:
     """16 hex digits of a data set's classes and (file in its folder, label) list; else None."""
-    import hashlib
     try:
         root = os.fspath(data.root).rstrip("/")
         lines = [",".join(map(str, data.classes))] + [
@@ -2994,7 +2968,6 @@ def samples_fingerprint(data) -> Optional[str]:
 
 def check_deletable(cfg: Config) -> None:
     """--fresh deletes only a ray-dp run inside --storage-path that holds no other path flag's."""
-    from pyarrow import fs
     storage, run_dir = files_at(cfg.run_dir)
     names = {Path(info.path).name for info in storage.get_file_info(fs.FileSelector(run_dir))}
     if not (names & set(RUN_MARKERS) or any(checkpoint_order(n) for n in names)):
@@ -3869,13 +3842,7 @@ def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
 
 
 def digest(hashes: torch.Tensor, extra: str = "") -> bytes:
-    import hashlib
     return hashlib.blake2b(hashes.cpu().numpy().tobytes() + extra.encode(), digest_size=12).digest()
-
-
-def halves(folded: bytes) -> list:
-    """A digest as two 48-bit integers: exact in the float64 of the agreement's all-reduce."""
-    return [int.from_bytes(folded[:6], "big"), int.from_bytes(folded[6:], "big")]
 
 
 def replica_state(model, optimizer, stage: str) -> list:
@@ -3897,8 +3864,9 @@ def replicas_digest(named: list, worker: Worker) -> tuple:
     """This rank's tensor hashes, and its digest in its two slots of 2 x world (zeros elsewhere)."""
     hashes = tensor_hashes(named, worker.device)
     slots = torch.zeros(2 * worker.world, dtype=torch.float64, device=worker.device)
-    slots[2 * worker.rank:2 * worker.rank + 2] = torch.tensor(halves(digest(hashes)),
-                                                              dtype=torch.float64)
+    folded = digest(hashes)  # as two 48-bit integers: exact in the agreement's float64 all-reduce
+    slots[2 * worker.rank:2 * worker.rank + 2] = torch.tensor(
+        [int.from_bytes(folded[:6], "big"), int.from_bytes(folded[6:], "big")], dtype=torch.float64)
     return hashes, slots
 
 
@@ -4284,7 +4252,6 @@ class Bar:
         self.progress, self.tqdm, self.epoch = progress, None, None
 
     def show(self, state: Optional[tuple]) -> None:
-        from tqdm import tqdm
         if state is None or not self.progress:
             return self.close()
         epoch, done, steps, loss, rate, epochs = state
@@ -4296,7 +4263,6 @@ class Bar:
         self.tqdm.set_description(f"epoch {epoch + 1}/{epochs}{shown}, {rate:.0f} samples/s")
 
     def write(self, line: str) -> None:
-        from tqdm import tqdm
         tqdm.write(line) if self.tqdm is not None else print(line, flush=True)
 
     def close(self) -> None:
@@ -4338,7 +4304,7 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
                f"{cfg.min_workers}-{cfg.workers} {kind} workers (elastic)" if cfg.min_workers else
                plural(cfg.workers, f"{kind} worker"))
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
-    dropped = data.sizes[0] - samples_per_epoch(cfg, data.sizes[0])
+    dropped = data.sizes[0] % cfg.batch_size  # check_batch_split: every rank's share is whole
     left_out = (f" ({plural(dropped, 'train sample')} left out per epoch: whole global batches "
                 f"only)" if dropped else "")
     return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
@@ -4383,12 +4349,6 @@ def images(cfg: Config, data: DataInfo) -> str:
     folder = (f", {'' if cfg.augment else 'not '}augmented, normalised with mean {mean} std {std}"
               if cfg.dataset == "folder" else "")
     return f", {kind}, images {size} x {size} px{folder}"
-
-
-def samples_per_epoch(cfg: Config, train_size: int) -> int:
-    if cfg.mode == "scratch":
-        return train_size // cfg.batch_size * cfg.batch_size
-    return train_size // cfg.processes // (cfg.micro_batch * cfg.accum_steps) * cfg.batch_size
 
 
 def format_epoch(m: dict, epochs: int) -> str:
@@ -4831,21 +4791,14 @@ def is_uri(path: str) -> bool:
 
 
 def files_at(path: str):
-    from pyarrow import fs
     return fs.FileSystem.from_uri(path) if is_uri(path) else (fs.LocalFileSystem(),
                                                                os.path.abspath(path))
 
 
 def stored_type(path: str) -> str:
-    from pyarrow import fs
     storage, where = files_at(path)
     return {fs.FileType.File: "file", fs.FileType.Directory: "directory"}.get(
         storage.get_file_info(where).type, "none")
-
-
-def check_location(cfg: Config) -> None:
-    check_run_name(cfg)
-    check_store("storage-path", cfg.storage_path)
 
 
 def check_store(flag: str, uri: str) -> None:
@@ -4861,7 +4814,6 @@ def check_store(flag: str, uri: str) -> None:
 def store_problem(uri: str, access: str) -> Optional[str]:
     """Why the object storage at `uri` cannot be used ("read" or "write"), in words that say what
     to check, or None: a request to its bucket (on AWS, pyarrow's own first, for its region)."""
-    from pyarrow import ArrowException, fs
     if (problem := uri_syntax_problem(uri)):
         return problem
     scheme, bucket = uri.split("://")[0], uri.split("://")[1].split("/")[0]
@@ -4922,7 +4874,6 @@ class StoredImageFolder(torch.utils.data.Dataset):
     attributes and its order; listed once where it is made, a batch's objects fetched together."""
 
     def __init__(self, root: str, transform, data_dir: str):
-        from pyarrow import fs
         from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
         storage, path = files_at(root)
         found = storage.get_file_info(fs.FileSelector(path, recursive=True, allow_not_found=True))
@@ -4980,7 +4931,6 @@ def stored_image(uri: str, data_dir: str) -> bytes:
 
 def remove_stored(path: str) -> None:
     """A directory, local or in object storage, if it is there."""
-    from pyarrow import fs
     storage, where = files_at(path)
     if storage.get_file_info(where).type == fs.FileType.Directory:
         storage.delete_dir(where)
@@ -5072,7 +5022,6 @@ def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console
 
 
 def node_name() -> str:
-    import socket
     return ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostname()
 
 
@@ -5294,7 +5243,6 @@ def autoscaler_node_types(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[li
 
 def check_reachable(address: str, seconds: float = 5.0) -> None:
     """The cluster's GCS answers before ray.init, which would otherwise retry for minutes."""
-    import socket
     try:
         resolved = gcs_address(address)
     except ValueError:
@@ -5377,7 +5325,6 @@ class BrokenSnapshot(ConfigError):
 def ray_snapshot(run_dir: str) -> Optional[dict]:
     """The run's snapshot as Ray wrote it, or None. On a disk Ray rewrites it in place (empty,
     then whole): a reader mid-rewrite reads again for up to SNAPSHOT_REREAD_S."""
-    from pyarrow import fs
     storage, path = files_at(run_dir)
     snapshot, deadline = f"{path}/{RAY_SNAPSHOT}", time.monotonic() + SNAPSHOT_REREAD_S
     while storage.get_file_info(snapshot).type != fs.FileType.NotFound:
@@ -5454,7 +5401,6 @@ def gcs_address(address: str) -> Optional[str]:
 def set_ray_train_knobs(cfg: Config) -> None:
     """Ray Train's knobs: reports collected every 0.2 s (not 2 s), --start-timeout, prints not
     logged too; its placement-group cleaner's waits (no dashboard: 12 s a run) cut to 1 s."""
-    import inspect
     if ray_internal(*SIGTERM_SETTER) is None:
         internal_note(".".join(SIGTERM_SETTER), SIGTERM_LOST)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
@@ -5686,7 +5632,6 @@ def doctor_config(args: dict) -> tuple[Config, dict]:
 
 def node_software() -> dict:
     import platform
-    import socket
 
     import torchvision
     return {"host": socket.gethostname(), "python": platform.python_version(),
@@ -5702,7 +5647,6 @@ def node_names(nodes: list) -> dict:
 
 def write_marker(folder: str) -> Optional[str]:
     """On one node: a file named after its node ID in folder; the first directory it made."""
-    from pyarrow import fs
     files, path = files_at(folder)
     created = next((str(part) for part in reversed(PurePosixPath(path).parents)
                     if str(part) not in (".", "/")
@@ -5712,14 +5656,12 @@ def write_marker(folder: str) -> Optional[str]:
 
 
 def read_markers(folder: str) -> list:
-    from pyarrow import fs
     files, path = files_at(folder)
     return [info.base_name for info in
             files.get_file_info(fs.FileSelector(path, allow_not_found=True))]
 
 
 def remove_markers(folder: str, created: dict) -> None:
-    from pyarrow import ArrowException
     with contextlib.suppress(OSError, ArrowException, ValueError):
         files, path = files_at(folder)
         files.delete_dir(path)
