@@ -3366,11 +3366,8 @@ SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
 class Checkpointer:
-    """What the loop asks after each step: save now? stop now? Saves within an epoch
-    (--checkpoint-every) and stops (SIGTERM, the driver's) are agreed by every rank in one small
-    all-reduce, about once a second of training and at log steps; on it ride the logged loss, the
-    replicas' digests (--check-replicas) and each rank's forward time. Rank 0's progress, epoch
-    lines, reports and ledger of time; each rank's watchdog."""
+    """What the loop asks after each step: save now? stop now? The ranks agree in one all-reduce
+    about once a second of training, on which ride the logged loss and the replicas' digests."""
 
     AGREE_S = 1.0  # seconds of training between two agreements (each step, if steps are slower)
 
@@ -3493,10 +3490,8 @@ class Checkpointer:
 
     def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool, check: bool,
               where: tuple) -> set:
-        """One all-reduce: each rank's votes (a stop; a save due by rank 0's clock), rank 0's
-        steps to the next agreement (about AGREE_S of training) and to the next check of the
-        replicas, the loss since the last log step and the epoch's so far, each rank's forward
-        seconds a step and, at a check, its replicas' digest."""
+        """One all-reduce: each rank's votes (stop, save), rank 0's steps to the next agreement
+        and check, the losses, each rank's forward seconds and, at a check, its replicas' digest."""
         mine = {SIGTERM_VOTE} if self.stop is not None and self.stop.asked else set()
         main, world, device = self.worker.is_main, self.worker.world, self.worker.device
         if check:  # the step's own GPU work is not the check's
@@ -3700,9 +3695,8 @@ def graceful_stop() -> Optional[GracefulStop]:
 
 @contextlib.contextmanager
 def own_ray_watched(cfg: Config, stop: GracefulStop):
-    """SIGTERM to the driver's whole process group (timeout, scancel) stops the Ray ray_dp started
-    too, whose GCS the driver would wait a minute for: once it is gone and the workers had seconds
-    to save, the run's one line and exit 143."""
+    """SIGTERM to the driver's process group (timeout, scancel) stops ray_dp's own Ray too: once
+    its GCS is gone and the workers had seconds to save, one line and exit 143 (not Ray's 60 s)."""
     import psutil
     me, done, ending = psutil.Process(), threading.Event(), threading.Lock()
     host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
@@ -3831,9 +3825,8 @@ def as_bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
-    """Each tensor's (torch.hash_tensor: the xor of its elements' bits; the sum of those bits as
-    integers, which sees a change to equal values that an xor cancels): int64 (n, 2), computed
-    where each tensor is."""
+    """Each tensor's torch.hash_tensor (an xor of its bits) and the integer sum of its bits (which
+    sees equal values changed together, where an xor cancels): int64 (n, 2), on its device."""
     rows = [torch.stack([torch.hash_tensor(bits).view(torch.int64), bits.sum(dtype=torch.int64)])
             if bits.numel() else torch.zeros(2, dtype=torch.int64, device=bits.device)
             for bits in (as_bits(tensor) for _, tensor in named)]
@@ -3846,10 +3839,8 @@ def digest(hashes: torch.Tensor, extra: str = "") -> bytes:
 
 
 def replica_state(model, optimizer, stage: str) -> list:
-    """(name, tensor) of what every replica must hold alike: the parameters; at an epoch's end, when
-    rank 0's have just been broadcast, the buffers (DDP broadcasts them before each forward pass:
-    between two, BatchNorm's statistics differ); at saves, the optimizer's state. stage: "step",
-    "save" or "epoch"."""
+    """(name, tensor) every replica holds alike at `stage`: "step" the parameters; "epoch" the
+    buffers too (DDP broadcasts them before each forward); "save" the optimizer's state too."""
     if isinstance(model, list):  # scratch mode's parameters
         return list(zip(LENET_KEYS, model))
     named = [*model.named_parameters(), *(model.named_buffers() if stage == "epoch" else ())]
@@ -3986,9 +3977,8 @@ class Ledger:
 
 def run_ledger(clock: dict, attempts: list, failed_at: list, ended: float,
                before: Optional[dict] = None) -> dict:
-    """The run's wall clock, from the driver's start to its end, as seconds in LEDGER's categories
-    (what no clock accounts for: "other"), over every attempt (a failure's restart) and, with
-    `before`, every earlier command of the same run; goodput: training steps / wall clock."""
+    """The run's wall clock in LEDGER's categories (the rest: "other"), over every attempt and,
+    with `before`, every earlier command of the run; goodput: training steps / wall clock."""
     begun, fitted = clock.get("started") or clock["imported"], clock.get("fitted", ended)
     seconds = dict.fromkeys(LEDGER, 0.0)
     seconds["driver"] = clock["checked"] - begun + ended - fitted  # imports, checks, summary
@@ -4075,9 +4065,8 @@ def write_ledger_events(cfg: Config, ledger: dict, epoch: int) -> None:
 
 
 class Watchdog:
-    """A thread of each rank's: when the loop makes no progress for --timeout / 2 seconds, when
-    the driver asks (SIGUSR1) or a stop is agreed, this rank's Python stacks go to
-    <run dir>/hang/rank<N>.txt and torch's flight recorder to rank<N>.json."""
+    """A thread of each rank's: no progress for --timeout / 2 s, SIGUSR1 or an agreed stop writes
+    its stacks to <run dir>/hang/rank<N>.txt and torch's flight recorder to rank<N>.json."""
 
     def __init__(self, cfg: Config, worker: Worker, board=None):
         self.cfg, self.worker, self.board, self.asked, self.answered = cfg, worker, board, False, 0
@@ -4450,9 +4439,8 @@ def run_callbacks(cfg: Config, logs: Optional[str], options: LoopOptions, done: 
 
 
 def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config, dict]:
-    """The config and checkpoint for --eval-only: what the checkpoint fixes comes from it; a typed
-    training flag, or a value that contradicts it, is refused rather than ignored. `own`: fields
-    the command sets itself (predict: its inputs), not the checkpoint's."""
+    """--eval-only's config (what the checkpoint fixes comes from it; a typed training flag that
+    contradicts it is refused) and checkpoint. `own`: fields the command sets (predict's inputs)."""
     path = checkpoint_file(cfg.eval_only)
     checkpoint = load_checkpoint(path)
     if "model" in uncertified(checkpoint):
@@ -5097,9 +5085,8 @@ class TorchrunLauncher:
 
 def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0, keep: int = 0,
                     best: bool = False) -> None:
-    """Rank 0's checkpoint where Ray would have committed it, whole or not at all (renamed into
-    place, or one object), and as the best; once it is durable, the mid-epoch ones before it go,
-    and the epoch ones but the latest `keep` (0: all)."""
+    """Rank 0's checkpoint where Ray would have committed it, whole or not at all (and as the
+    best); once it is durable, older mid-epoch ones go, and epoch ones but the latest `keep`."""
     saved = io.BytesIO()
     torch.save(state, saved)
     name = checkpoint_dir_name(epoch, step)
