@@ -81,6 +81,7 @@ if (_problem := ray_version_problem(ray.__version__)):
     raise ImportError(_problem)
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -1798,6 +1799,10 @@ def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = Fa
     if not sys.stdout.isatty():  # the workers' lines without Ray's colour codes in a file or pipe
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     RAY_STARTED.update(worker_output=worker_output, local=not address)
+    if worker_output and not address and (others := [  # its workers' lines alone reach this console
+            str(p.pid) for p in psutil.process_iter(["name"]) if p.info["name"] == "gcs_server"]):
+        print(f"note: another Ray runs on this machine (its GCS: pid {', '.join(others)}); ray_dp "
+              f"starts its own beside it", flush=True)
     if not address:
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **settings)
         return
@@ -3697,7 +3702,6 @@ def graceful_stop() -> Optional[GracefulStop]:
 def own_ray_watched(cfg: Config, stop: GracefulStop):
     """SIGTERM to the driver's process group (timeout, scancel) stops ray_dp's own Ray too: once
     its GCS is gone and the workers had seconds to save, one line and exit 143 (not Ray's 60 s)."""
-    import psutil
     me, done, ending = psutil.Process(), threading.Event(), threading.Lock()
     host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
 

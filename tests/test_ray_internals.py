@@ -104,11 +104,27 @@ def test_ray_dps_own_ray_asks_its_own_state_api_where_another_ray_runs_beside_it
         os.environ.pop("RAY_ADDRESS", None)
 
 
+def test_worker_output_beside_another_ray_says_so_once(monkeypatch, capsys):
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **settings: None)
+    monkeypatch.setattr(ray_dp, "RAY_STARTED", {})
+    other = types.SimpleNamespace(pid=4242, info={"name": "gcs_server"})
+    monkeypatch.setattr(ray_dp.psutil, "process_iter", lambda attrs: iter([other]))
+    ray_dp.start_ray("", 2)  # the workers' output in Ray's logs: nothing of the other Ray to say
+    assert capsys.readouterr().out == ""
+    ray_dp.start_ray("", 2, worker_output=True)
+    assert capsys.readouterr().out == ("note: another Ray runs on this machine (its GCS: pid 4242); ray_dp starts its "
+                                       "own beside it\n")
+    monkeypatch.setattr(ray_dp.psutil, "process_iter", lambda attrs: iter([]))
+    ray_dp.start_ray("", 2, worker_output=True)
+    assert capsys.readouterr().out == ""
+
 def test_worker_output_into_a_file_or_pipe_has_no_colour_codes(monkeypatch, capsys):
     started = {}
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **settings: started.update(settings))
     monkeypatch.setattr(ray_dp, "RAY_STARTED", {})
+    monkeypatch.setattr(ray_dp.psutil, "process_iter", lambda attrs: iter([]))  # no other Ray's note
     monkeypatch.setenv("RAY_COLOR_PREFIX", "")
     monkeypatch.delenv("RAY_COLOR_PREFIX")  # (restored as it was after the test)
     ray_dp.start_ray("", 2, worker_output=True)  # stdout: pytest's capture, not a terminal
