@@ -802,14 +802,16 @@ def autocast(cfg: Config, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
 
 
-def learning_rate(cfg: Config, epoch: int) -> float:
-    """A pure function of the epoch: a resumed run continues on the same schedule."""
+def learning_rate(cfg: Config, epoch: int, lr: Optional[float] = None) -> float:
+    """A pure function of the epoch: a resumed run continues on the same schedule. `lr`: the
+    peak, --lr unless your optimizer's group set its own."""
+    lr = cfg.lr if lr is None else lr
     if epoch < cfg.warmup_epochs:  # lr x 1/(W+1), 2/(W+1), ..., then the schedule
-        return cfg.lr * (epoch + 1) / (cfg.warmup_epochs + 1)
+        return lr * (epoch + 1) / (cfg.warmup_epochs + 1)
     if cfg.lr_schedule == "constant":
-        return cfg.lr
+        return lr
     done = (epoch - cfg.warmup_epochs) / (cfg.epochs - cfg.warmup_epochs)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * done))
+    return lr * 0.5 * (1 + math.cos(math.pi * done))
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
@@ -855,7 +857,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
     criterion, tic = loss_function(cfg), time.perf_counter()
     model.train()
     for group in optimizer.param_groups if schedule is None else ():
-        group["lr"] = learning_rate(cfg, epoch)
+        group["lr"] = learning_rate(cfg, epoch, group.get("initial_lr"))
     first, losses = checkpointer.epoch_start(epoch)  # step 0, or where a mid-epoch save left it
     batches.sampler.set_epoch(epoch, losses.done)  # 5. set_epoch: a new shuffle each epoch
     steps, micro_batches = first + len(batches) // cfg.accum_steps, Waited(batches)
@@ -1548,17 +1550,18 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
     if command == "train":
         typed_cfg, options["typed"] = cfg, tuple(sorted(typed))
         cfg, options["resume"] = check_run_dir(cfg, typed)
-        if not under_torchrun() and (summary := finished_result(cfg, options["resume"])):
-            return "finished", cfg, {"summary": summary, "done": options["resume"].done}
         adopted = [as_flag(f, getattr(cfg, f)) for f in CONFIG_FIELDS
                    if getattr(cfg, f) != getattr(typed_cfg, f) and f in CLI_FIELDS]
     try:
         validate(cfg, resuming=options.get("resume", Resume()).resumes)
-    except ConfigError as exc:
-        if adopted:  # the value at fault may be one the user never typed
-            raise ConfigError(f"{exc}; run '{cfg.name}' trained with {', '.join(adopted)}, which "
+    except ConfigError as exc:  # the value at fault may be one the user never typed
+        if named := [flag for flag in adopted if flag.split()[0].lstrip("-") in str(exc)]:
+            raise ConfigError(f"{exc}; run '{cfg.name}' trained with {', '.join(named)}, which "
                               f"this rerun takes from it") from None
         raise
+    if command == "train" and not under_torchrun() and (
+            summary := finished_result(cfg, options["resume"])):
+        return "finished", cfg, {"summary": summary, "done": options["resume"].done}
     return command, cfg, options
 
 
@@ -2497,6 +2500,8 @@ def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"--optimizer {cfg.optimizer} returned {type(optimizer).__name__}, not "
                           f"a torch.optim.Optimizer")
+    for group in optimizer.param_groups:  # the peak that --lr-schedule cosine|constant scales
+        group.setdefault("initial_lr", group["lr"])
     return optimizer
 
 
@@ -3100,9 +3105,9 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
         checkpoint = latest_committed(cfg.run_dir) or checkpoint
     best = best_epoch(history, cfg.best_by)
     summary = run_record(
-        cfg, history[-1], out, checkpoint, epochs=history, best=best and {
+        cfg, history[-1], out, checkpoint, epochs=history, best={
             "epoch": best["epoch"], "metric": cfg.best_by, "value": best[cfg.best_by],
-            "checkpoint": os.path.join(cfg.run_dir, BEST_CHECKPOINT)},
+            "checkpoint": os.path.join(cfg.run_dir, BEST_CHECKPOINT)} if best else None,
         sec_per_epoch=statistics.median(m["epoch_seconds"] for m in whole),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
         **{key: out[key] for key in ("started_at_epoch", "node_ranks", "first_step_at")},
@@ -3129,8 +3134,9 @@ def finished(cfg: Config, summary: dict, done: int) -> dict:
 def finished_run(cfg: Config, done: int) -> str:
     said = (f"has trained {done} epochs, more than --epochs {cfg.epochs}" if done > cfg.epochs
             else f"already finished its {plural(done, 'epoch')}")
-    return (f"run '{cfg.name}' {said}; nothing to train (--epochs {max(done, cfg.epochs) + 10} "
-            f"trains it further)")
+    further = (f"--epochs {max(done, cfg.epochs) + 10} trains it further" if not is_code(
+        cfg.lr_schedule) else "its own --lr-schedule spans its epochs: --fresh starts it over")
+    return f"run '{cfg.name}' {said}; nothing to train ({further})"
 
 
 def wrote_run(cfg: Config, summary: dict) -> str:
@@ -3140,9 +3146,9 @@ def wrote_run(cfg: Config, summary: dict) -> str:
         return f"wrote {result} (no epoch left to train)"
     first = max(first, last - cfg.keep_checkpoints + 1) if cfg.keep_checkpoints else first
     checkpoints = checkpoint_dir_name(first) + (f" to {checkpoint_dir_name(last)}" * (last > first))
-    best = summary.get("best") or {}
-    best = best and (f", checkpoint_best (epoch {best['epoch']}, {best['metric']} "
-                     f"{best['value']:.4g})")
+    best = summary.get("best")
+    best = (f", checkpoint_best (epoch {best['epoch']}, {best['metric']} {best['value']:.4g})"
+            if best else "")
     return (f"wrote {result} and {checkpoints}{best} beside it; TensorBoard events in "
             f"{os.path.join(cfg.logdir, cfg.name)}")
 
@@ -4543,8 +4549,10 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     info = DataInfo((len(train_set), len(test_set)), input_shape(cfg, test_set), names,
                     not isinstance(test_set, TensorDataset), (test_set, test_set),
                     outputs=outputs(test_set, names))
+    best = (f"; the run's best: epoch {checkpoint['epoch']} by --best-by {cfg.best_by}"
+            if cfg.eval_only.endswith(BEST_CHECKPOINT) else "")
     cfg, out = scored(cfg, checkpoint, info, f"evaluating {cfg.eval_only} ({cfg.model} on "
-                      f"{cfg.dataset}, {len(test_set)} test samples)")
+                      f"{cfg.dataset}, {len(test_set)} test samples{best})")
     metrics = out["metrics"]
     predictions, confusion = metrics.pop("predictions"), metrics.pop("confusion")
     metrics.update({"confusion": confusion} if names else {})

@@ -83,8 +83,11 @@ def test_a_finished_run_ends_before_ray_starts_and_says_how_to_extend_it(tmp_pat
                       "it further)"
     assert ray_dp.main(["--name", "done", *DIGITS, *runs(tmp_path), "--epochs", "2"]) == 0
     assert "has trained 3 epochs, more than --epochs 2; nothing to train" in capsys.readouterr().out
-    # No training check applies to a run that trains nothing (3 workers would not split its batch of 64) ...
-    assert ray_dp.main(["--name", "done", *DIGITS, *runs(tmp_path), "--workers", "3"]) == 0
+    # ... its command checked as any other's (rule 1: validated on every path), though it trains nothing
+    assert "--batch-size 64 must divide by workers x accum-steps = 3" in error_of(
+        ["--name", "done", *DIGITS, *runs(tmp_path), "--workers", "3"], capsys)
+    assert error_of(["--name", "done", *DIGITS, *runs(tmp_path), "--keep-checkpoints", "-1"], capsys) == (
+        "ray_dp.py: error: --keep-checkpoints must be at least 0, got -1\n")
     summary = ray_dp.train(name="done", dataset="digits", storage_path=str(tmp_path / "runs"))
     assert [m["epoch"] for m in summary["epochs"]] == [1, 2, 3]
     assert capsys.readouterr().out.strip().endswith("already finished its 3 epochs; nothing to train (--epochs 13 "

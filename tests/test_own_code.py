@@ -261,6 +261,17 @@ def test_your_schedule_is_tried_after_the_step_it_follows_so_torch_warns_nothing
         warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()" printed in the run
         ray_dp.check_training_choices(cfg, ray_dp.check_data(cfg)[1])
 
+
+def test_your_optimizers_own_rate_is_what_the_cosine_schedule_scales_not_lr(code):
+    from test_spot import Saves, run
+    (code / "fixed.py").write_text("import torch\n\n\ndef adam_1e3(params, cfg):\n"
+                                   "    return torch.optim.Adam(params, lr=1e-3)\n")
+    cfg = ray_dp.Config(dataset="digits", model="mlp", epochs=2, lr=0.05, quiet=True, checkpoint_every="0",
+                        optimizer=f"{code}/fixed.py:adam_1e3", storage_path=str(code / "runs"), name="fixed")
+    saves = Saves()
+    run(cfg, saves, 1)
+    assert [m["lr"] for m in saves.epochs] == [ray_dp.learning_rate(cfg, e, 1e-3) for e in (0, 1)] == [1e-3, 5e-4]
+
 def test_result_json_records_your_codes_file_and_hash_as_its_checkpoint_does(code):
     import hashlib
     cfg = ray_dp.Config(model=f"{code}/mine.py:TabularMLP", dataset=f"{code}/mine.py:wine", loss="mse")
