@@ -1462,6 +1462,8 @@ def main(argv=None) -> int:
     command, cfg = "train", None
     try:
         command, cfg, options = parse_command(argv)
+        if command == "predict" and not cfg.predict_out:  # ray_dp.predict() may return rows alone
+            raise ConfigError("--out must name a .csv file, got ''")
         commands = {"compare": compare, "eval": run_eval, "train": run, "models": list_models,
                     "doctor": doctor, "finished": finished, "predict": run_predict}
         outcome = commands[command](cfg, **options)
@@ -4631,7 +4633,8 @@ def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
     names = list(checkpoint["classes"])  # a checkpoint from before "outputs": its last bias's width
     width = checkpoint.get("outputs") or len(names) or [
         t for t in checkpoint["model"].values() if t.ndim][-1].shape[0]
-    inputs, keys = predict_inputs(cfg, torch.tensor(0) if names else torch.zeros(width))
+    inputs, keys = predict_inputs(cfg, torch.tensor(0) if names else torch.zeros(width),
+                                  checkpoint["config"]["dataset"])
     info = DataInfo((len(inputs), len(inputs)), input_shape(cfg, inputs), names,
                     not isinstance(inputs, TensorDataset), (inputs, inputs), outputs=width)
     cfg, out = scored(cfg, checkpoint, info, f"predicting {plural(len(inputs), 'input')} with "
@@ -4649,7 +4652,7 @@ def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
     return rows
 
 
-def predict_inputs(cfg: Config, target: torch.Tensor) -> tuple:
+def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
     """predict's inputs as a test set of stand-in targets, and each one's key: a folder's images,
     any layout (by path, sorted), read as the run's evaluation reads its own; or your Dataset."""
     from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
@@ -4662,7 +4665,7 @@ def predict_inputs(cfg: Config, target: torch.Tensor) -> tuple:
                   if isinstance(data, TensorDataset) else Unlabelled(data, None, target))
     elif os.path.isdir(where := cfg.data_dir):
         files = sorted(os.path.relpath(os.path.join(folder, name), where) for folder, _, names
-                       in os.walk(where, followlinks=True) for name in names
+                       in os.walk(where) for name in names  # linked folders: not walked
                        if has_file_allowed_extension(name, IMG_EXTENSIONS))
         read = image_transforms(cfg)[1]  # decoded first
         read.transforms.insert(0, functools.partial(read_image, data_dir=where))
@@ -4673,6 +4676,10 @@ def predict_inputs(cfg: Config, target: torch.Tensor) -> tuple:
     if not keys:
         raise DataError(f"--inputs {where} holds no inputs" if is_code(where) else
                         f"--inputs {where} holds no image ({', '.join(IMG_EXTENSIONS)})")
+    if not is_code(where) and trained != "folder":  # its size, channels and scaling unknown
+        raise DataError(f"--inputs {where}: images are read as a run of --dataset folder reads "
+                        f"its own, but this run trained on --dataset {trained}: give --inputs "
+                        f"FILE.py:NAME returning inputs as it trained on them")
     check_sendable(cfg, (inputs,))
     return inputs, keys
 

@@ -228,8 +228,9 @@ PREDICT_BAD_INPUTS = [
     (lambda d: [str(d), "--inputs", f"{OWN}:wine"], f"error: --inputs {OWN}:wine returned tuple, not a Dataset"),
     (lambda d: [str(d), "--inputs", f"{OWN}:new_wines"], f"error: --model lenet fails on 16 samples of {OWN}:new_wines "
                                                          f"(inputs (16, 13)): "),
-    (lambda d: [str(d), "--inputs", str(d.parent / "colour")], "error: the checkpoint's weights do not fit --model "
-                                                               "lenet: size mismatch for "),
+    (lambda d: [str(d), "--inputs", str(d.parent / "colour")],  # its tensors' size, channels and scaling: unknown
+     "error: --inputs {d.parent}/colour: images are read as a run of --dataset folder reads its own, but this run "
+     "trained on --dataset digits: give --inputs FILE.py:NAME returning inputs as it trained on them"),
     (lambda d: [str(d.parent / "wine"), "--inputs", f"{OWN}:new_wines"],
      f"error: the checkpoint trained your own code: name it again, --model {OWN}:TabularMLP (ray_dp.train(): "),
     (lambda d: [str(d.parent / "wine"), "--model", f"{OWN}:TabularMLP", "--inputs", f"{OWN}:new_patients"],
@@ -240,6 +241,7 @@ PREDICT_BAD_INPUTS = [
      "error: unrecognized arguments: --dataset digits (see --help)"),  # named as typed
     (lambda d: [str(d)], "error: the following arguments are required: --inputs, --out (see --help)"),
     (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--out"], "error: argument --out: expected one argument"),
+    (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--out", ""], "error: --out must name a .csv file, got ''"),
 ]
 
 
@@ -268,10 +270,10 @@ def test_predict_under_torchrun_says_to_run_it_with_python(run_dir, no_cluster, 
 def test_predict_reads_your_inputs_alone_and_a_folders_images_in_path_order(run_dir, tmp_path):
     # (input, anything) pairs: the input alone, with a stand-in target; a TensorDataset stays in memory
     cfg = ray_dp.Config(dataset=f"{OWN}:new_patients")
-    inputs, keys = ray_dp.predict_inputs(cfg, torch.zeros(2))
+    inputs, keys = ray_dp.predict_inputs(cfg, torch.zeros(2), "folder")
     assert len(inputs) == len(keys) == 89 and keys[:2] == [{"index": 0}, {"index": 1}]
     assert inputs[5][0].shape == (9,) and torch.equal(inputs[5][1], torch.zeros(2))
-    inputs, _ = ray_dp.predict_inputs(ray_dp.Config(dataset=f"{OWN}:new_wines"), torch.tensor(0))
+    inputs, _ = ray_dp.predict_inputs(ray_dp.Config(dataset=f"{OWN}:new_wines"), torch.tensor(0), "wine")
     assert isinstance(inputs, ray_dp.TensorDataset) and inputs.tensors[1].tolist() == [0] * 36
     # images in any layout, every one under the folder once, sorted by their path; other files left out
     from PIL import Image
@@ -279,9 +281,10 @@ def test_predict_reads_your_inputs_alone_and_a_folders_images_in_path_order(run_
         (tmp_path / "new" / name).parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (40, 30)).save(tmp_path / "new" / name)
     (tmp_path / "new" / "a" / "notes.txt").write_text("not an image")
+    (tmp_path / "new" / "a" / "loop").symlink_to(tmp_path / "new")  # a linked folder is not walked: no input twice
     cfg = ray_dp.Config(dataset="folder", data_dir=str(tmp_path / "new"), image_size=28,
                         normalize=((0.5,) * 3, (0.2,) * 3))
-    inputs, keys = ray_dp.predict_inputs(cfg, torch.tensor(0))
+    inputs, keys = ray_dp.predict_inputs(cfg, torch.tensor(0), "folder")
     assert [key["path"] for key in keys] == ["0.png", "a b/1.jpg", "a/z/3.png", "b/2.png"]
     assert inputs[0][0].shape == (3, 28, 28) and inputs[0][0].min() == -2.5  # resized, cropped, normalised
 
