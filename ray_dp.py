@@ -5114,9 +5114,13 @@ def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0, keep: 
     storage, path = files_at(run_dir)
     folders = [PurePosixPath(older).parent.name for older in epoch_checkpoints(run_dir)]
     whole = [folder for folder in folders if not checkpoint_order(folder)[1]]
-    for folder in folders:
-        if folder != name and (checkpoint_order(folder)[1] or keep and folder in whole[:-keep]):
-            storage.delete_dir(f"{path}/{folder}")
+    gone = [folder for folder in folders if folder != name and (
+        checkpoint_order(folder)[1] or keep and folder in whole[:-keep])]
+    for folder in gone:
+        storage.delete_dir(f"{path}/{folder}")
+    if gone and storage.get_file_info(f"{path}/{RAY_SNAPSHOT}").type == fs.FileType.File:
+        storage.delete_file(f"{path}/{RAY_SNAPSHOT}")  # Ray's list of what went: Ray's next run
+        # resumes from the highest, as a run torchrun began
 
 
 def under_torchrun() -> bool:

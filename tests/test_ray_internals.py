@@ -237,6 +237,17 @@ def test_a_snapshot_resumes_from_the_latest_checkpoint_ray_reported_as_ray_does(
     assert ray_dp.latest_committed(str(run)) is None
 
 
+
+def test_torchrun_deleting_a_checkpoint_ray_lists_drops_rays_list_so_ray_resumes_from_the_highest(tmp_path):
+    # a Ray run (2 epochs, listed) extended under torchrun keeping 1: Ray's list named a deleted checkpoint, and the
+    # next Ray run could not resume
+    run = save_run(tmp_path / "run", saved=[1, 2])
+    (run / ray_dp.RAY_SNAPSHOT).write_text(ray_snapshot_json("checkpoint_epoch_001", "checkpoint_epoch_002"))
+    state = ray_dp.load_checkpoint(str(run / "checkpoint_epoch_002" / ray_dp.CHECKPOINT_FILE))
+    ray_dp.save_checkpoint(str(run), {**state, "epoch": 3}, 3, keep=1)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint_epoch_003"]
+    assert ray_dp.resume_point(str(run)) == (f"{run}/checkpoint_epoch_003/{ray_dp.CHECKPOINT_FILE}", False)
+
 def other_shapes():
     """Snapshots Ray does not load: unreadable, or what ray_dp reads is missing or of another type (its model of the
     file rejects them), or (the last) a latest checkpoint it does not list (its _load_state's KeyError)."""
