@@ -2532,13 +2532,14 @@ def code_file(spec: str) -> Optional[dict]:
 
 
 def source_text(value) -> bytes:
-    """A class's or a function's source; its compiled code where Python keeps no file for it."""
-    import marshal
-    try:
-        return inspect.getsource(value).encode()
-    except (OSError, TypeError):
-        parts = vars(value).values() if isinstance(value, type) else [value]
-        return b"".join(marshal.dumps(part.__code__) for part in parts if hasattr(part, "__code__"))
+    """A class's or a function's compiled code, as every process that unpickles it has it (its
+    source is where it was defined alone: a Ray worker's hash would differ)."""
+    def parts(code) -> tuple:
+        return code.co_code, code.co_names, code.co_varnames, tuple(
+            parts(c) if inspect.iscode(c) else sorted(map(repr, c)) if isinstance(c, frozenset)
+            else repr(c) for c in code.co_consts)
+    made = vars(value).values() if isinstance(value, type) else [value]
+    return repr([parts(part.__code__) for part in made if hasattr(part, "__code__")]).encode()
 
 
 def code_for_workers(cfg: Config) -> list:
@@ -4583,7 +4584,8 @@ def scored(cfg: Config, checkpoint: dict, info: DataInfo, doing: str) -> tuple[C
         raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, which this "
                           f"command would write over; choose another --name")
     cfg = connect(cfg)
-    print(f"ray-dp: {doing} on {cfg.workers} {'GPU' if cfg.gpu else 'CPU'} workers", flush=True)
+    kind = "GPU" if cfg.gpu else "CPU"
+    print(f"ray-dp: {doing} on {plural(cfg.workers, f'{kind} worker')}", flush=True)
     options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(info.classes),
                           outputs=info.outputs, data=ray.put((None, shared(info.datasets[1]))))
     out = fit(cfg, eval_loop_per_worker, options).return_value
@@ -4701,7 +4703,7 @@ class Unlabelled(torch.utils.data.Dataset):
 
 
 def format_eval(metrics: dict, per_class: list, out: dict) -> str:
-    workers = f"on {out['world_size']} workers ({out['device']})"
+    workers = f"on {plural(out['world_size'], 'worker')} ({out['device']})"
     if not per_class:
         return f"test loss {metrics['test_loss']:.4f} ({metrics['test_count']} samples) {workers}"
     lines = [f"test loss {metrics['test_loss']:.4f}, test acc {metrics['test_acc']:.4f} "

@@ -272,6 +272,28 @@ def test_your_optimizers_own_rate_is_what_the_cosine_schedule_scales_not_lr(code
     run(cfg, saves, 1)
     assert [m["lr"] for m in saves.epochs] == [ray_dp.learning_rate(cfg, e, 1e-3) for e in (0, 1)] == [1e-3, 5e-4]
 
+
+def test_an_objects_hash_is_the_same_in_a_process_that_unpickles_it_by_value(code, monkeypatch):
+    # a class passed from Python reaches Ray's workers by value: the checkpoint's hash (a worker's) once differed from
+    # result.json's (the driver's), and every predict, eval-only and rerun noted a change that was none
+    import subprocess
+    import sys
+    import ray.cloudpickle
+    (code / "notebook_code.py").write_text("import torch.nn as nn\n\n\nclass Net(nn.Module):\n"
+                                           "    def forward(self, x):\n        return x * len({'a', 'b'})\n")
+    monkeypatch.syspath_prepend(str(code))
+    import notebook_code
+    ray.cloudpickle.register_pickle_by_value(notebook_code)
+    try:
+        blob = ray.cloudpickle.dumps(notebook_code.Net)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(notebook_code)
+        sys.modules.pop("notebook_code")
+    there = subprocess.run([sys.executable, "-c", "import pickle, sys, ray_dp; sys.stdout.buffer.write("
+                            "ray_dp.source_text(pickle.loads(sys.stdin.buffer.read())))"],
+                           input=blob, capture_output=True, cwd=REPO, check=True).stdout
+    assert there == ray_dp.source_text(notebook_code.Net)
+
 def test_result_json_records_your_codes_file_and_hash_as_its_checkpoint_does(code):
     import hashlib
     cfg = ray_dp.Config(model=f"{code}/mine.py:TabularMLP", dataset=f"{code}/mine.py:wine", loss="mse")
