@@ -94,6 +94,16 @@ def test_the_docs_commands_are_found_and_every_one_parses():
             parsed(command)
 
 
+def test_the_flags_a_rerun_may_change_are_listed_as_the_flags_declare_them():
+    text = open(os.path.join(REPO, "docs", "fault-tolerance.md")).read()
+    listed = text.split("A rerun may change: ", 1)[1].split("\n\n", 1)[0]
+    named = {word.strip("`,.").removeprefix("--").replace("-", "_") for word in listed.replace("/", " ").split()
+             if word.startswith("`--")}
+    named = {{"no_download": "download", "cpu": "gpu"}.get(name, name) for name in named}
+    # the commands' own settings (--eval-only, --predict-out), --name and --fresh say which run, not how it trains
+    assert named == ray_dp.RERUN_MAY_CHANGE - {"eval_only", "predict_out", "name", "fresh"}
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # tensorboard's vendored html5lib, as it is imported
 def test_torchrun_and_tensorboard_lines_parse_with_their_own_programs_which_the_venv_installs():
     from tensorboard import program
