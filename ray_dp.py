@@ -4472,8 +4472,9 @@ def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config
     if contradicting:
         was = ", ".join(as_flag(name, trained[name]) for name in contradicting)
         says = ", ".join(as_flag(name, getattr(cfg, name)) for name in contradicting)
+        fix = f"name it again: {was}" if set(contradicting) & set(CODE_FLAGS) else "drop it"
         raise ConfigError(f"the checkpoint holds a {trained['model']} trained on "
-                          f"{trained['dataset']} with {was}; {says} contradicts it (drop it)")
+                          f"{trained['dataset']} with {was}; {says} contradicts it ({fix})")
     taken = {name: trained[name] for name in EVAL_FROM_CHECKPOINT if name not in typed}
     note_code_changed(replace(cfg, **taken), {"code": code}, f"{path} was saved")
     # a scratch checkpoint is a LeNet state_dict too: every checkpoint is evaluated the ddp way

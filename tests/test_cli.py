@@ -233,6 +233,8 @@ PREDICT_BAD_INPUTS = [
      "trained on --dataset digits: give --inputs FILE.py:NAME returning inputs as it trained on them"),
     (lambda d: [str(d.parent / "wine"), "--inputs", f"{OWN}:new_wines"],
      f"error: the checkpoint trained your own code: name it again, --model {OWN}:TabularMLP (ray_dp.train(): "),
+    (lambda d: [str(d.parent / "wine"), "--model", f"{OWN}:HeadFirstMLP", "--inputs", f"{OWN}:new_wines"],
+     f"--model {OWN}:HeadFirstMLP contradicts it (name it again: --model {OWN}:TabularMLP)"),
     (lambda d: [str(d.parent / "wine"), "--model", f"{OWN}:TabularMLP", "--inputs", f"{OWN}:new_patients"],
      f"error: the checkpoint's weights do not fit --model {OWN}:TabularMLP ({OWN} as it is now): size mismatch"),
     (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--epochs", "3"],
