@@ -5371,6 +5371,10 @@ def checkpoint_config(cfg: Config) -> CheckpointConfig:
     ones what room --epochs + 1 leaves): Ray keeps the best by keep_score, and the latest."""
     committed = (ray_snapshot(cfg.run_dir) or {}).get("checkpoint_results", [])
     if not all("keep" in entry["metrics"] for entry in committed):
+        if cfg.keep_checkpoints:
+            print(f"note: run '{cfg.name}' began before --keep-checkpoints: Ray keeps every "
+                  f"checkpoint it lists (--fresh starts it over with the latest "
+                  f"{cfg.keep_checkpoints} kept)", flush=True)
         return CheckpointConfig(num_to_keep=None)
     return CheckpointConfig(num_to_keep=cfg.keep_checkpoints or cfg.epochs + 1,
                             checkpoint_score_attribute="keep", checkpoint_score_order="max")

@@ -248,6 +248,20 @@ def test_torchrun_deleting_a_checkpoint_ray_lists_drops_rays_list_so_ray_resumes
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint_epoch_003"]
     assert ray_dp.resume_point(str(run)) == (f"{run}/checkpoint_epoch_003/{ray_dp.CHECKPOINT_FILE}", False)
 
+
+def test_a_run_ray_listed_before_keep_checkpoints_says_its_checkpoints_stay(tmp_path, capsys):
+    run = save_run(tmp_path / "runs" / "old", saved=[1, 2])
+    (run / ray_dp.RAY_SNAPSHOT).write_text(ray_snapshot_json("checkpoint_epoch_001", "checkpoint_epoch_002"))
+    cfg = ray_dp.with_absolute_paths(ray_dp.Config(storage_path=str(tmp_path / "runs"), name="old", keep_checkpoints=2))
+    assert ray_dp.checkpoint_config(cfg).num_to_keep is None  # Ray's list has no "keep" score to rank them by
+    assert capsys.readouterr().out == ("note: run 'old' began before --keep-checkpoints: Ray keeps every checkpoint it "
+                                       "lists (--fresh starts it over with the latest 2 kept)\n")
+    state = json.loads(ray_snapshot_json("checkpoint_epoch_001", "checkpoint_epoch_002"))
+    for entry in state["checkpoint_results"]:
+        entry["metrics"]["keep"] = entry["metrics"]["epoch"]
+    (run / ray_dp.RAY_SNAPSHOT).write_text(json.dumps(state))
+    assert ray_dp.checkpoint_config(cfg).num_to_keep == 2 and capsys.readouterr().out == ""
+
 def other_shapes():
     """Snapshots Ray does not load: unreadable, or what ray_dp reads is missing or of another type (its model of the
     file rejects them), or (the last) a latest checkpoint it does not list (its _load_state's KeyError)."""
