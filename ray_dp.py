@@ -4070,7 +4070,13 @@ def record_ledger(cfg: Config, out: Optional[dict], board, recovery: Optional[di
 
 
 def write_ledger_events(cfg: Config, ledger: dict, epoch: int) -> None:
+    """The ledger's scalars in an events file whose name sorts after rank 0's: TensorBoard reads a
+    run's files in name order (second, host, pid) and never reads one that sorts before its last."""
     from torch.utils.tensorboard import SummaryWriter
+    names = [path.name.split(".") for path in Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*")]
+    newest = max((int(name[3]) for name in names if name[3].isdigit()), default=0)
+    while 0 <= newest - int(time.time()) < 2:  # the same second as rank 0's last file (or a clock 1 s ahead)
+        time.sleep(0.1)
     with SummaryWriter(os.path.join(cfg.logdir, cfg.name)) as writer:
         for what in LEDGER:
             writer.add_scalar(f"ledger/{what.replace(' ', '_')}_seconds", ledger[what], epoch)

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import socket
 import time
 
 import pytest
@@ -155,6 +156,22 @@ def test_an_unaltered_checkpoint_matches_its_certificate():
     torch.save(state, buffer)
     assert ray_dp.uncertified(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)) == []
     assert set(state["certificate"]) == {"model", "optimizer", "data position", "random streams"}
+
+
+def test_the_ledgers_events_file_sorts_after_rank_0s_last_one_written_in_the_same_second(tmp_path):
+    """TensorBoard reads a run's events files in name order and never goes back: a file that sorts before the
+    one it reads last (the same second, a lower pid) is never shown."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    cfg = ray_dp.Config(logdir=str(tmp_path), name="run")
+    (tmp_path / "run").mkdir()
+    ranks = tmp_path / "run" / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.99999999.0"
+    ranks.write_bytes(b"")
+    ray_dp.write_ledger_events(cfg, {**{what: 1.0 for what in ray_dp.LEDGER}, "goodput": 0.5}, 2)
+    last = sorted((tmp_path / "run").iterdir())[-1]
+    assert last != ranks
+    events = EventAccumulator(str(last))
+    events.Reload()
+    assert "ledger/goodput" in events.Tags()["scalars"]
 
 
 def test_the_ledger_sums_to_the_wall_clock_and_charges_a_failure_its_lost_steps_and_restart():
