@@ -1557,7 +1557,8 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
     try:
         validate(cfg, resuming=options.get("resume", Resume()).resumes)
     except ConfigError as exc:  # the value at fault may be one the user never typed
-        if named := [flag for flag in adopted if flag.split()[0].lstrip("-") in str(exc)]:
+        if named := [flag for flag in adopted if re.search(  # "lr", not "lr-schedule" nor "already"
+                rf"(?<![\w-])(--)?{re.escape(flag.split()[0].lstrip('-'))}(?![\w-])", str(exc))]:
             raise ConfigError(f"{exc}; run '{cfg.name}' trained with {', '.join(named)}, which "
                               f"this rerun takes from it") from None
         raise
@@ -2532,14 +2533,25 @@ def code_file(spec: str) -> Optional[dict]:
 
 
 def source_text(value) -> bytes:
-    """A class's or a function's compiled code, as every process that unpickles it has it (its
-    source is where it was defined alone: a Ray worker's hash would differ)."""
+    """A class's or a function's compiled code, defaults and class attributes, as every process
+    that unpickles it has them (its source is where it was defined alone)."""
     def parts(code) -> tuple:
         return code.co_code, code.co_names, code.co_varnames, tuple(
             parts(c) if inspect.iscode(c) else sorted(map(repr, c)) if isinstance(c, frozenset)
             else repr(c) for c in code.co_consts)
-    made = vars(value).values() if isinstance(value, type) else [value]
-    return repr([parts(part.__code__) for part in made if hasattr(part, "__code__")]).encode()
+
+    def made(part):
+        part = getattr(part, "__func__", part)  # a staticmethod's, a classmethod's
+        if isinstance(part, property):
+            return [made(f) for f in (part.fget, part.fset, part.fdel) if f]
+        if hasattr(part, "__code__"):
+            return parts(part.__code__), made((part.__defaults__, part.__kwdefaults__))
+        return re.sub(r" at 0x[0-9a-f]+", "", repr(part))  # an object's address differs per process
+    if not isinstance(value, type):
+        return repr(made(value)).encode()
+    return repr([[base.__qualname__ for base in value.__bases__], *(
+        (name, made(part)) for name, part in sorted(vars(value).items())
+        if callable(part) or isinstance(part, property) or not name.startswith("__"))]).encode()
 
 
 def code_for_workers(cfg: Config) -> list:
@@ -2894,9 +2906,10 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
                           f"{stored['epochs']}, and its saved state resumes as it was: rerun with "
                           f"--epochs {stored['epochs']}, or start over with --fresh")
     if cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs and done < cfg.epochs:
+        lr = (f"{learning_rate(cfg, done) / cfg.lr:.4g} x your optimizer's lr" if is_code(cfg.optimizer)
+              else f"lr {learning_rate(cfg, done):.4g}")
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
-              f"{stored['epochs']}): epoch {done + 1} trains at lr "
-              f"{learning_rate(cfg, done):.4g}", flush=True)
+              f"{stored['epochs']}): epoch {done + 1} trains at {lr}", flush=True)
     return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0),
                        None if listed else latest, state.get("samples"), latest)
 
@@ -4305,6 +4318,9 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{('es' if noun.endswith('s') else 's') * (count != 1)}"
 
 
+OWN_LR = "; your optimizer's own where it sets one"
+
+
 def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
     """The run's header: what trains on what, and every switch that changes the maths or speed."""
     kind = "GPU" if cfg.gpu else "CPU"
@@ -4319,7 +4335,7 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
             f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
             f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
-            f"lr {cfg.lr} ({cfg.lr_schedule.rpartition(':')[2]}), "
+            f"lr {cfg.lr} ({cfg.lr_schedule.rpartition(':')[2]}{OWN_LR * is_code(cfg.optimizer)}), "
             f"{', '.join(switches(cfg, data))}, "
             f"{plural(cfg.epochs, 'epoch')}, run dir {cfg.run_dir}")
 
@@ -4559,8 +4575,8 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     info = DataInfo((len(train_set), len(test_set)), input_shape(cfg, test_set), names,
                     not isinstance(test_set, TensorDataset), (test_set, test_set),
                     outputs=outputs(test_set, names))
-    best = (f"; the run's best: epoch {checkpoint['epoch']} by --best-by {cfg.best_by}"
-            if cfg.eval_only.endswith(BEST_CHECKPOINT) else "")
+    best = (f"; the run's best: epoch {checkpoint['epoch']} by --best-by "
+            f"{checkpoint['config'].get('best_by', 'test_loss')}" if cfg.eval_only.endswith(BEST_CHECKPOINT) else "")
     cfg, out = scored(cfg, checkpoint, info, f"evaluating {cfg.eval_only} ({cfg.model} on "
                       f"{cfg.dataset}, {len(test_set)} test samples{best})")
     metrics = out["metrics"]

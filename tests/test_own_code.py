@@ -279,8 +279,11 @@ def test_an_objects_hash_is_the_same_in_a_process_that_unpickles_it_by_value(cod
     import subprocess
     import sys
     import ray.cloudpickle
-    (code / "notebook_code.py").write_text("import torch.nn as nn\n\n\nclass Net(nn.Module):\n"
-                                           "    def forward(self, x):\n        return x * len({'a', 'b'})\n")
+    source = ("import torch.nn as nn\n\n\nclass Net(nn.Module):\n    width = 3\n    act = nn.ReLU()\n"
+              "    def forward(self, x, scale=2):\n        return x * len({'a', 'b'}) * scale * self.size\n"
+              "    @property\n    def size(self):\n        return 1.5\n"
+              "    @staticmethod\n    def make(n, *, bias=True):\n        return nn.Linear(n, n, bias=bias)\n")
+    (code / "notebook_code.py").write_text(source)
     monkeypatch.syspath_prepend(str(code))
     import notebook_code
     ray.cloudpickle.register_pickle_by_value(notebook_code)
@@ -293,6 +296,16 @@ def test_an_objects_hash_is_the_same_in_a_process_that_unpickles_it_by_value(cod
                             "ray_dp.source_text(pickle.loads(sys.stdin.buffer.read())))"],
                            input=blob, capture_output=True, cwd=REPO, check=True).stdout
     assert there == ray_dp.source_text(notebook_code.Net)
+    # what the class holds besides its methods' code changes its hash too: an attribute, a default, a property's body
+    for before, after in [("width = 3", "width = 4"), ("scale=2", "scale=3"), ("return 1.5", "return 2.5"),
+                          ("bias=True", "bias=False"), ("nn.ReLU()", "nn.Tanh()")]:
+        namespace = {}
+        exec(source.replace(before, after), namespace)
+        assert ray_dp.source_text(namespace["Net"]) != there, after
+    namespace = {}
+    exec(source, namespace)
+    assert ray_dp.source_text(namespace["Net"]) == there
+
 
 def test_result_json_records_your_codes_file_and_hash_as_its_checkpoint_does(code):
     import hashlib
