@@ -2906,8 +2906,8 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
                           f"{stored['epochs']}, and its saved state resumes as it was: rerun with "
                           f"--epochs {stored['epochs']}, or start over with --fresh")
     if cfg.lr_schedule == "cosine" and stored["epochs"] != cfg.epochs and done < cfg.epochs:
-        lr = (f"{learning_rate(cfg, done) / cfg.lr:.4g} x your optimizer's lr" if is_code(cfg.optimizer)
-              else f"lr {learning_rate(cfg, done):.4g}")
+        lr = (f"{learning_rate(cfg, done) / cfg.lr:.4g} x your optimizer's lr"
+              if is_code(cfg.optimizer) else f"lr {learning_rate(cfg, done):.4g}")
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
               f"{stored['epochs']}): epoch {done + 1} trains at {lr}", flush=True)
     return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0),
@@ -4086,9 +4086,9 @@ def write_ledger_events(cfg: Config, ledger: dict, epoch: int) -> None:
     """The ledger's scalars in an events file whose name sorts after rank 0's: TensorBoard reads a
     run's files in name order (second, host, pid) and never reads one that sorts before its last."""
     from torch.utils.tensorboard import SummaryWriter
-    names = [path.name.split(".") for path in Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*")]
+    names = [p.name.split(".") for p in Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*")]
     newest = max((int(name[3]) for name in names if name[3].isdigit()), default=0)
-    while 0 <= newest - int(time.time()) < 2:  # the same second as rank 0's last file (or a clock 1 s ahead)
+    while 0 <= newest - int(time.time()) < 2:  # rank 0's last second (or its clock 1 s ahead)
         time.sleep(0.1)
     with SummaryWriter(os.path.join(cfg.logdir, cfg.name)) as writer:
         for what in LEDGER:
@@ -4576,7 +4576,8 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
                     not isinstance(test_set, TensorDataset), (test_set, test_set),
                     outputs=outputs(test_set, names))
     best = (f"; the run's best: epoch {checkpoint['epoch']} by --best-by "
-            f"{checkpoint['config'].get('best_by', 'test_loss')}" if cfg.eval_only.endswith(BEST_CHECKPOINT) else "")
+            f"{checkpoint['config'].get('best_by', 'test_loss')}"
+            if cfg.eval_only.endswith(BEST_CHECKPOINT) else "")
     cfg, out = scored(cfg, checkpoint, info, f"evaluating {cfg.eval_only} ({cfg.model} on "
                       f"{cfg.dataset}, {len(test_set)} test samples{best})")
     metrics = out["metrics"]
