@@ -1557,8 +1557,8 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
     try:
         validate(cfg, resuming=options.get("resume", Resume()).resumes)
     except ConfigError as exc:  # the value at fault may be one the user never typed
-        if named := [flag for flag in adopted if re.search(  # "lr", not "lr-schedule" nor "already"
-                rf"(?<![\w-])(--)?{re.escape(flag.split()[0].lstrip('-'))}(?![\w-])", str(exc))]:
+        words = re.findall(r"(?<![\w-])(?:--)?([\w-]+)", str(exc))  # "lr-schedule" is not "lr"
+        if named := [flag for flag in adopted if flag.partition("--")[2].split()[0] in words]:
             raise ConfigError(f"{exc}; run '{cfg.name}' trained with {', '.join(named)}, which "
                               f"this rerun takes from it") from None
         raise
@@ -2535,18 +2535,24 @@ def code_file(spec: str) -> Optional[dict]:
 def source_text(value) -> bytes:
     """A class's or a function's compiled code, defaults and class attributes, as every process
     that unpickles it has them (its source is where it was defined alone)."""
-    def parts(code) -> tuple:
-        return code.co_code, code.co_names, code.co_varnames, tuple(
-            parts(c) if inspect.iscode(c) else sorted(map(repr, c)) if isinstance(c, frozenset)
-            else repr(c) for c in code.co_consts)
-
     def made(part):
-        part = getattr(part, "__func__", part)  # a staticmethod's, a classmethod's
+        part = getattr(part, "__wrapped__", getattr(part, "__func__", part))  # a decorator's own
+        if isinstance(part, functools.cached_property):
+            part = part.func
         if isinstance(part, property):
             return [made(f) for f in (part.fget, part.fset, part.fdel) if f]
+        if inspect.iscode(part):
+            return part.co_code, part.co_names, part.co_varnames, made(part.co_consts)
         if hasattr(part, "__code__"):
-            return parts(part.__code__), made((part.__defaults__, part.__kwdefaults__))
-        return re.sub(r" at 0x[0-9a-f]+", "", repr(part))  # an object's address differs per process
+            return made(part.__code__), made((part.__defaults__, part.__kwdefaults__))
+        if isinstance(part, (set, frozenset)):  # in an order of hashes, which differ per process
+            return sorted(map(repr, map(made, part)))
+        if isinstance(part, (list, tuple, dict)):
+            return [made(item) for item in (part.items() if isinstance(part, dict) else part)]
+        try:
+            return re.sub(r" at 0x[0-9a-f]+", "", repr(part))  # an address differs per process
+        except Exception:  # a repr of yours that fails
+            return type(part).__qualname__
     if not isinstance(value, type):
         return repr(made(value)).encode()
     return repr([[base.__qualname__ for base in value.__bases__], *(

@@ -164,7 +164,7 @@ def test_the_ledgers_events_file_sorts_after_rank_0s_last_one_written_in_the_sam
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     cfg = ray_dp.Config(logdir=str(tmp_path), name="run")
     (tmp_path / "run").mkdir()
-    ranks = tmp_path / "run" / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.99999999.0"
+    ranks = tmp_path / "run" / f"events.out.tfevents.{int(time.time()) + 1:010d}.{socket.gethostname()}.9999.0"
     ranks.write_bytes(b"")
     ray_dp.write_ledger_events(cfg, {**{what: 1.0 for what in ray_dp.LEDGER}, "goodput": 0.5}, 2)
     last = sorted((tmp_path / "run").iterdir())[-1]

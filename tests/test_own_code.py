@@ -282,7 +282,8 @@ def test_an_objects_hash_is_the_same_in_a_process_that_unpickles_it_by_value(cod
     source = ("import torch.nn as nn\n\n\nclass Net(nn.Module):\n    width = 3\n    act = nn.ReLU()\n"
               "    def forward(self, x, scale=2):\n        return x * len({'a', 'b'}) * scale * self.size\n"
               "    @property\n    def size(self):\n        return 1.5\n"
-              "    @staticmethod\n    def make(n, *, bias=True):\n        return nn.Linear(n, n, bias=bias)\n")
+              "    @staticmethod\n    def make(n, *, bias=True):\n        return nn.Linear(n, n, bias=bias)\n"
+              "    acts = {'relu', 'gelu', 'tanh', 'silu'}\n    odd = type('Odd', (), {'__repr__': lambda s: 1 / 0})()\n")
     (code / "notebook_code.py").write_text(source)
     monkeypatch.syspath_prepend(str(code))
     import notebook_code
@@ -292,10 +293,12 @@ def test_an_objects_hash_is_the_same_in_a_process_that_unpickles_it_by_value(cod
     finally:
         ray.cloudpickle.unregister_pickle_by_value(notebook_code)
         sys.modules.pop("notebook_code")
-    there = subprocess.run([sys.executable, "-c", "import pickle, sys, ray_dp; sys.stdout.buffer.write("
-                            "ray_dp.source_text(pickle.loads(sys.stdin.buffer.read())))"],
-                           input=blob, capture_output=True, cwd=REPO, check=True).stdout
-    assert there == ray_dp.source_text(notebook_code.Net)
+    for seed in ("1", "2"):  # a set's order follows its strings' hashes, which differ per process
+        there = subprocess.run([sys.executable, "-c", "import pickle, sys, ray_dp; sys.stdout.buffer.write("
+                                "ray_dp.source_text(pickle.loads(sys.stdin.buffer.read())))"], input=blob,
+                               capture_output=True, cwd=REPO, check=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert there.stdout == ray_dp.source_text(notebook_code.Net)
+    there = there.stdout
     # what the class holds besides its methods' code changes its hash too: an attribute, a default, a property's body
     for before, after in [("width = 3", "width = 4"), ("scale=2", "scale=3"), ("return 1.5", "return 2.5"),
                           ("bias=True", "bias=False"), ("nn.ReLU()", "nn.Tanh()")]:
