@@ -4062,7 +4062,7 @@ def checkpoint_advice(cfg: Config, summary: dict) -> Optional[str]:
         return None
     return (f"saves cost {cost:.2g} s and a failure came every {between / 60:.3g} min: checkpoints "
             f"every {best / 60:.2g} min would lose the least (Young/Daly), not every "
-            f"{now / 60:.2g} min: --checkpoint-every {max(best / 60, 0.1):.1f}m")
+            f"{now / 60:.2g} min: --checkpoint-every {max(round(best / 60, 2), 0.01):g}m")
 
 
 def record_ledger(cfg: Config, out: Optional[dict], board, recovery: Optional[dict] = None) -> dict:
