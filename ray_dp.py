@@ -1685,7 +1685,7 @@ class Launch:
             stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
         self.contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
                          training_now(stop), board and relayed(board, options.progress),
-                         dumps_asked(board), stop and own_ray_watched(cfg, stop)]
+                         dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
         self.context = contextlib.ExitStack()
 
     def __enter__(self) -> "Launch":
@@ -3781,12 +3781,17 @@ def named_train(process) -> bool:
 
 
 @contextlib.contextmanager
-def dumps_asked(board):
+def dumps_asked(cfg: Config, board):
     """SIGUSR1 to the driver while it trains: every rank writes its stacks (Watchdog)."""
     if board is None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.signal(signal.SIGUSR1, lambda *_: board.ask_dump.remote())
+
+    def ask(*_):
+        board.ask_dump.remote()
+        print(f"ray-dp: SIGUSR1: each rank writes its stacks to {cfg.run_dir}/hang/rank<N>.txt "
+              f"(and torch's flight recorder to rank<N>.json)", flush=True)
+    before = signal.signal(signal.SIGUSR1, ask)
     try:
         yield
     finally:

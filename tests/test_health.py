@@ -244,6 +244,19 @@ def dumped(tmp_path):
     dist.barrier()
 
 
+def test_sigusr1_to_the_driver_asks_every_rank_for_its_stacks_and_says_where_they_go(capsys):
+    import signal
+    asked = []
+    board = type("Board", (), {"ask_dump": type("Method", (), {"remote": lambda self: asked.append(1)})()})()
+    cfg, before = ray_dp.Config(storage_path="/runs", name="r"), signal.getsignal(signal.SIGUSR1)
+    with ray_dp.dumps_asked(ray_dp.with_absolute_paths(cfg), board):
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert asked == [1] and capsys.readouterr().out == (
+        "ray-dp: SIGUSR1: each rank writes its stacks to /runs/r/hang/rank<N>.txt (and torch's flight recorder to "
+        "rank<N>.json)\n")
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
 def test_a_watchdog_writes_its_ranks_stacks_and_flight_recorder_and_a_report_names_the_rank_behind(tmp_path):
     run_distributed(dumped, 2, tmp_path)
     text = (tmp_path / "w" / "hang" / "rank1.txt").read_text()
