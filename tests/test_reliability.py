@@ -337,3 +337,28 @@ def test_a_rank_that_hangs_in_a_collective_is_named_with_the_records_of_every_ra
         assert text.startswith(f"rank {rank} of 2 on ") and "no progress for 10 s (--timeout / 2)" in text
         assert json.loads((hang / f"rank{rank}.json").read_text())["pg_status"]
     assert "in forward" in (hang / "rank1.txt").read_text()  # where it waits: the model's forward pass
+
+
+def test_replicas_that_differ_stop_the_run_before_any_save_from_them_and_the_same_command_resumes_the_last_good_one(
+        tmp_path, capsys):
+    # #48's case, on Ray, at the defaults (--check-replicas auto): a user's model changes one bias on rank 1 in its
+    # 20th forward pass
+    from test_health import NUDGED
+    (tmp_path / "nudged.py").write_text(NUDGED)
+    command = ["--workers", "2", "--model", f"{tmp_path}/nudged.py:Nudged", "--dataset", "synthetic",
+               "--synthetic-size", "400", "--batch-size", "8", "--epochs", "1", "--checkpoint-every", "8",
+               "--storage-path", str(tmp_path), "--name", "nudged", "--logdir", str(tmp_path / "tb")]
+    for attempt, (nudged_at, saved) in enumerate([(20, 16), (16 + 20, 32)]):
+        assert ray_dp.main(command) == 1
+        out, err = capsys.readouterr()
+        err = [line for line in err.splitlines() if line.startswith("ray_dp.py:")]
+        caught = re.fullmatch(r"ray_dp\.py: training failed: the replicas differ (?:at the save )?after step (\d+) "
+                              r"of epoch 1: rank 1 of 2 hold other values than rank 0, first in layer\.bias; nothing is "
+                              r"saved from them, and the same command resumes from the last checkpoint", err[0])
+        assert len(err) == 1 and caught, err
+        assert nudged_at <= int(caught[1]) <= nudged_at + 8  # within a check (auto: every 5 steps) or a save
+        steps = sorted(int(path.name.rsplit("_", 1)[1]) for path in (tmp_path / "nudged").glob("checkpoint_epoch_*"))
+        assert steps[-1] == saved < nudged_at  # none from the replicas that differ
+        if attempt:  # the rerun began from the last good checkpoint, certified
+            assert (f"resuming at epoch 1 of 1, step 17 of 50, with 2 workers, from the checkpoint at epoch 1, step "
+                    f"16: the same model, optimizer, data position and random streams as saved") in out
