@@ -245,7 +245,7 @@ class Config:
                           "loss or seconds, else the highest", choices=BEST_BY)
     check_replicas: str = setting("auto", "compare the workers' replicas (every parameter and "
                                   "buffer) at each save and every STEPS steps (auto: as often as "
-                                  "costs 1%% of training; off: never)", metavar="off|auto|STEPS")
+                                  "costs 0.5%% of training; off: never)", metavar="off|auto|STEPS")
     timeout: float = setting(1800.0, "seconds a collective waits for the slowest worker",
                              metavar="SECONDS", bounds="[1, inf)")
     start_timeout: float = setting(60.0, "seconds to wait for the workers to start",
@@ -1685,7 +1685,7 @@ class Launch:
             stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
         self.contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
                          training_now(stop), board and relayed(board, options.progress),
-                         dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
+                         training and dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
         self.context = contextlib.ExitStack()
 
     def __enter__(self) -> "Launch":
@@ -3789,8 +3789,9 @@ def dumps_asked(cfg: Config, board):
 
     def ask(*_):
         board.ask_dump.remote()
-        print(f"ray-dp: SIGUSR1: each rank writes its stacks to {cfg.run_dir}/hang/rank<N>.txt "
-              f"(and torch's flight recorder to rank<N>.json)", flush=True)
+        tqdm.write(f"ray-dp: SIGUSR1: each rank writes its stacks to {cfg.run_dir}/hang/"
+                   f"rank<N>.txt (and torch's flight recorder to rank<N>.json)")  # above the bar
+        sys.stdout.flush()
     before = signal.signal(signal.SIGUSR1, ask)
     try:
         yield
@@ -4060,14 +4061,18 @@ def checkpoint_advice(cfg: Config, summary: dict) -> Optional[str]:
         return None
     cost, between = ledger["saves"] / ledger["saved"], ledger["wall"] / ledger["failed"]
     best, epoch = math.sqrt(2 * cost * between), summary["sec_per_epoch"]
+    per_step = epoch * cfg.batch_size / summary["final"]["train_samples"]
     steps, seconds = checkpoint_interval(cfg.checkpoint_every)
-    now = min(steps * epoch * cfg.batch_size / summary["final"]["train_samples"] if steps
-              else seconds or epoch, epoch)
+    now = min(steps * per_step if steps else seconds or epoch, epoch)
     if 0.5 <= now / best <= 2:
         return None
-    return (f"saves cost {cost:.2g} s and a failure came every {between / 60:.3g} min: checkpoints "
-            f"every {best / 60:.2g} min would lose the least (Young/Daly), not every "
-            f"{now / 60:.2g} min: --checkpoint-every {max(round(best / 60, 2), 0.01):g}m")
+
+    def span(s: float) -> str:
+        return f"{s:.2g} s" if s < 60 else f"{s / 60:.1f}".removesuffix(".0") + " min"
+    flag = (max(round(best / per_step), 1) if best < 60 else f"{min(best / 60, 999999):.1f}m")
+    return (f"saves cost {cost:.2g} s and a failure came every {span(between)}: checkpoints "
+            f"every {span(best)} would lose the least (Young/Daly), not every {span(now)}: "
+            f"--checkpoint-every {flag}")
 
 
 def record_ledger(cfg: Config, out: Optional[dict], board, recovery: Optional[dict] = None) -> dict:

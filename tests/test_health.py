@@ -197,19 +197,25 @@ def test_checkpoint_advice_is_young_and_dalys_interval_when_the_run_saves_far_mo
     summary = {"ledger": {"failed": 2, "saved": 10, "saves": 5.0, "wall": 3600.0}, "sec_per_epoch": 600.0,
                "final": {"train_samples": 1000}}
     advice = ray_dp.checkpoint_advice(ray_dp.Config(), summary)  # a save at each epoch's end: every 10 min
-    assert advice == ("saves cost 0.5 s and a failure came every 30 min: checkpoints every 0.71 min would lose the "
-                      "least (Young/Daly), not every 10 min: --checkpoint-every 0.71m")
+    assert advice == ("saves cost 0.5 s and a failure came every 30 min: checkpoints every 42 s would lose the "
+                      "least (Young/Daly), not every 10 min: --checkpoint-every 1")  # a step: 600 s x 64 / 1000
     assert ray_dp.checkpoint_advice(ray_dp.Config(checkpoint_every="1m"), summary) is None  # within 2x of it
     # in steps: 1000 samples an epoch of 600 s, a save every 5 steps of 64: every 192 s, over 4 times too seldom
-    assert "not every 3.2 min" in ray_dp.checkpoint_advice(ray_dp.Config(checkpoint_every="5", batch_size=64),
+    assert "not every 3.2 min: --checkpoint-every 1" in ray_dp.checkpoint_advice(ray_dp.Config(checkpoint_every="5", batch_size=64),
                                                             summary)
     assert ray_dp.checkpoint_advice(ray_dp.Config(), {**summary, "ledger": {**summary["ledger"], "failed": 0}}) is None
-    # saves of 0.05 s, a failure every 31 s: every 1.8 s, which the advice names as it is (not rounded up to 6 s)
+    # saves of 0.05 s, a failure every 31 s: every 1.8 s, 18 steps of 0.096 s (not rounded to a tenth of a minute)
     quick = {"ledger": {"failed": 1, "saved": 10, "saves": 0.5, "wall": 31.0}, "sec_per_epoch": 12.0,
              "final": {"train_samples": 1000}}
-    advice = ray_dp.checkpoint_advice(ray_dp.Config(checkpoint_every="1", batch_size=8), quick)
-    assert advice.endswith("checkpoints every 0.029 min would lose the least (Young/Daly), not every 0.0016 min: "
-                           "--checkpoint-every 0.03m") and ray_dp.checkpoint_interval("0.03m") == (0, pytest.approx(1.8))
+    assert ray_dp.checkpoint_advice(ray_dp.Config(checkpoint_every="1", batch_size=8), quick) == (
+        "saves cost 0.05 s and a failure came every 31 s: checkpoints every 1.8 s would lose the least (Young/Daly), "
+        "not every 0.096 s: --checkpoint-every 18")
+    # saves of a minute, a failure every 3.5 days: every 107.6 min, in minutes that --checkpoint-every reads
+    slow = {"ledger": {"failed": 1, "saved": 10, "saves": 600.0, "wall": 302400.0}, "sec_per_epoch": 36000.0,
+            "final": {"train_samples": 1000}}
+    advice = ray_dp.checkpoint_advice(ray_dp.Config(checkpoint_every="10m"), slow)
+    assert advice.endswith("every 5040 min: checkpoints every 100.4 min would lose the least (Young/Daly), not every "
+                           "10 min: --checkpoint-every 100.4m") and ray_dp.checkpoint_interval("100.4m")
 
 
 def slowed_rank_1(cfg):
