@@ -109,10 +109,10 @@ from tqdm import tqdm
 # ==================================================================================================
 
 MODES = ("ddp", "scratch", "dp")
-OPTIMIZERS, SCHEDULES = ("sgd", "adamw"), ("cosine", "constant")  # or yours
+OPTIMIZERS, SCHEDULES = ("sgd", "adamw"), ("cosine", "constant")
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "library")
 NUM_CLASSES = 10
-MODEL_IMAGE_SIZE = {"lenet": 28, "mlp": 28, "resnet18": 32}  # a folder's default --image-size
+MODEL_IMAGE_SIZE = {"lenet": 28, "mlp": 28, "resnet18": 32}
 NO_LESSON = object()
 
 
@@ -146,7 +146,7 @@ class Config:
     workers: int = setting(2, "training processes, a GPU each on a GPU cluster; MIN:MAX: elastic, "
                            "from the last checkpoint as workers come or go", metavar="N|MIN:MAX",
                            doctor=True, bounds="[1, inf)")
-    min_workers: int = setting(0, "", cli=False)  # MIN of MIN:MAX
+    min_workers: int = setting(0, "", cli=False)
     cpus_per_worker: Optional[float] = setting(
         None, "CPU cores per worker, fractions allowed (default 1; more workers than a machine's "
         "cores share them)", type=float, metavar="CPUS", doctor=True, bounds="(0, inf)")
@@ -207,7 +207,7 @@ class Config:
         None, "loader processes per worker (0: in-memory data indexed on the device; default: 0 "
         "in memory, 2 read per sample)", type=int, metavar="N", bounds="[0, inf)",
         scratch="the lesson's in-memory batches")
-    normalize: Optional[tuple] = option(None, "", cli=False, evaluation="checkpoint")  # mean, std
+    normalize: Optional[tuple] = option(None, "", cli=False, evaluation="checkpoint")
     synthetic_size: int = option(512, "--dataset synthetic: training images (100 test)",
                                  metavar="N", evaluation="checkpoint", bounds="[1, inf)")
     dataset: str = option("fashion-mnist", "fashion-mnist, cifar10, digits (no download), "
@@ -266,7 +266,7 @@ class Config:
         return 1 if self.mode == "dp" else self.workers
 
     @property
-    def micro_batch(self) -> int:  # samples per process per forward/backward pass
+    def micro_batch(self) -> int:
         return self.batch_size // (self.processes * self.accum_steps)
 
     @property
@@ -684,7 +684,7 @@ def wrap_model(model: nn.Module, device: torch.device, cfg: Optional[Config] = N
     if rank_and_world()[1] == 1:
         return model
     return NamingDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                     gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy
+                     gradient_as_bucket_view=True,
                      find_unused_parameters=bool(cfg and cfg.find_unused_parameters))
 
 
@@ -806,7 +806,7 @@ def learning_rate(cfg: Config, epoch: int, lr: Optional[float] = None) -> float:
     """A pure function of the epoch: a resumed run continues on the same schedule. `lr`: the
     peak, --lr unless your optimizer's group set its own."""
     lr = cfg.lr if lr is None else lr
-    if epoch < cfg.warmup_epochs:  # lr x 1/(W+1), 2/(W+1), ..., then the schedule
+    if epoch < cfg.warmup_epochs:
         return lr * (epoch + 1) / (cfg.warmup_epochs + 1)
     if cfg.lr_schedule == "constant":
         return lr
@@ -858,7 +858,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
     model.train()
     for group in optimizer.param_groups if schedule is None else ():
         group["lr"] = learning_rate(cfg, epoch, group.get("initial_lr"))
-    first, losses = checkpointer.epoch_start(epoch)  # step 0, or where a mid-epoch save left it
+    first, losses = checkpointer.epoch_start(epoch)
     batches.sampler.set_epoch(epoch, losses.done)  # 5. set_epoch: a new shuffle each epoch
     steps, micro_batches = first + len(batches) // cfg.accum_steps, Waited(batches)
     for step in range(first, steps):
@@ -908,8 +908,8 @@ class EpochLoss:
 
     def __init__(self, device: torch.device, partial: Optional[dict] = None, main: bool = True):
         partial = partial or {}
-        self.done = partial.get("samples", 0)  # every rank's samples before a resume
-        self.logged = [list(entry) for entry in partial.get("step_log", [])]  # [step, loss]
+        self.done = partial.get("samples", 0)
+        self.logged = [list(entry) for entry in partial.get("step_log", [])]
         sums, window = [partial.get("loss_sum", 0.0), self.done], partial.get("pending", [0, 0])
         self.sums = torch.tensor(sums if main else [0, 0], dtype=torch.float64, device=device)
         self.window = torch.tensor(window if main else [0, 0], dtype=torch.float64, device=device)
@@ -931,7 +931,7 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
     criterion = criterion or F.cross_entropy
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
-    width = 2 if num_classes or not details else outputs(data, [])  # [class, probability] or values
+    width = 2 if num_classes or not details else outputs(data, [])
     predictions = torch.zeros(len(data) * details, width, dtype=torch.float64, device=device)
     for index, x, y in eval_batches(data, shard_indices(len(data), rank, world), batch_size,
                                     workers):
@@ -1195,7 +1195,7 @@ def worker_setup(config: dict) -> tuple:
     cfg, options = config["config"], config["options"]
     worker = config.get("worker") or Worker.current(cfg)
     worker.marks["loop"] = time.time()
-    if options.code is not None:  # your code, as the driver loaded it
+    if options.code is not None:
         for registry, entries in zip((CODE, MODELS, DATASETS), ray.get(options.code)):
             registry.update(entries)
     if cfg.keep_freed_memory:
@@ -1233,7 +1233,7 @@ def train_loop_per_worker(config: dict) -> dict:
     optimizer = build_optimizer(cfg, model)
     # 4. DistributedSampler: this rank's shard of the data, as micro-batches
     batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
-    schedule = own_schedule(cfg, optimizer, len(batches) // cfg.accum_steps)  # None: ray_dp's
+    schedule = own_schedule(cfg, optimizer, len(batches) // cfg.accum_steps)
     if state is not None:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -1253,7 +1253,7 @@ def train_loop_per_worker(config: dict) -> dict:
         for epoch in range(checkpointer.first_epoch, cfg.epochs):
             trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, checkpointer,
                                   schedule)
-            if checkpointer.stopped:  # within the epoch, its checkpoint saved
+            if checkpointer.stopped:
                 break
             # 8. exact evaluation: each test sample scored once over all ranks
             scores = evaluate_as_saved(model, test_set, cfg, worker.device, len(classes))
@@ -1275,17 +1275,16 @@ def run(cfg: Config, resume: "Resume" = None, data: Optional["DataInfo"] = None,
         typed: tuple = ()) -> Optional[dict]:
     """Train the resolved and validated cfg from `resume`. Under torchrun every process runs this;
     rank 0 alone checks, speaks and writes, and its loop decides for all."""
-    # the pre-flight checks with the data and the model, Ray (started or attached), the header
     cfg, resume, options = prepared(cfg, resume, data, typed)
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
-    with failures_said(cfg, options):  # a failed run: one line, and its record
+    with failures_said(cfg, options):
         result = fit(cfg, loop, options, resume.done)
     return summary_of(cfg, result, options)
 
 
 def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.Result:
     """Run `loop` on the run's workers (Ray's, or under torchrun this very process) and wait."""
-    launch = Launch(cfg, loop, options, done)  # what the workers are handed, the driver's console
+    launch = Launch(cfg, loop, options, done)
     # the launch: Ray Train starts the worker processes and their process group (its
     # init_process_group, with TorchConfig's backend), then runs `loop` in each
     trainer = TorchTrainer(loop, train_loop_config={"config": cfg, "options": launch.options},
@@ -1322,11 +1321,11 @@ RERUN_ADOPTS = fields_where("rerun", "fixed", "adopt")
 EVAL_REFUSES = fields_where("evaluation", "train")
 EVAL_FROM_CHECKPOINT = fields_where("evaluation", "checkpoint", "adopt")
 EVAL_FIXED = fields_where("evaluation", "checkpoint")
-PREDICT_OWN = {"dataset", "data_dir", "loss"}  # predict's: your inputs, scored by a built-in loss
+PREDICT_OWN = {"dataset", "data_dir", "loss"}
 PREDICT_FLAGS = fields_where("evaluation", "free", "adopt") - PREDICT_OWN - {
-    "download", "eval_only", "predict_out"} | {"model"}  # yours, named again
+    "download", "eval_only", "predict_out"} | {"model"}
 PREDICT_WORDS = {"--eval-only": "predict", "--predict-out": "--out", "--data-dir": "--inputs",
-                 "--dataset": "--inputs"}  # what predict's flags are checked as
+                 "--dataset": "--inputs"}
 DOCTOR_FLAGS = fields_where("doctor", True)
 PATH_FIELDS = fields_where("path", True)
 CODE_FLAGS = tuple(f.name for f in fields(Config) if f.metadata["code"])
@@ -1350,7 +1349,7 @@ def checkpoint_interval(every: str) -> Optional[tuple[int, float]]:
 
 
 class _WorkersAction(argparse.Action):
-    def __call__(self, parser, namespace, text, option_string=None):  # N, or MIN:MAX
+    def __call__(self, parser, namespace, text, option_string=None):
         low, colon, high = text.partition(":")
         try:
             namespace.workers, namespace.min_workers = ((int(high), int(low)) if colon
@@ -1487,7 +1486,7 @@ def main(argv=None) -> int:
 def new_command() -> None:
     """What a command starts from: its start-up marks, your code loaded anew."""
     CODE.clear()
-    first = __name__ == "__main__" and not CLOCK  # its start and imports: a script's first
+    first = __name__ == "__main__" and not CLOCK
     CLOCK.clear()
     CLOCK.update({"started": STARTED_AT, "imported": IMPORTED_AT} if first
                  else {"imported": time.time()})
@@ -1511,7 +1510,7 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     typed = {k for k, v in vars(parser.parse_args(flags, untyped)).items() if v is not NOT_TYPED}
     try:
         return configured(command, args, typed)
-    except ConfigError as exc:  # predict's RUN, --inputs and --out, as typed
+    except ConfigError as exc:
         if command != "predict":
             raise
         named = re.sub("|".join(PREDICT_WORDS), lambda word: PREDICT_WORDS[word[0]], str(exc))
@@ -1522,7 +1521,7 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
     """parse_command's (command, config, options) of the flags as parsed, `typed` those typed."""
     options = ({"scale_lr": args.pop("scale_lr"), "typed": tuple(sorted(typed))}
                if command == "compare" else {})
-    if command == "predict":  # a folder's images, or your function's data set
+    if command == "predict":
         inputs, typed = args.pop("inputs"), typed | PREDICT_OWN
         args.update(dataset=inputs if is_code(inputs) else "folder", loss="cross_entropy",
                     **({} if is_code(inputs) else {"data_dir": inputs}))
@@ -1635,7 +1634,7 @@ def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -
         CLOCK["checked"] = time.time()
         cfg = cfg if torchrun else connect(cfg)
         start_fresh(cfg)  # under torchrun before rank 0's loop looks for checkpoints
-        remove_stored(f"{cfg.run_dir}/hang")  # an earlier command's record of a hang
+        remove_stored(f"{cfg.run_dir}/hang")
         print(describe(cfg, data, torchrun), *notes, sep="\nnote: ", flush=True)
     return cfg, resume, loop_options(cfg, data, resume, torchrun)
 
@@ -1666,7 +1665,7 @@ class Launch:
         for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
             if registered is not None and registered.__module__ in sys.modules:
                 travels(sys.modules[registered.__module__])
-        self.options = replace(options, board=board,  # your code: in the object store
+        self.options = replace(options, board=board,
                                code=None if options.torchrun else ray.put(code_for_workers(cfg)))
         workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
                    (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
@@ -1715,7 +1714,7 @@ def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") ->
     if (stopped := result.return_value["stopped"]) and stopped.get("error"):
         raise RunFailed(stopped["error"])
     if stopped:
-        record_ledger(cfg, result.return_value, board)  # this command's time counts in the run's
+        record_ledger(cfg, result.return_value, board)
         raise RunStopped(f"stopped at {position_of(stopped)} (SIGTERM), its checkpoint saved: "
                          f"the same command resumes from there")
     try:
@@ -1768,7 +1767,7 @@ def scaling_config(cfg: Config, workers) -> ScalingConfig:
 
 
 def resources_per_worker(cfg: Config) -> dict:
-    gpus = cfg.workers if cfg.mode == "dp" else 1  # dp: one process holds the run's GPUs
+    gpus = cfg.workers if cfg.mode == "dp" else 1
     return {"CPU": cfg.cpus_per_worker or 1.0, **({"GPU": gpus} if cfg.gpu else {})}
 
 
@@ -1784,7 +1783,7 @@ def connect(cfg: Config) -> Config:
     return settle_device(cfg, cluster_of(cfg))
 
 
-RAY_STARTED: dict = {}  # the settings ray_dp last started Ray with
+RAY_STARTED: dict = {}
 
 
 def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = False) -> None:
@@ -1802,7 +1801,7 @@ def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = Fa
         return
     settings = dict(runtime_env=fresh_runtime_env(), logging_level=logging.ERROR,
                     log_to_driver=worker_output)
-    if not sys.stdout.isatty():  # the workers' lines without Ray's colour codes in a file or pipe
+    if not sys.stdout.isatty():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     RAY_STARTED.update(worker_output=worker_output, local=not address)
     if worker_output and not address and (others := [  # its workers' lines alone reach this console
@@ -1841,16 +1840,16 @@ def own_ray_worker() -> None:
 
 @dataclass(frozen=True)
 class LoopOptions:
-    progress: bool = False  # draw rank 0's progress bar: a terminal watches
-    torchrun: bool = False  # the workers are torchrun's processes (Ray Train's local mode)
-    board: Optional[object] = None  # Ray: the driver's Board (lines, progress, stop)
-    data: Optional[object] = None  # ref of (train, test) as the driver decided them
+    progress: bool = False
+    torchrun: bool = False
+    board: Optional[object] = None
+    data: Optional[object] = None
     start_from: Optional[object] = None
     resume_from: Optional[object] = None  # ref of a checkpoint Ray never listed
-    weights: Optional[object] = None  # --eval-only: ref of the model's weights
-    classes: tuple = ()  # --eval-only: the names of the model's outputs
-    outputs: int = 0  # --eval-only: a regression's outputs
-    code: Optional[object] = None  # ref of your model, data set and loss (CODE), by value
+    weights: Optional[object] = None
+    classes: tuple = ()
+    outputs: int = 0
+    code: Optional[object] = None
 
 
 def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
@@ -2099,12 +2098,12 @@ def check_run_name(cfg: Config) -> None:
 @dataclass(frozen=True)
 class DataInfo:
     sizes: tuple
-    sample_shape: tuple  # one input's (C, H, W) as the model sees it
+    sample_shape: tuple
     classes: list
     per_sample: bool
     datasets: tuple = field(default=(), repr=False, compare=False)
     fingerprint: Optional[str] = None
-    outputs: int = NUM_CLASSES  # the model's: the classes, or a regression's target values
+    outputs: int = NUM_CLASSES
 
 
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
@@ -2113,7 +2112,7 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
                           f"training samples of {cfg.dataset} allow for one step")
-    if cfg.dataset == "folder":  # normalised, the same files not listed again
+    if cfg.dataset == "folder":
         cfg = with_data_statistics(cfg, train_set)
         train_set.transform, test_set.transform = image_transforms(cfg)
     try:
@@ -2390,7 +2389,7 @@ def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
 # ray_dp.train() takes the objects. The driver sends them to the workers by value (no file there).
 # ==================================================================================================
 
-CODE: dict = {}  # spec -> your object, as the driver loaded it (and sent it to the workers)
+CODE: dict = {}
 
 
 def is_code(spec: str) -> bool:
@@ -2536,7 +2535,7 @@ def source_text(value) -> bytes:
     """A class's or a function's compiled code, defaults and class attributes, as every process
     that unpickles it has them (its source is where it was defined alone)."""
     def made(part):
-        part = getattr(part, "__wrapped__", getattr(part, "__func__", part))  # a decorator's own
+        part = getattr(part, "__wrapped__", getattr(part, "__func__", part))
         if isinstance(part, functools.cached_property):
             part = part.func
         if isinstance(part, property):
@@ -2551,7 +2550,7 @@ def source_text(value) -> bytes:
             return [made(item) for item in (part.items() if isinstance(part, dict) else part)]
         try:
             return re.sub(r" at 0x[0-9a-f]+", "", repr(part))  # an address differs per process
-        except Exception:  # a repr of yours that fails
+        except Exception:
             return type(part).__qualname__
     if not isinstance(value, type):
         return repr(made(value)).encode()
@@ -2754,7 +2753,7 @@ def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_FORMAT = 2  # epochs numbered from 1 wherever a user reads them
 CHECKPOINT_DIR = re.compile(r"checkpoint_epoch_(\d+)(?:_step_(\d+))?")
-BEST_CHECKPOINT = f"checkpoint_best/{CHECKPOINT_FILE}"  # a copy of the best epoch's (--best-by)
+BEST_CHECKPOINT = f"checkpoint_best/{CHECKPOINT_FILE}"
 RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json")
 
 
@@ -2866,8 +2865,8 @@ class Resume:
     done: int = 0
     classes: Optional[list] = None
     step: int = 0  # a mid-epoch checkpoint: the steps of epoch done + 1 it has done
-    unlisted: Optional[str] = None  # a checkpoint Ray never listed, which its workers are handed
-    samples: Optional[str] = None  # the fingerprint of the list of samples it trained on
+    unlisted: Optional[str] = None
+    samples: Optional[str] = None
     latest: Optional[str] = None
 
     @property
@@ -2964,7 +2963,7 @@ def same_setting(name: str, stored, now, code: Optional[dict] = None) -> bool:
     if name == "weights" and stored and now and os.path.exists(stored) and os.path.exists(now):
         return os.path.samefile(stored, now)
     if code and "file" in code and stored.rpartition(":")[2] == now.rpartition(":")[2]:
-        sha256 = code.get("sha256")  # your file, moved
+        sha256 = code.get("sha256")
         return sha256 is not None and sha256 == (code_file(now) or {}).get("sha256")
     return False
 
@@ -3346,7 +3345,7 @@ class FailureLog(ray.train.UserCallback):
 
     def after_report(self, run_context, metrics: list, checkpoint) -> None:
         epoch = metrics[0]["epoch"]
-        if not self.events or self.events[-1]["event"] == "failed":  # a worker group's first
+        if not self.events or self.events[-1]["event"] == "failed":
             for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
                 failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
             self.node_ips = {rank: m.get("node") for rank, m in enumerate(metrics)}
@@ -3416,7 +3415,7 @@ class Checkpointer:
         board = options.board if worker.is_main and ask_board(options.board, "restarted") else None
         self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
         self.watchdog = Watchdog(cfg, worker, options.board)
-        self.model = unwrap(model) if isinstance(model, nn.Module) else model  # scratch: params
+        self.model = unwrap(model) if isinstance(model, nn.Module) else model
         self.optimizer = optimizer
         self.forward = (ForwardClock(self.model, worker.device)
                         if isinstance(self.model, nn.Module) and not cfg.compile else None)
@@ -3498,7 +3497,7 @@ class Checkpointer:
         self.worker.marks.setdefault("first_step", time.time())
         self.lost += self.ledger.charge("training steps")
         self.steps_done, self.since_save = self.steps_done + 1, self.since_save + 1
-        done, last = epoch * steps + step + 1, step + 1 == steps  # the run's step; the epoch's end
+        done, last = epoch * steps + step + 1, step + 1 == steps
         self.watchdog.progress(f"after step {step + 1} of epoch {epoch + 1} (the run's {done})")
         logged = done % self.cfg.log_every == 0
         due = bool(self.every_steps) and (step + 1) % self.every_steps == 0 and not last
@@ -3534,11 +3533,11 @@ class Checkpointer:
             if epoch_end:
                 self.link.beat(timeout=10)
             mine |= {DRIVER_VOTE} if self.link.asked else set()
-            self.link.board.stepped.remote(self.since_save, self.snapshot())  # what a failure
+            self.link.board.stepped.remote(self.since_save, self.snapshot())
         if main and self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds:
             mine.add(DUE_VOTE)
         steps = max(self.steps_done - self.agreed_steps, 1)
-        trained = self.ledger.seconds.get("training steps", 0.0)  # not evaluation, nor saves
+        trained = self.ledger.seconds.get("training steps", 0.0)
         step_seconds = max(trained - self.agreed_at, 1e-6) / steps
         ahead = min(max(int(self.AGREE_S / step_seconds), 1), 10_000) if main else 0
         checks = (max(math.ceil(self.check_seconds / (CHECK_SHARE * step_seconds)), 1)
@@ -3648,7 +3647,7 @@ class Checkpointer:
         self.console.say(format_epoch(metrics, self.cfg.epochs))
         if not self.replicas_agree("epoch", f"at the end of epoch {metrics['epoch']}"):
             return
-        best = best_epoch(history, self.cfg.best_by) is metrics  # its checkpoint copied as the best
+        best = best_epoch(history, self.cfg.best_by) is metrics
         self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"]), "best": best,
                               "node": node_name()}, state, metrics["epoch"])
         self.saved()
@@ -3790,7 +3789,7 @@ def dumps_asked(cfg: Config, board):
     def ask(*_):
         board.ask_dump.remote()
         tqdm.write(f"ray-dp: SIGUSR1: each rank writes its stacks to {cfg.run_dir}/hang/"
-                   f"rank<N>.txt (and torch's flight recorder to rank<N>.json)")  # above the bar
+                   f"rank<N>.txt (and torch's flight recorder to rank<N>.json)")
         sys.stdout.flush()
     before = signal.signal(signal.SIGUSR1, ask)
     try:
@@ -3837,7 +3836,7 @@ class DriverLink:
     def beat(self, timeout: float) -> None:
         try:
             self.asked = ray.get(self.board.beat.remote(), timeout=timeout) or self.asked
-        except (ray.exceptions.RayError, TimeoutError):  # a board gone or slow: no answer
+        except (ray.exceptions.RayError, TimeoutError):
             pass
 
 
@@ -3879,7 +3878,7 @@ def digest(hashes: torch.Tensor, extra: str = "") -> bytes:
 def replica_state(model, optimizer, stage: str) -> list:
     """(name, tensor) every replica holds alike at `stage`: "step" the parameters; "epoch" the
     buffers too (DDP broadcasts them before each forward); "save" the optimizer's state too."""
-    if isinstance(model, list):  # scratch mode's parameters
+    if isinstance(model, list):
         return list(zip(LENET_KEYS, model))
     named = [*model.named_parameters(), *(model.named_buffers() if stage == "epoch" else ())]
     if stage != "step" and optimizer is not None:
@@ -4019,8 +4018,8 @@ def run_ledger(clock: dict, attempts: list, failed_at: list, ended: float,
     with `before`, every earlier command of the run; goodput: training steps / wall clock."""
     begun, fitted = clock.get("started") or clock["imported"], clock.get("fitted", ended)
     seconds = dict.fromkeys(LEDGER, 0.0)
-    seconds["driver"] = clock["checked"] - begun + ended - fitted  # imports, checks, summary
-    if attempts:  # Ray's start, its worker group and process group; at the end, its stop
+    seconds["driver"] = clock["checked"] - begun + ended - fitted
+    if attempts:
         seconds["cluster"] = attempts[0]["began"] - clock["checked"]
         seconds["cluster"] += fitted - attempts[-1].get("ended", fitted)
     for i, attempt in enumerate(attempts):
@@ -4218,7 +4217,7 @@ class Board:
     def stepped(self, since: int, snapshot: Optional[dict] = None) -> None:
         self.since = since
         if snapshot is not None and self.attempts:
-            self.attempts[-1] = snapshot  # rank 0's ledger of this attempt so far
+            self.attempts[-1] = snapshot
 
     def beat(self) -> bool:
         self.heard_at = time.time()
@@ -4688,7 +4687,7 @@ def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
     with contextlib.suppress(OSError):  # Ray's folder for the job, holding Ray's marker alone
         os.unlink(os.path.join(cfg.run_dir, ".validate_storage_marker"))
         os.rmdir(cfg.run_dir)
-    if cfg.predict_out:  # ray_dp.predict() without out: the rows returned alone
+    if cfg.predict_out:
         write_csv(cfg.predict_out, [list(rows[0]), *map(dict.values, rows)])
         print(f"wrote {cfg.predict_out} ({plural(len(rows), 'prediction')})", flush=True)
     return rows
@@ -4709,7 +4708,7 @@ def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
         files = sorted(os.path.relpath(os.path.join(folder, name), where) for folder, _, names
                        in os.walk(where) for name in names  # linked folders: not walked
                        if has_file_allowed_extension(name, IMG_EXTENSIONS))
-        read = image_transforms(cfg)[1]  # decoded first
+        read = image_transforms(cfg)[1]
         read.transforms.insert(0, functools.partial(read_image, data_dir=where))
         keys = [{"path": file} for file in files]
         inputs = Unlabelled([os.path.join(where, file) for file in files], read, target)
@@ -4770,7 +4769,7 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
     rows += [("scratch", algorithm, n) for algorithm in ALLREDUCE_ALGORITHMS]
     configs = []
     for mode, algorithm, workers in dict.fromkeys(rows if n > 1 else rows[:1] + rows[2:3]):
-        factor = workers if scale_lr else 1  # --scale-lr: the lesson's way (lr x N, batch x N)
+        factor = workers if scale_lr else 1
         label = f"{mode}-{algorithm}-{workers}w" if mode == "scratch" else f"{mode}-{workers}w"
         configs.append(replace(
             base, mode=mode, allreduce=algorithm, workers=workers, name=label,
@@ -4965,7 +4964,7 @@ class StoredImageFolder(torch.utils.data.Dataset):
                 functools.partial(stored_image, data_dir=self.data_dir), paths)))
 
 
-STORE_CONNECTIONS = {}  # (--data-dir, process ID): one connection per loader process
+STORE_CONNECTIONS = {}
 
 
 def stored_image(uri: str, data_dir: str) -> bytes:
@@ -5257,7 +5256,7 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
               f"and 1 thread each (--cpus-per-worker sets it)", flush=True)
         cfg = replace(cfg, cpus_per_worker=share)
     fewest, per_worker = cfg.min_workers or cfg.processes, resources_per_worker(cfg)
-    need = {kind: amount * fewest for kind, amount in per_worker.items()}  # elastic: its minimum
+    need = {kind: amount * fewest for kind, amount in per_worker.items()}
     if fits(need, cluster.now):
         return cfg
     have = f"{cluster.now.get('CPU', 0):g} CPUs and {cluster.now.get('GPU', 0):g} GPUs"
@@ -5357,10 +5356,10 @@ def ray_joins_torchrun() -> bool:
                           f"(python ray_dp.py --workers N)") from None
 
 
-HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"  # a rank's process or node died
+HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"
 # the memory monitor's words (every unexpected exit lists "the OOM killer" as a possible cause)
 RAY_OOM_KILLED = re.compile(r"low on memory|memory pressure|OUT_OF_MEMORY")
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of committed checkpoints
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 SNAPSHOT_REREAD_S = 1.0
 SNAPSHOT_WAYS_ON = ("--eval-only one of the run's checkpoint_epoch_* directories, or rerun with "
                     "--fresh to start over")
@@ -5494,7 +5493,7 @@ if __name__ != "__main__":
 @dataclass(frozen=True)
 class Check:
     ok: bool
-    says: str  # the figure; on failure, what is wrong and what to do
+    says: str
 
 
 class Doctor:
