@@ -5503,13 +5503,12 @@ class Doctor:
     def __init__(self, cfg: Config, hang_timeout: float):
         self.cfg, self.hang_timeout = cfg, hang_timeout
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")
-        self.probe, self.nodes = None, {}
+        self.nodes = {}
 
     def run(self) -> bool:
         checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
                   ("resources", self.resources, "Ray"), ("storage", self.storage, "Ray"),
-                  ("workers", self.workers, "resources"), ("all-reduce", self.allreduce, "workers"),
-                  ("data", self.data, "Ray")]
+                  ("workers", self.workers, "resources"), ("data", self.data, "Ray")]
         started, passed, log = time.time(), set(), os.path.join(self.logs, "ray.log")
         for name, check, needs in checks:
             if needs and needs not in passed:
@@ -5600,7 +5599,7 @@ class Doctor:
                                      timeout_s=int(math.ceil(self.hang_timeout))))
         begun = time.time()
         try:
-            self.probe = trainer.fit().return_value
+            probe = trainer.fit().return_value
         except SystemExit:
             raise KeyboardInterrupt from None
         except ray.train.TrainingFailedError as exc:
@@ -5608,20 +5607,11 @@ class Doctor:
             return Check(False, f"{probe_failure(exc)}; a rank that never answers is most often "
                                 f"bound to a network interface the others cannot reach: set "
                                 f"GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) on every node")
-        ranks = self.probe["ranks"]
+        ranks = probe["ranks"]
         up = max(rank["started"] for rank in ranks) - begun
         where = ", ".join(f"rank {r['rank']} on {r['node']}" for r in ranks)
         return Check(True, f"{plural(len(ranks), 'worker')} up in {up:.1f} s (placed, started, "
-                           f"{self.probe['backend']} process group); {where}")
-
-    def allreduce(self) -> Check:
-        ranks = len(self.probe["ranks"])
-        sizes = ", ".join(
-            f"{human_bytes(t['bytes'])} {three_figures(t['seconds'] * 1e3)} ms"
-            + (f" {rate(bus_bandwidth(t['bytes'], t['seconds'], ranks))}" if ranks > 1 else "")
-            for t in self.probe["timings"])
-        return Check(True, f"{self.probe['backend']} on {plural(ranks, 'worker')}, time per "
-                           f"all-reduce{' and bus bandwidth' if ranks > 1 else ''}: {sizes}")
+                           f"{probe['backend']} process group); {where}")
 
     def data(self) -> Check:
         cfg = replace(self.cfg, download=False)
@@ -5759,33 +5749,24 @@ def classes_of(seen: dict, other: dict) -> str:
     return plural(len(names), "class") + (f" (only here: {', '.join(only)})" if only else "")
 
 
-PROBE_BYTES = (4 << 10, 256 << 10, 16 << 20, 64 << 20)
-
-
 class ProbeHang(RuntimeError):
     """Ranks that did not come to a collective in time."""
 
 
 def doctor_loop_per_worker(config: dict) -> Optional[dict]:
-    """Each of the doctor's workers: where it runs, then an all-reduce at each of PROBE_BYTES, each
-    after a barrier that names the ranks that do not come (a collective would only time out)."""
+    """Each of the doctor's workers: where it runs, gathered after a barrier that names the ranks
+    that do not come (a collective would only time out)."""
     started = time.time()
     backend, device = dist.get_backend(), ray.train.torch.get_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # torch's monitored_barrier is gloo's alone: an NCCL run gets a gloo group beside its own
     watch = None if backend == "gloo" else dist.new_group(backend="gloo")
-    hang = config["hang_timeout"]
-    everyone_comes(watch, hang, "the first collective")
+    everyone_comes(watch, config["hang_timeout"], "the first collective")
     me = {"rank": dist.get_rank(), "node": ray.util.get_node_ip_address(), "started": started}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, me)
-    timings = []
-    for size in PROBE_BYTES:
-        everyone_comes(watch, hang, f"the {human_bytes(size)} all-reduce")
-        timings.append({"bytes": size, "seconds": time_allreduce(size, device)})
-    return ({"ranks": ranks, "timings": timings, "backend": backend} if dist.get_rank() == 0
-            else None)
+    return {"ranks": ranks, "backend": backend} if dist.get_rank() == 0 else None
 
 
 def everyone_comes(group, seconds: float, before: str) -> None:
@@ -5799,18 +5780,6 @@ def everyone_comes(group, seconds: float, before: str) -> None:
         raise
 
 
-def time_allreduce(size: int, device: torch.device) -> float:
-    tensor = torch.ones(size // 4, device=device)
-    seconds = []
-    for _ in range(1 + (10 if size <= 1 << 20 else 3)):
-        synchronize(device)
-        begun = time.perf_counter()
-        dist.all_reduce(tensor)
-        synchronize(device)
-        seconds.append(time.perf_counter() - begun)
-    return statistics.median(seconds[1:])
-
-
 def probe_failure(error: ray.train.TrainingFailedError) -> str:
     for _, failure in sorted(getattr(error, "worker_failures", {}).items()):
         if (found := re.search(r"ProbeHang: (.*)", f"{type(failure).__name__}: {failure}")):
@@ -5820,22 +5789,9 @@ def probe_failure(error: ray.train.TrainingFailedError) -> str:
 
 def human_bytes(size: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= scale:
-            return f"{three_figures(size / scale)} {unit}"
+        if (value := size / scale) >= 1:
+            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
     return f"{size} B"
-
-
-def bus_bandwidth(size: int, seconds: float, ranks: int) -> float:
-    return size / seconds * 2 * (ranks - 1) / ranks
-
-
-def three_figures(value: float) -> str:
-    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
-
-
-def rate(bytes_per_second: float) -> str:
-    scale, unit = (1e9, "GB/s") if bytes_per_second >= 1e9 else (1e6, "MB/s")
-    return f"{three_figures(bytes_per_second / scale)} {unit}"
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 import ray_dp
 from helpers import run_distributed
 
-CHECKS = ["Ray", "versions", "resources", "storage", "workers", "all-reduce", "data"]
+CHECKS = ["Ray", "versions", "resources", "storage", "workers", "data"]
 
 
 def lines_by_check(stdout):
@@ -116,12 +116,6 @@ def test_a_built_in_data_set_not_yet_on_the_driver_passes_only_when_a_run_may_do
     assert os.listdir(tmp_path) == []  # nothing downloaded, nothing left
 
 
-def test_bus_bandwidth_is_nccl_tests_busbw():
-    # 64 MB in 0.1 s on 4 ranks: algbw 671 MB/s, busbw x 2(n-1)/n = 1.5
-    assert ray_dp.bus_bandwidth(64 << 20, 0.1, 4) == pytest.approx((64 << 20) / 0.1 * 1.5)
-    assert [ray_dp.human_bytes(size) for size in ray_dp.PROBE_BYTES] == ["4 KiB", "256 KiB", "16 MiB", "64 MiB"]
-
-
 def rank_1_does_not_come(hang_timeout, answered):
     """On every rank of a gloo group: rank 1 does not come to the first barrier; it waits (to leave the group) until
     rank 0 has answered."""
@@ -146,20 +140,6 @@ def test_a_rank_that_does_not_come_is_named_after_the_hang_timeout(tmp_path):
     assert said[0] == "ProbeHang: rank 1 did not come to the first collective within 2 s (--hang-timeout)"
 
 
-def all_reduce_sums(size):
-    import torch
-    import torch.distributed as dist
-    seconds = ray_dp.time_allreduce(size, torch.device("cpu"))
-    probe = torch.full((3,), float(dist.get_rank() + 1))
-    dist.all_reduce(probe)
-    return seconds, probe.tolist()
-
-
-def test_the_probe_times_a_real_all_reduce():
-    results = run_distributed(all_reduce_sums, 2, 4 << 10)
-    assert all(0 < seconds < 5 and sums == [3.0, 3.0, 3.0] for seconds, sums in results)
-
-
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("ray_cluster")
@@ -174,10 +154,8 @@ def test_the_doctor_passes_on_the_local_cluster_and_leaves_nothing_behind(tmp_pa
     assert f"ray {ray.__version__}, torch {torch.__version__}" in checks["versions"][1]
     assert "--workers 2: CPU workers (gloo), 1 CPU each" in checks["resources"][1]
     assert re.match(r"2 workers up in [\d.]+ s .*; rank 0 on .*, rank 1 on ", checks["workers"][1])
-    assert re.findall(r"(\d+ [KM]iB) [\d.]+ ms [\d.]+ [MG]B/s", checks["all-reduce"][1]) == [
-        "4 KiB", "256 KiB", "16 MiB", "64 MiB"]
     assert checks["data"][1].startswith("digits: 1437 train / 360 test samples on the driver")
-    assert stdout.splitlines()[-1].startswith("doctor: all 7 checks passed in ")
+    assert stdout.splitlines()[-1].startswith("doctor: all 6 checks passed in ")
     assert not (tmp_path / "runs").exists()  # the markers are gone, and the directories made for them
 
 
@@ -219,10 +197,9 @@ def test_another_torch_on_a_node_storage_it_cannot_write_and_a_hang_each_fail_wi
                                            "a rank that never answers is most often bound to a network interface "
                                            "the others cannot reach: set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) on "
                                            "every node")
-    assert checks["all-reduce"] == ("skipped", "(needs workers)")
     assert checks["Ray"][0] == checks["resources"][0] == checks["data"][0] == "ok"
     last = stdout.splitlines()[-1]
-    assert last.startswith("doctor: 4 of 7 checks failed or were skipped") and last.endswith("/ray.log")
+    assert last.startswith("doctor: 3 of 6 checks failed or were skipped") and last.endswith("/ray.log")
     log = last.rpartition(" ")[2]
     assert "ProbeHang" in open(log).read()  # the workers' tracebacks: in the log, not on the console
     shutil.rmtree(os.path.dirname(log))
