@@ -1380,8 +1380,8 @@ COMMAND_HELP = {
                "--mode ddp alone (--model, --optimizer, --amp, ...) are refused",
     "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
               "reachable, the same Python/Ray/torch/torchvision on every node, resources for "
-              "--workers, storage every node shares, a worker group of --workers started and its "
-              "all-reduce timed at 4 KiB to 64 MiB, the data. Exits 0 only if every check passed.",
+              "--workers, storage every node shares, a worker group of --workers started, the "
+              "data. Exits 0 only if every check passed.",
     "predict": "predict: a run's model on new inputs, each scored once over --workers workers; a "
                "row per input: its path or index, its class (number, name, probability) or values"}
 
