@@ -396,7 +396,8 @@ def load_torchvision(dataset_class, root: str, download: bool) -> tuple:
                           for train in (True, False)]
             except (RuntimeError, OSError) as exc:
                 for name in set(own_entries(dataset_class)) - (before or set()):
-                    remove_path(os.path.join(root, name))
+                    remove_stored(os.path.join(root, name))
+
                 raise DataError(missing_dataset(dataset_class, root, download, exc)) from None
     except DataError:
         if before is None and os.path.isdir(root) and all(
@@ -4862,9 +4863,16 @@ def check_store(flag: str, uri: str) -> None:
 def store_problem(uri: str, access: str) -> Optional[str]:
     """Why the object storage at `uri` cannot be used ("read" or "write"), in words that say what
     to check, or None: a request to its bucket (on AWS, pyarrow's own first, for its region)."""
-    if (problem := uri_syntax_problem(uri)):
-        return problem
-    scheme, bucket = uri.split("://")[0], uri.split("://")[1].split("/")[0]
+    scheme, _, rest = uri.partition("://")
+    bucket = rest.split("/")[0]
+    if (marks := sorted(set(uri) & set("?#%"))):
+        return (f"'{marks[0]}' in a URI would change what it names (options, fragments and escapes "
+                f"are not taken; say where an S3-compatible store is with AWS_ENDPOINT_URL)")
+    if "@" in bucket:
+        return ("credentials in a URI would be printed and kept in result.json: give them as "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the node's IAM role)")
+    if "" in rest.rstrip("/").split("/")[1:]:
+        return "an empty path component ('//')"
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     at = f" at {endpoint} (AWS_ENDPOINT_URL)" if endpoint and scheme == "s3" else ""
     aws = " (and for a store other than AWS's, set AWS_ENDPOINT_URL)" if scheme == "s3" else ""
@@ -4897,18 +4905,6 @@ def store_problem(uri: str, access: str) -> Optional[str]:
     return f"bucket '{bucket}'{at} cannot be reached ({store_error(reason)}): check {check}"
 
 
-def uri_syntax_problem(uri: str) -> Optional[str]:
-    """What would change what a URI names once ray_dp appends to it, or print a secret."""
-    scheme, _, rest = uri.partition("://")
-    if (marks := sorted(set(uri) & set("?#%"))):
-        return (f"'{marks[0]}' in a URI would change what it names (options, fragments and escapes "
-                f"are not taken; say where an S3-compatible store is with AWS_ENDPOINT_URL)")
-    if "@" in rest.split("/")[0]:
-        return ("credentials in a URI would be printed and kept in result.json: give them as "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the node's IAM role)")
-    if "" in rest.rstrip("/").split("/")[1:]:
-        return "an empty path component ('//')"
-    return None
 
 
 def store_error(reason: str) -> str:
@@ -4978,10 +4974,13 @@ def stored_image(uri: str, data_dir: str) -> bytes:
 
 
 def remove_stored(path: str) -> None:
-    """A directory, local or in object storage, if it is there."""
+    """A directory or file, local or in object storage, if it is there."""
     storage, where = files_at(path)
-    if storage.get_file_info(where).type == fs.FileType.Directory:
+    kind = storage.get_file_info(where).type
+    if kind == fs.FileType.Directory:
         storage.delete_dir(where)
+    elif kind == fs.FileType.File:
+        storage.delete_file(where)
 
 
 # ==================================================================================================
@@ -5009,13 +5008,6 @@ def own_entries(dataset_class) -> tuple:
     folder = getattr(dataset_class, "base_folder", dataset_class.__name__)
     return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
 
-
-def remove_path(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -5162,11 +5154,6 @@ def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0, keep: 
     if gone and storage.get_file_info(f"{path}/{RAY_SNAPSHOT}").type == fs.FileType.File:
         storage.delete_file(f"{path}/{RAY_SNAPSHOT}")  # Ray's list of what went: Ray's next run
         # resumes from the highest, as a run torchrun began
-
-
-def under_torchrun() -> bool:
-    """Started by torchrun (its run ID: Ray's own workers have RANK, WORLD_SIZE, ... too)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and ray_joins_torchrun()
 
 
 def torchrun_follower() -> bool:
@@ -5342,8 +5329,10 @@ def internal_note(what: str, lost: str) -> None:
     print(f"note: ray_dp cannot use {what} of Ray {ray.__version__}{checked}: {lost}", flush=True)
 
 
-def ray_joins_torchrun() -> bool:
-    """Ray Train's own test of running under torchrun, which ray_dp must agree with."""
+def under_torchrun() -> bool:
+    """Started by torchrun (its run ID; Ray's workers have RANK too), as Ray Train's test says."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
     has_torchrun_env = ray_internal("ray.train.v2._internal.execution.local_mode.torch",
                                     "has_torchrun_env")
     try:
@@ -5354,6 +5343,7 @@ def ray_joins_torchrun() -> bool:
                           f"< {high} has it (Ray {ray.__version__} is installed): pip install -r "
                           f"requirements.txt, or run without torchrun "
                           f"(python ray_dp.py --workers N)") from None
+
 
 
 HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"
@@ -5379,10 +5369,8 @@ def ray_snapshot(run_dir: str) -> Optional[dict]:
     storage, path = files_at(run_dir)
     snapshot, deadline = f"{path}/{RAY_SNAPSHOT}", time.monotonic() + SNAPSHOT_REREAD_S
     while storage.get_file_info(snapshot).type != fs.FileType.NotFound:
-        with storage.open_input_stream(snapshot) as f:
-            text = f.read()
-        with contextlib.suppress(ValueError):
-            if snapshot_shape(state := json.loads(text)):
+        with contextlib.suppress(ValueError), storage.open_input_stream(snapshot) as f:
+            if snapshot_shape(state := json.loads(f.read())):
                 return state
         if time.monotonic() > deadline:
             raise BrokenSnapshot(f"{run_dir}/{RAY_SNAPSHOT}")
@@ -5521,19 +5509,16 @@ class Doctor:
             passed.update([name] if result.ok else [])
             print(f"{'ok' if result.ok else 'FAILED':<7} {name:<10} {result.says}", flush=True)
         failed, seconds = len(checks) - len(passed), time.time() - started
-        kept = failed and os.path.isfile(log)
-        if not kept:
+        if not (failed and os.path.isfile(log)):
             shutil.rmtree(self.logs, ignore_errors=True)
-        where = f"; Ray's errors are in {log}" if kept else ""
-        print(f"doctor: {failed} of {len(checks)} checks failed or were skipped ({seconds:.1f} s)"
-              f"{where}" if failed else
-              f"doctor: all {len(checks)} checks passed in {seconds:.1f} s", flush=True)
+        print(f"doctor: all {len(checks)} checks passed in {seconds:.1f} s" if not failed else
+              f"doctor: {failed} of {len(checks)} checks failed or were skipped ({seconds:.1f} s)"
+              + (f"; Ray's errors are in {log}" if os.path.isfile(log) else ""), flush=True)
         return not failed
 
     def ray(self) -> Check:
-        begun = time.time()
-        where = (f"at {self.cfg.address}, attached" if self.cfg.address
-                 else "started on this machine")
+        begun, address = time.time(), self.cfg.address
+        where = f"at {address}, attached" if address else "started on this machine"
         try:
             start_ray(self.cfg.address)
         except ConfigError as exc:
@@ -5575,20 +5560,18 @@ class Doctor:
                            f"each{'; ' + noted if noted else ''}")
 
     def storage(self) -> Check:
-        if is_uri(self.cfg.storage_path) and (problem := store_problem(self.cfg.storage_path,
-                                                                       "write")):
-            return Check(False, f"{self.cfg.storage_path}: {problem}")
-        root = self.cfg.storage_path.rstrip("/")
-        folder = f"{root}/.ray-dp-doctor-{os.getpid()}-{time.time():.0f}"
+        path = self.cfg.storage_path
+        if is_uri(path) and (problem := store_problem(path, "write")):
+            return Check(False, f"{path}: {problem}")
+        folder = f"{path.rstrip('/')}/.ray-dp-doctor-{os.getpid()}-{time.time():.0f}"
         written = self.on_every_node(write_marker, folder)
         seen = self.on_every_node(read_markers, folder)
-        made = {self.nodes[name]: created for name, created in written.items()
-                if isinstance(created, str)}
-        self.on_every_node(remove_markers, folder, made)
-        return storage_verdict(self.cfg.storage_path, written, seen, self.nodes)
+        self.on_every_node(remove_markers, folder, {self.nodes[name]: made for name, made in
+                                                    written.items() if isinstance(made, str)})
+        return storage_verdict(path, written, seen, self.nodes)
 
     def workers(self) -> Check:
-        cfg = self.cfg
+        cfg, begun = self.cfg, time.time()
         set_ray_train_knobs(cfg)
         trainer = TorchTrainer(
             doctor_loop_per_worker, train_loop_config={"hang_timeout": self.hang_timeout},
@@ -5597,7 +5580,6 @@ class Doctor:
                                  logging_config=ray.train.LoggingConfig(log_level="WARNING")),
             torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
                                      timeout_s=int(math.ceil(self.hang_timeout))))
-        begun = time.time()
         try:
             probe = trainer.fit().return_value
         except SystemExit:
@@ -5666,13 +5648,12 @@ def doctor(cfg: Config, hang_timeout: float) -> bool:
 
 def doctor_config(args: dict) -> tuple[Config, dict]:
     """The doctor's flags checked as a run's, but --storage-path, which it tries on every node."""
-    hang_timeout = args.pop("hang_timeout")
-    if not (math.isfinite(hang_timeout) and hang_timeout >= 1):
-        raise ConfigError(f"--hang-timeout must be a number of seconds, at least 1, got "
-                          f"{hang_timeout}")
+    hang = args.pop("hang_timeout")
+    if not (math.isfinite(hang) and hang >= 1):
+        raise ConfigError(f"--hang-timeout must be a number of seconds, at least 1, got {hang}")
     cfg = with_absolute_paths(replace(Config(**args), min_workers=0))  # MIN:MAX: MAX must start
     validate(cfg, doctor=True)
-    return cfg, {"hang_timeout": hang_timeout}
+    return cfg, {"hang_timeout": hang}
 
 
 def node_software() -> dict:
@@ -5693,9 +5674,9 @@ def node_names(nodes: list) -> dict:
 def write_marker(folder: str) -> Optional[str]:
     """On one node: a file named after its node ID in folder; the first directory it made."""
     files, path = files_at(folder)
-    created = next((str(part) for part in reversed(PurePosixPath(path).parents)
-                    if str(part) not in (".", "/")
-                    and files.get_file_info(str(part)).type == fs.FileType.NotFound), None)
+    created = next((part for part in [*map(str, reversed(PurePosixPath(path).parents)), path]
+                    if part != "." and files.get_file_info(part).type == fs.FileType.NotFound),
+                   None)
     write_stored(f"{folder}/{ray.get_runtime_context().get_node_id()}", b"ray_dp.py doctor\n")
     return created
 
@@ -5708,10 +5689,10 @@ def read_markers(folder: str) -> list:
 
 def remove_markers(folder: str, created: dict) -> None:
     with contextlib.suppress(OSError, ArrowException, ValueError):
-        files, path = files_at(folder)
-        files.delete_dir(path)
         if (made := created.get(ray.get_runtime_context().get_node_id())):
-            files.delete_dir(made)
+            files_at(folder)[0].delete_dir(made)
+
+
 
 
 def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> Check:
