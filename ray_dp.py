@@ -5263,10 +5263,7 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
     return cfg
 
 
-BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"  # what `ray up` leaves on the head node
-
-
-def autoscaler_node_types(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[list]:
+def autoscaler_node_types(bootstrap_path: str = "~/ray_bootstrap_config.yaml") -> Optional[list]:
     """The node types `ray up` left on this head node for its autoscaler; None if none."""
     path = os.path.expanduser(bootstrap_path)
     if not os.path.isfile(path):
@@ -5277,26 +5274,6 @@ def autoscaler_node_types(bootstrap_path: str = BOOTSTRAP_CONFIG) -> Optional[li
     head = cluster_yaml.get("head_node_type")
     return [(node_type.get("resources", {}), node_type.get("max_workers", 0) + (name == head))
             for name, node_type in cluster_yaml.get("available_node_types", {}).items()]
-
-
-def check_reachable(address: str, seconds: float = 5.0) -> None:
-    """The cluster's GCS answers before ray.init, which would otherwise retry for minutes."""
-    try:
-        resolved = gcs_address(address)
-    except ValueError:
-        raise ConfigError(f"--address {address}: give 'auto' or host:port "
-                          f"(e.g. 10.0.0.5:6379)") from None
-    if resolved is None:
-        return
-    host, _, port = resolved.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=seconds).close()
-    except (OSError, ValueError):
-        where = (address if address != "auto" else "auto (none is recorded on this machine)"
-                 if not resolved else f"{resolved} (--address auto found it on this machine)")
-        raise ConfigError(f"no Ray cluster answers at {where}: start one "
-                          f"(ray start --head, or ray up cluster.yaml), or drop --address to run "
-                          f"on this machine") from None
 
 
 # ==================================================================================================
@@ -5425,20 +5402,29 @@ def graceful_sigterm_in_ray_worker() -> None:
     setattr(sys.modules[module], name, set_graceful)
 
 
-def gcs_address(address: str) -> Optional[str]:
-    """--address as host:port ('auto': the cluster `ray start` recorded here); "" if none is
-    recorded, None if this Ray cannot say. ValueError if it is neither."""
+def check_reachable(address: str, seconds: float = 5.0) -> None:
+    """The cluster's GCS answers before ray.init, which would otherwise retry for minutes ('auto':
+    the cluster `ray start` recorded here, as Ray reads it)."""
     canonicalize = ray_internal("ray._private.services", "canonicalize_bootstrap_address")
-    if canonicalize is None:
-        if address != "auto":
-            return address
-        internal_note("ray._private.services.canonicalize_bootstrap_address",
-                      "--address auto goes unchecked to Ray, which may retry for minutes")
-        return None
+    if canonicalize is None and address == "auto":
+        return internal_note("ray._private.services.canonicalize_bootstrap_address",
+                             "--address auto goes unchecked to Ray, which may retry for minutes")
     try:
-        return canonicalize(address) or ""
-    except ConnectionError:
-        return ""
+        resolved = (canonicalize(address) or "") if canonicalize else address
+    except ConnectionError:  # 'auto', and none is recorded
+        resolved = ""
+    except ValueError:
+        raise ConfigError(f"--address {address}: give 'auto' or host:port "
+                          f"(e.g. 10.0.0.5:6379)") from None
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=seconds).close()
+    except (OSError, ValueError):
+        where = (address if address != "auto" else "auto (none is recorded on this machine)"
+                 if not resolved else f"{resolved} (--address auto found it on this machine)")
+        raise ConfigError(f"no Ray cluster answers at {where}: start one "
+                          f"(ray start --head, or ray up cluster.yaml), or drop --address to run "
+                          f"on this machine") from None
 
 
 def set_ray_train_knobs(cfg: Config) -> None:
