@@ -4861,8 +4861,7 @@ def check_store(flag: str, uri: str) -> None:
 
 
 def store_problem(uri: str, access: str) -> Optional[str]:
-    """Why the object storage at `uri` cannot be used ("read" or "write"), in words that say what
-    to check, or None: a request to its bucket (on AWS, pyarrow's own first, for its region)."""
+    """Why `uri`'s store cannot be used for `access` ("read"/"write"), what to check; or None."""
     scheme, _, rest = uri.partition("://")
     bucket = rest.split("/")[0]
     if (marks := sorted(set(uri) & set("?#%"))):
@@ -4905,8 +4904,6 @@ def store_problem(uri: str, access: str) -> Optional[str]:
     return f"bucket '{bucket}'{at} cannot be reached ({store_error(reason)}): check {check}"
 
 
-
-
 def store_error(reason: str) -> str:
     named = re.search(r"AWS Error.*|(?<=underlying error message was: ).*", reason)
     named = named.group() if named else reason
@@ -4914,8 +4911,7 @@ def store_error(reason: str) -> str:
 
 
 class StoredImageFolder(torch.utils.data.Dataset):
-    """torchvision's ImageFolder over object storage (root: s3://bucket/prefix/train), with its
-    attributes and its order; listed once where it is made, a batch's objects fetched together."""
+    """torchvision's ImageFolder (attributes, order) in object storage; a batch fetched at once."""
 
     def __init__(self, root: str, transform, data_dir: str):
         from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
@@ -5009,7 +5005,6 @@ def own_entries(dataset_class) -> tuple:
     return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
 
 
-
 @contextlib.contextmanager
 def download_lock(root: str, name: str):
     """Workers sharing a node would download and unpack the same files at once."""
@@ -5079,8 +5074,7 @@ def check_classes_agree(classes: list, device: torch.device) -> None:
 
 
 class RayLauncher:
-    """Ray Train's workers: Ray finds the run's latest checkpoint, its controller commits rank 0's
-    and writes the TensorBoard events (TensorBoardWriter)."""
+    """Ray Train's workers: Ray finds and commits checkpoints; its controller writes TensorBoard."""
 
     def __init__(self, run_dir: str, resume_from: Optional[object] = None):
         self.run_dir, self.resume_from, self.restore_seconds = run_dir, resume_from, 0.0
@@ -5109,8 +5103,7 @@ class RayLauncher:
 
 
 class TorchrunLauncher:
-    """torchrun's processes (Ray Train's local mode): no controller, so rank 0 keeps the
-    checkpoints where Ray would have and writes the TensorBoard events."""
+    """torchrun's processes (no controller): rank 0 keeps checkpoints as Ray would; TensorBoard."""
 
     def __init__(self, cfg: Config, worker: Worker):
         self.cfg, self.worker, self.restore_seconds = cfg, worker, 0.0
@@ -5152,8 +5145,7 @@ def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0, keep: 
     for folder in gone:
         storage.delete_dir(f"{path}/{folder}")
     if gone and storage.get_file_info(f"{path}/{RAY_SNAPSHOT}").type == fs.FileType.File:
-        storage.delete_file(f"{path}/{RAY_SNAPSHOT}")  # Ray's list of what went: Ray's next run
-        # resumes from the highest, as a run torchrun began
+        storage.delete_file(f"{path}/{RAY_SNAPSHOT}")  # Ray's next run resumes from the highest
 
 
 def torchrun_follower() -> bool:
@@ -5322,7 +5314,6 @@ def under_torchrun() -> bool:
                           f"(python ray_dp.py --workers N)") from None
 
 
-
 HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"
 # the memory monitor's words (every unexpected exit lists "the OOM killer" as a possible cause)
 RAY_OOM_KILLED = re.compile(r"low on memory|memory pressure|OUT_OF_MEMORY")
@@ -5403,8 +5394,7 @@ def graceful_sigterm_in_ray_worker() -> None:
 
 
 def check_reachable(address: str, seconds: float = 5.0) -> None:
-    """The cluster's GCS answers before ray.init, which would otherwise retry for minutes ('auto':
-    the cluster `ray start` recorded here, as Ray reads it)."""
+    """The cluster's GCS answers before ray.init, which would retry for minutes ('auto': Ray's)."""
     canonicalize = ray_internal("ray._private.services", "canonicalize_bootstrap_address")
     if canonicalize is None and address == "auto":
         return internal_note("ray._private.services.canonicalize_bootstrap_address",
@@ -5453,10 +5443,9 @@ def quiet_ray_train() -> None:
         logger.setLevel(logging.CRITICAL)
 
 
-RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_ray_worker}
-if __name__ != "__main__":
-    # imported, its functions reach Ray's processes by reference: Ray ships them this file
-    RUNTIME_ENV["py_modules"] = [sys.modules[__name__]]
+# imported, its functions reach Ray's processes by reference: Ray ships them this file
+RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_ray_worker,
+               **({"py_modules": [sys.modules[__name__]]} if __name__ != "__main__" else {})}
 
 
 # ==================================================================================================
@@ -5471,8 +5460,7 @@ class Check:
 
 
 class Doctor:
-    """The checks in order; one that needs what an earlier one found is skipped if that failed.
-    Node questions go to one task per node; the worker group is the one a run would start."""
+    """The checks in order, each skipped if one it needs failed; a node's question: a task on it."""
 
     def __init__(self, cfg: Config, hang_timeout: float):
         self.cfg, self.hang_timeout = cfg, hang_timeout
@@ -5608,8 +5596,7 @@ class Doctor:
                            f"every node")
 
     def on_every_node(self, function, *args) -> dict:
-        """function(*args) on each node at once, by node name: its value, the exception it
-        raised, or a TimeoutError for a node silent for --start-timeout."""
+        """function(*args) on every node at once, by name: its value or exception (TimeoutError)."""
         remote = ray.remote(num_cpus=0, max_retries=0)(function)
         calls = {name: remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             node_id, soft=False)).remote(*args) for name, node_id in self.nodes.items()}
@@ -5679,8 +5666,6 @@ def remove_markers(folder: str, created: dict) -> None:
             files_at(folder)[0].delete_dir(made)
 
 
-
-
 def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> Check:
     """Each node's answers (the first directory it made, the markers it saw) or its exception."""
     for node, answer in written.items():
@@ -5721,8 +5706,7 @@ class ProbeHang(RuntimeError):
 
 
 def doctor_loop_per_worker(config: dict) -> Optional[dict]:
-    """Each of the doctor's workers: where it runs, gathered after a barrier that names the ranks
-    that do not come (a collective would only time out)."""
+    """A doctor's worker: where it runs, after a barrier that names the ranks that do not come."""
     started = time.time()
     backend, device = dist.get_backend(), ray.train.torch.get_device()
     if device.type == "cuda":
