@@ -5560,9 +5560,10 @@ class Doctor:
             raise KeyboardInterrupt from None
         except ray.train.TrainingFailedError as exc:
             append_log(self.logs, str(exc))
-            return Check(False, f"{probe_failure(exc)}; a rank that never answers is most often "
-                                f"bound to a network interface the others cannot reach: set "
-                                f"GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) on every node")
+            return Check(False, f"{probe_failure(exc, self.hang_timeout)}; a rank that never "
+                                f"answers is most often bound to a network interface the others "
+                                f"cannot reach: set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) on "
+                                f"every node")
         ranks = probe["ranks"]
         up = max(rank["started"] for rank in ranks) - begun
         where = ", ".join(f"rank {r['rank']} on {r['node']}" for r in ranks)
@@ -5701,10 +5702,6 @@ def classes_of(seen: dict, other: dict) -> str:
     return plural(len(names), "class") + (f" (only here: {', '.join(only)})" if only else "")
 
 
-class ProbeHang(RuntimeError):
-    """Ranks that did not come to a collective in time."""
-
-
 def doctor_loop_per_worker(config: dict) -> Optional[dict]:
     """A doctor's worker: where it runs, after a barrier that names the ranks that do not come."""
     started = time.time()
@@ -5713,28 +5710,19 @@ def doctor_loop_per_worker(config: dict) -> Optional[dict]:
         torch.cuda.set_device(device)
     # torch's monitored_barrier is gloo's alone: an NCCL run gets a gloo group beside its own
     watch = None if backend == "gloo" else dist.new_group(backend="gloo")
-    everyone_comes(watch, config["hang_timeout"], "the first collective")
+    dist.monitored_barrier(watch, timeout=timedelta(seconds=config["hang_timeout"]),
+                           wait_all_ranks=True)  # rank 0's error names the ranks that did not come
     me = {"rank": dist.get_rank(), "node": ray.util.get_node_ip_address(), "started": started}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, me)
     return {"ranks": ranks, "backend": backend} if dist.get_rank() == 0 else None
 
 
-def everyone_comes(group, seconds: float, before: str) -> None:
-    try:
-        dist.monitored_barrier(group, timeout=timedelta(seconds=seconds), wait_all_ranks=True)
-    except RuntimeError as exc:  # rank 0 names the absent; the others only lose rank 0
-        absent = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(exc))
-        if absent:
-            raise ProbeHang(f"rank {absent[1]} did not come to {before} within {seconds:g} s "
-                            f"(--hang-timeout)") from None
-        raise
-
-
-def probe_failure(error: ray.train.TrainingFailedError) -> str:
+def probe_failure(error: ray.train.TrainingFailedError, seconds: float) -> str:
     for _, failure in sorted(getattr(error, "worker_failures", {}).items()):
-        if (found := re.search(r"ProbeHang: (.*)", f"{type(failure).__name__}: {failure}")):
-            return found[1].strip()
+        if (absent := re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(failure))):
+            return (f"rank {absent[1]} did not come to the first collective within {seconds:g} s "
+                    f"(--hang-timeout)")
     return describe_training_error(error, {})
 
 

@@ -117,17 +117,20 @@ def test_a_built_in_data_set_not_yet_on_the_driver_passes_only_when_a_run_may_do
 
 
 def rank_1_does_not_come(hang_timeout, answered):
-    """On every rank of a gloo group: rank 1 does not come to the first barrier; it waits (to leave the group) until
-    rank 0 has answered."""
+    """On every rank of a gloo group: rank 1 does not come to the doctor's barrier; it waits (to leave the group) until
+    rank 0 has answered with what the doctor would say of rank 0's error."""
+    from datetime import timedelta
+
     import torch.distributed as dist
+    from ray.train import WorkerGroupError
     if dist.get_rank() == 1:
         while not os.path.exists(answered):
             time.sleep(0.05)
         return "did not come"
     try:
-        ray_dp.everyone_comes(None, hang_timeout, "the first collective")
+        dist.monitored_barrier(timeout=timedelta(seconds=hang_timeout), wait_all_ranks=True)
     except RuntimeError as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return ray_dp.probe_failure(WorkerGroupError("a worker failed", {0: exc}), hang_timeout)
     finally:
         if dist.get_rank() == 0:
             open(answered, "w").close()
@@ -137,7 +140,7 @@ def rank_1_does_not_come(hang_timeout, answered):
 @pytest.mark.timeout(120)
 def test_a_rank_that_does_not_come_is_named_after_the_hang_timeout(tmp_path):
     said = run_distributed(rank_1_does_not_come, 3, 2, str(tmp_path / "answered"))
-    assert said[0] == "ProbeHang: rank 1 did not come to the first collective within 2 s (--hang-timeout)"
+    assert said[0] == "rank 1 did not come to the first collective within 2 s (--hang-timeout)"
 
 
 @pytest.mark.ray
@@ -201,7 +204,7 @@ def test_another_torch_on_a_node_storage_it_cannot_write_and_a_hang_each_fail_wi
     last = stdout.splitlines()[-1]
     assert last.startswith("doctor: 3 of 6 checks failed or were skipped") and last.endswith("/ray.log")
     log = last.rpartition(" ")[2]
-    assert "ProbeHang" in open(log).read()  # the workers' tracebacks: in the log, not on the console
+    assert "failed to pass monitoredBarrier" in open(log).read()  # the workers' tracebacks: in the log
     shutil.rmtree(os.path.dirname(log))
     assert time.time() - begun < 120  # the sleeping rank was not waited for
 
