@@ -5377,6 +5377,7 @@ def checkpoint_config(cfg: Config) -> CheckpointConfig:
 SIGTERM_SETTER = ("ray._private.utils", "set_sigterm_handler")
 SIGTERM_LOST = ("SIGTERM to a Ray worker stops it at once (no graceful stop): its workers redo the "
                 "steps since the last checkpoint")
+PG_CLEANER = "ray.train.v2._internal.callbacks.placement_group_callback"
 
 
 def graceful_sigterm_in_ray_worker() -> None:
@@ -5425,8 +5426,7 @@ def set_ray_train_knobs(cfg: Config) -> None:
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.start_timeout)
-    cleaner = ray_internal("ray.train.v2._internal.callbacks.placement_group_callback",
-                           "PlacementGroupCleanerCallback")
+    cleaner = ray_internal(PG_CLEANER, "PlacementGroupCleanerCallback")
     parameters = list(inspect.signature(cleaner.__init__).parameters) if cleaner else []
     if parameters != ["self", "check_interval_s", "get_actor_timeout_s", "stop_timeout"]:
         return internal_note("PlacementGroupCleanerCallback(check_interval_s, get_actor_timeout_s, "
@@ -5438,9 +5438,7 @@ def quiet_ray_train() -> None:
     """Ray Train's chatter at WARNING, and the cleaner's stop, shortened above, silent: it logs a
     traceback for the 0.1 s it did not wait (seen with --worker-output)."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)
-    cleaner = "ray.train.v2._internal.callbacks.placement_group_callback"
-    if (logger := ray_internal(cleaner, "logger")) is not None:
-        logger.setLevel(logging.CRITICAL)
+    logging.getLogger(PG_CLEANER).setLevel(logging.CRITICAL)  # the module's own logger
 
 
 # imported, its functions reach Ray's processes by reference: Ray ships them this file
@@ -5520,9 +5518,8 @@ class Doctor:
                 f"{cluster.now.get('GPU', 0):g} GPUs now")
         grows = (f"; its node types add up to {cluster.most}" if cluster.most is not None else
                  "" if cluster.local else "; no autoscaler configuration found")
-        notes = io.StringIO()
         try:
-            with contextlib.redirect_stdout(notes):
+            with contextlib.redirect_stdout(notes := io.StringIO()):
                 self.cfg = settle_device(self.cfg, cluster)
         except ConfigError as exc:
             return Check(False, f"{have}{grows}; {exc}")
