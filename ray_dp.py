@@ -5005,19 +5005,16 @@ def own_entries(dataset_class) -> tuple:
     return (folder, *filter(None, [getattr(dataset_class, "filename", None)]))
 
 
-@contextlib.contextmanager
 def download_lock(root: str, name: str):
-    """Workers sharing a node would download and unpack the same files at once."""
+    """Held (a context manager): workers sharing a node would download the same files at once."""
     from filelock import FileLock
     try:
         os.makedirs(root, exist_ok=True)
-        held = FileLock(os.path.join(root, f".{name}.lock")).acquire()
+        return FileLock(os.path.join(root, f".{name}.lock")).acquire()
     except OSError as exc:
         raise DataError(f"--data-dir {root}: cannot create the download's lock file there "
                         f"({exc.strerror or exc}); use a writable --data-dir, or --no-download "
                         f"where the files already are") from None
-    with held:
-        yield
 
 
 def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console") -> None:
@@ -5155,8 +5152,7 @@ def torchrun_follower() -> bool:
 
 def torchrun_launch(command: str, args: dict, typed: set) -> dict:
     """torchrun decides the workers (WORLD_SIZE) and the device (CUDA if there is one)."""
-    world = os.environ["WORLD_SIZE"]
-    if not world.isdigit() or int(world) < 1:
+    if not (world := os.environ["WORLD_SIZE"]).isdigit() or int(world) < 1:
         raise ConfigError(f"torchrun's WORLD_SIZE must be a positive whole number, got {world!r}")
     world = int(world)
     if args.get("mode") == "dp":
@@ -5183,8 +5179,7 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
 
 @dataclass(frozen=True)
 class Cluster:
-    """The resources up now and, where an autoscaler can add nodes, its node types as (resources
-    of one node, most nodes); local: this machine alone, which never grows."""
+    """Resources now, an autoscaler's node types (a node's resources, most nodes); local: here."""
     now: dict
     node_types: Optional[list]
     local: bool
@@ -5435,8 +5430,7 @@ def set_ray_train_knobs(cfg: Config) -> None:
 
 
 def quiet_ray_train() -> None:
-    """Ray Train's chatter at WARNING, and the cleaner's stop, shortened above, silent: it logs a
-    traceback for the 0.1 s it did not wait (seen with --worker-output)."""
+    """Ray Train's chatter at WARNING; the cleaner's traceback for its 0.1 s stop (above), off."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     logging.getLogger(PG_CLEANER).setLevel(logging.CRITICAL)  # the module's own logger
 
@@ -5461,9 +5455,8 @@ class Doctor:
     """The checks in order, each skipped if one it needs failed; a node's question: a task on it."""
 
     def __init__(self, cfg: Config, hang_timeout: float):
-        self.cfg, self.hang_timeout = cfg, hang_timeout
+        self.cfg, self.hang_timeout, self.nodes = cfg, hang_timeout, {}
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")
-        self.nodes = {}
 
     def run(self) -> bool:
         checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
@@ -5701,10 +5694,7 @@ def classes_of(seen: dict, other: dict) -> str:
 
 def doctor_loop_per_worker(config: dict) -> Optional[dict]:
     """A doctor's worker: where it runs, after a barrier that names the ranks that do not come."""
-    started = time.time()
-    backend, device = dist.get_backend(), ray.train.torch.get_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    started, backend = time.time(), dist.get_backend()  # TorchConfig has set the CUDA device
     # torch's monitored_barrier is gloo's alone: an NCCL run gets a gloo group beside its own
     watch = None if backend == "gloo" else dist.new_group(backend="gloo")
     dist.monitored_barrier(watch, timeout=timedelta(seconds=config["hang_timeout"]),
