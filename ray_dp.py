@@ -5107,11 +5107,9 @@ class TorchrunLauncher:
         self.tensorboard = TensorBoardWriter(cfg) if worker.is_main else None
 
     def latest_checkpoint(self) -> Optional[dict]:
-        tic, state = time.perf_counter(), None
-        if self.worker.is_main:
-            latest = latest_committed(self.cfg.run_dir)
-            state = load_checkpoint(latest) if latest else None
-        state = from_rank_0(state, self.worker.device)
+        tic = time.perf_counter()
+        latest = self.worker.is_main and latest_committed(self.cfg.run_dir)
+        state = from_rank_0(load_checkpoint(latest) if latest else None, self.worker.device)
         self.restore_seconds = time.perf_counter() - tic
         return state
 
@@ -5452,34 +5450,11 @@ class Check:
 
 
 class Doctor:
-    """The checks in order, each skipped if one it needs failed; a node's question: a task on it."""
+    """The doctor's checks, each a Check of what it found; a node's question: a task on it."""
 
     def __init__(self, cfg: Config, hang_timeout: float):
         self.cfg, self.hang_timeout, self.nodes = cfg, hang_timeout, {}
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")
-
-    def run(self) -> bool:
-        checks = [("Ray", self.ray, None), ("versions", self.versions, "Ray"),
-                  ("resources", self.resources, "Ray"), ("storage", self.storage, "Ray"),
-                  ("workers", self.workers, "resources"), ("data", self.data, "Ray")]
-        started, passed, log = time.time(), set(), os.path.join(self.logs, "ray.log")
-        for name, check, needs in checks:
-            if needs and needs not in passed:
-                print(f"skipped {name:<10} (needs {needs})", flush=True)
-                continue
-            try:
-                result = check()
-            except Exception as exc:
-                result = Check(False, f"{first_line(exc)} (the check itself failed)")
-            passed.update([name] if result.ok else [])
-            print(f"{'ok' if result.ok else 'FAILED':<7} {name:<10} {result.says}", flush=True)
-        failed, seconds = len(checks) - len(passed), time.time() - started
-        if not (failed and os.path.isfile(log)):
-            shutil.rmtree(self.logs, ignore_errors=True)
-        print(f"doctor: all {len(checks)} checks passed in {seconds:.1f} s" if not failed else
-              f"doctor: {failed} of {len(checks)} checks failed or were skipped ({seconds:.1f} s)"
-              + (f"; Ray's errors are in {log}" if os.path.isfile(log) else ""), flush=True)
-        return not failed
 
     def ray(self) -> Check:
         begun, address = time.time(), self.cfg.address
@@ -5496,9 +5471,8 @@ class Doctor:
         for node, found in nodes.items():
             if isinstance(found, Exception):
                 return Check(False, f"node {node} did not answer: {first_line(found)}")
-            differ = [f"{key} {found[key]} (the driver {here[key]})"
-                      for key in here if key != "host" and found[key] != here[key]]
-            if differ:
+            if (differ := [f"{key} {found[key]} (the driver {here[key]})"
+                           for key in here if key != "host" and found[key] != here[key]]):
                 return Check(False, f"node {node} ({found['host']}) has {', '.join(differ)}: "
                                     f"install requirements.txt into the same Python on every "
                                     f"node (cluster.yaml's setup_commands)")
@@ -5542,8 +5516,7 @@ class Doctor:
             scaling_config=scaling_config(cfg, cfg.processes),
             run_config=RunConfig(name="probe", storage_path=self.logs,
                                  logging_config=ray.train.LoggingConfig(log_level="WARNING")),
-            torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
-                                     timeout_s=int(math.ceil(self.hang_timeout))))
+            torch_config=TorchConfig(timeout_s=int(math.ceil(self.hang_timeout))))  # nccl on GPUs
         try:
             probe = trainer.fit().return_value
         except SystemExit:
@@ -5604,10 +5577,32 @@ class Doctor:
 
 
 def doctor(cfg: Config, hang_timeout: float) -> bool:
+    """The checks in order, a line each; one is skipped if one it needs failed."""
     where = f"the cluster at {cfg.address}" if cfg.address else "this machine (a local Ray)"
     print(f"ray-dp doctor: {where}, --workers {cfg.workers}, storage {cfg.storage_path}, "
           f"data {cfg.dataset}", flush=True)
-    return Doctor(cfg, hang_timeout).run()
+    check = Doctor(cfg, hang_timeout)
+    checks = [("Ray", check.ray, None), ("versions", check.versions, "Ray"),
+              ("resources", check.resources, "Ray"), ("storage", check.storage, "Ray"),
+              ("workers", check.workers, "resources"), ("data", check.data, "Ray")]
+    started, passed, log = time.time(), set(), os.path.join(check.logs, "ray.log")
+    for name, run, needs in checks:
+        if needs and needs not in passed:
+            print(f"skipped {name:<10} (needs {needs})", flush=True)
+            continue
+        try:
+            result = run()
+        except Exception as exc:
+            result = Check(False, f"{first_line(exc)} (the check itself failed)")
+        passed.update([name] if result.ok else [])
+        print(f"{'ok' if result.ok else 'FAILED':<7} {name:<10} {result.says}", flush=True)
+    failed, seconds = len(checks) - len(passed), time.time() - started
+    if not (failed and os.path.isfile(log)):
+        shutil.rmtree(check.logs, ignore_errors=True)
+    print(f"doctor: all {len(checks)} checks passed in {seconds:.1f} s" if not failed else
+          f"doctor: {failed} of {len(checks)} checks failed or were skipped ({seconds:.1f} s)"
+          + (f"; Ray's errors are in {log}" if os.path.isfile(log) else ""), flush=True)
+    return not failed
 
 
 def doctor_config(args: dict) -> tuple[Config, dict]:
@@ -5621,12 +5616,9 @@ def doctor_config(args: dict) -> tuple[Config, dict]:
 
 
 def node_software() -> dict:
-    import platform
-
     import torchvision
-    return {"host": socket.gethostname(), "python": platform.python_version(),
-            "ray": ray.__version__, "torch": torch.__version__,
-            "torchvision": torchvision.__version__}
+    return {"host": socket.gethostname(), "python": sys.version.split()[0], "ray": ray.__version__,
+            "torch": torch.__version__, "torchvision": torchvision.__version__}
 
 
 def node_names(nodes: list) -> dict:
