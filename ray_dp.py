@@ -5018,8 +5018,7 @@ def download_lock(root: str, name: str):
 
 
 def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console") -> None:
-    """A folder on each node's disk holds every image of the run's list, else one line names a
-    node, a file and --data-dir, on every rank; images the list lacks are not trained (a note)."""
+    """A DataError on all ranks if a node's folder lacks one of the run's images; extras: a note."""
     if cfg.dataset != "folder" or is_uri(cfg.data_dir):
         return
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
@@ -5058,8 +5057,7 @@ def node_name() -> str:
 
 
 def check_classes_agree(classes: list, device: torch.device) -> None:
-    differs = torch.tensor([from_rank_0(classes, device) != classes], dtype=torch.int64,
-                           device=device)
+    differs = torch.tensor([int(from_rank_0(classes, device) != classes)], device=device)
     if all_reduce_sum(differs).item():
         raise DataError("the workers' data sets hold different classes: the same folder must be "
                         "on every node that trains (ray_dp.py doctor checks it)")
@@ -5154,8 +5152,7 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
         raise ConfigError(f"torchrun's WORLD_SIZE must be a positive whole number, got {world!r}")
     world = int(world)
     if args.get("mode") == "dp":
-        raise ConfigError("--mode dp is one process driving every GPU; "
-                          "under torchrun use --mode ddp")
+        raise ConfigError("--mode dp drives all GPUs in one process; under torchrun use --mode ddp")
     if command != "train" or args["eval_only"]:
         raise ConfigError("under torchrun ray_dp trains; run compare and --eval-only with python "
                           "ray_dp.py, whose Ray workers need no torchrun")
@@ -5374,8 +5371,7 @@ PG_CLEANER = "ray.train.v2._internal.callbacks.placement_group_callback"
 
 
 def graceful_sigterm_in_ray_worker() -> None:
-    """Every Ray worker's setup hook: Ray then sets its SIGTERM handler (exit) through
-    set_sigterm_handler, which this wraps so that the handler becomes GracefulStop(Ray's)."""
+    """Ray workers' setup hook: set_sigterm_handler wrapped to put Ray's handler in GracefulStop."""
     module, name = SIGTERM_SETTER
     setter = ray_internal(module, name)
     if setter is None or getattr(setter, "graceful", False):
