@@ -401,7 +401,7 @@ def test_ray_up_with_the_shipped_config_trains_on_two_nodes(tmp_path, sshd, sing
     config_path = tmp_path / "local-cluster.yaml"
     config_path.write_text(yaml.safe_dump(local_cluster_config(sshd)))
     ray = os.path.join(BIN, "ray")
-    bootstrap = os.path.expanduser(ray_dp.BOOTSTRAP_CONFIG)  # ray up writes it on the head: this machine
+    bootstrap = os.path.expanduser("~/ray_bootstrap_config.yaml")  # ray up writes it on the head: here
     had_bootstrap = os.path.exists(bootstrap)
     try:
         up = subprocess.run([ray, "up", "-y", str(config_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
