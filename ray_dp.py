@@ -397,7 +397,6 @@ def load_torchvision(dataset_class, root: str, download: bool) -> tuple:
             except (RuntimeError, OSError) as exc:
                 for name in set(own_entries(dataset_class)) - (before or set()):
                     remove_stored(os.path.join(root, name))
-
                 raise DataError(missing_dataset(dataset_class, root, download, exc)) from None
     except DataError:
         if before is None and os.path.isdir(root) and all(
@@ -5456,7 +5455,7 @@ class Doctor:
         begun, address = time.time(), self.cfg.address
         where = f"at {address}, attached" if address else "started on this machine"
         try:
-            start_ray(self.cfg.address)
+            start_ray(address)
         except ConfigError as exc:
             return Check(False, str(exc))
         self.nodes = node_names([node for node in ray.nodes() if node["Alive"]])
