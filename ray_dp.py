@@ -1966,8 +1966,7 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (not is_uri(cfg.data_dir) or cfg.dataset == "folder",
          f"--data-dir {cfg.data_dir}: only --dataset folder reads its data from object storage; "
          f"{cfg.dataset} is kept in a local directory"),
-        (cfg.check_replicas in ("off", "auto") or (cfg.check_replicas.isdigit()
-                                                   and int(cfg.check_replicas) >= 1),
+        (re.fullmatch(r"off|auto|0*[1-9][0-9]*", cfg.check_replicas),
          f"--check-replicas must be off, auto or a number of steps, got {cfg.check_replicas}"),
         (checkpoint_interval(cfg.checkpoint_every) is not None,
          f"--checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' "
@@ -2173,8 +2172,7 @@ class SharedTensors(TensorDataset):
 
 def shared_tensors(tensors: tuple, attributes: dict) -> SharedTensors:
     import warnings
-    with warnings.catch_warnings():  # arrays of the object store: read-only, as the data
-        warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings(action="ignore", category=UserWarning):  # read-only arrays
         data = SharedTensors(*map(torch.as_tensor, tensors))
     data.__dict__.update(attributes)
     return data
@@ -2217,13 +2215,11 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
     """The smallest square size above `fails` the model takes (bisection up to 512 px)."""
     def takes(size: int) -> bool:
         return image_size_problem(name, (channels, size, size), num_classes) is None
-    low, high = fails, 512
-    if not takes(high):  # a model of one size only (ViTs: 224)
+    import bisect
+    if not takes(512):  # a model of one size only (ViTs: 224)
         return next((size for size in (224, 299, 384) if size > fails and takes(size)), None)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if takes(middle) else (middle, high)
-    return high
+    sizes = range(min(fails, 511) + 1, 513)
+    return sizes[bisect.bisect_left(sizes, True, key=takes)]
 
 
 def check_training_choices(cfg: Config, data: DataInfo) -> None:
@@ -2265,12 +2261,11 @@ def check_model_fits(cfg: Config, data: DataInfo) -> None:
     if is_code(cfg.model) or not is_image(shape):
         return check_on_a_sample(cfg, data)
     problem = image_size_problem(cfg.model, shape, data.outputs)
-    if problem is None:
-        if cfg.micro_batch == 1:
-            check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),
-                                      torch.zeros(1, *shape))
-        return None if cfg.loss == "cross_entropy" and not is_code(cfg.dataset) else (
-            check_on_a_sample(cfg, data))
+    if problem is None and (cfg.loss != "cross_entropy" or is_code(cfg.dataset)):
+        return check_on_a_sample(cfg, data)
+    if problem is None:  # a built-in model on built-in images: its outline, no sample read
+        return check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),
+                                         torch.zeros(1, *shape))
     side = shape[-1]
     size = smallest_image_size(cfg.model, shape[0], data.outputs, side)
     what = f"{cfg.dataset}'s images as given ({side} x {side} px)"
@@ -2419,8 +2414,7 @@ def user_code(spec: str, flag: str):
         raise ConfigError(f"{typed} {spec}: {where} has no {name}"
                           + (f"; did you mean {close[0]}?" if close else ""))
     CODE[spec] = getattr(module, name)
-    if (defined_in := sys.modules.get(getattr(CODE[spec], "__module__", None))) is not None:
-        travels(defined_in)  # re-exported: where it is defined travels too
+    travels(sys.modules.get(getattr(CODE[spec], "__module__", None)))  # re-exported: its home too
     return CODE[spec]
 
 
@@ -2447,7 +2441,7 @@ def load_module(where: str):
 
 def travels(module):
     """Your module's code goes to the workers by value (their nodes need no copy); an installed
-    package's, and __main__'s (which cloudpickle ships anyway), by name. The module."""
+    package's, and __main__'s (which cloudpickle ships anyway), by name. The module (None: none)."""
     import site
     import sysconfig
     installed = {os.path.realpath(path) for path in (
@@ -2471,8 +2465,7 @@ def as_spec(value, flag: str) -> str:
     if CODE.setdefault(spec, value) is not value:
         raise ConfigError(f"{flag}= is another object of the name {spec} than one given before: "
                           f"give each its own name (def)")
-    if (module := sys.modules.get(value.__module__)) is not None:
-        travels(module)
+    travels(sys.modules.get(value.__module__))
     return spec
 
 
@@ -2495,8 +2488,7 @@ def takes_arguments(function, name: Optional[str] = None) -> bool:
 
 
 def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
-    """--optimizer FILE.py:NAME: an optimizer class, called (params, lr=--lr), or a function
-    (params, cfg) -> an optimizer."""
+    """--optimizer FILE.py:NAME: a class called (params, lr=--lr), or (params, cfg) -> one."""
     made = user_code(cfg.optimizer, "optimizer")
     optimizer = made(groups, lr=cfg.lr) if isinstance(made, type) else made(groups, cfg)
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -2582,14 +2574,10 @@ def load_folder(cfg: Config) -> tuple:
             raise DataError(f"--dataset folder needs {root}/{split}/<class>/<images> (and "
                             f"{root}/{other}/ beside it)")
     train_transform, eval_transform = image_transforms(cfg)
+    folder = (functools.partial(StoredImageFolder, data_dir=root) if is_uri(root) else
+              functools.partial(ImageFolder, loader=functools.partial(read_image, data_dir=root)))
     try:
-        if is_uri(root):
-            train = StoredImageFolder(f"{root}/train", train_transform, data_dir=root)
-            val = StoredImageFolder(f"{root}/val", eval_transform, data_dir=root)
-        else:
-            loader = functools.partial(read_image, data_dir=root)
-            train = ImageFolder(f"{root}/train", transform=train_transform, loader=loader)
-            val = ImageFolder(f"{root}/val", transform=eval_transform, loader=loader)
+        train, val = folder(f"{root}/train", train_transform), folder(f"{root}/val", eval_transform)
     except FileNotFoundError as exc:
         raise DataError(f"--data-dir {root}: {exc}") from None
     if train.classes != val.classes:
@@ -2601,13 +2589,9 @@ def load_folder(cfg: Config) -> tuple:
 
 
 def read_image(path: str, data_dir: str, data: Optional[bytes] = None):
-    """ImageFolder's loader (PIL, RGB), for a file or an object's bytes; a file that is no
-    readable image is one line naming it, wherever it is decoded."""
-    from torchvision.datasets.folder import default_loader
+    """ImageFolder's loader (PIL, RGB) of a file or an object's bytes; a bad one: one line."""
     try:
-        if data is None:
-            return default_loader(path)
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(path if data is None else io.BytesIO(data)) as image:
             return image.convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", " ".join(str(exc).split()))
@@ -2634,7 +2618,7 @@ def image_transforms(cfg: Config) -> tuple:
 def with_data_statistics(cfg: Config, train_set) -> Config:
     """A per-sample data set's normalisation, decided once on the driver and kept in the config:
     ImageNet's with --weights, else the data's own from up to 500 training images."""
-    if isinstance(train_set, TensorDataset) or cfg.normalize:
+    if cfg.normalize:
         return cfg
     if cfg.weights:
         return replace(cfg, normalize=IMAGENET_STATISTICS)
@@ -2645,25 +2629,18 @@ def with_data_statistics(cfg: Config, train_set) -> Config:
         torch.manual_seed(cfg.seed)
         sample = torch.stack([train_set[i][0] for i in picked])
     mean, std = sample.mean((0, 2, 3)), sample.std((0, 2, 3)).clamp_min(1e-3)
-    return replace(cfg, normalize=([round(v, 4) for v in mean.tolist()],
-                                   [round(v, 4) for v in std.tolist()]))
+    return replace(cfg, normalize=tuple([round(v, 4) for v in t.tolist()] for t in (mean, std)))
 
 
-class EpochKeys(torch.utils.data.Sampler):
-    """A sampler's indices as (epoch, index) keys: the epoch rides along to the loader processes."""
+class EpochKeys(ResumableSampler):
+    """`sampler`'s indices as (epoch, index) keys: the epoch rides along to the loader processes."""
 
     def __init__(self, sampler: ResumableSampler):
-        self.sampler, self.epoch = sampler, 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch = epoch
-        self.sampler.set_epoch(epoch, start)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
+        super().__init__(sampler.dataset, sampler.num_replicas, sampler.rank, sampler.shuffle,
+                         sampler.seed, sampler.drop_last)
 
     def __iter__(self):
-        return ((self.epoch, index) for index in self.sampler)
+        return ((self.epoch, index) for index in super().__iter__())
 
 
 class SampleStreams(torch.utils.data.Dataset):
@@ -2681,17 +2658,14 @@ class SampleStreams(torch.utils.data.Dataset):
             self.data.prefetch([index for _, index in keys])
         return [self[key] for key in keys]
 
-    def __getitem__(self, key: tuple):
-        epoch, index = key
+    def __getitem__(self, key: tuple):  # (epoch, index)
         with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(
-                stream_seed(self.seed, AUGMENTATION_STREAM, epoch, index))
-            return self.data[index]
+            torch.default_generator.manual_seed(stream_seed(self.seed, AUGMENTATION_STREAM, *key))
+            return self.data[key[1]]
 
 
 def leave_sigterm_to_the_rank(loader_id: int) -> None:
-    """A loader process ignores SIGTERM, which a shutdown sends every process: its rank saves,
-    then stops, and its stop ends the loaders."""
+    """A shutdown's SIGTERM reaches every process: a loader's rank saves, then its stop ends it."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
