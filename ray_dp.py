@@ -1952,6 +1952,17 @@ def worker_env(cfg: Config) -> dict:
 DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
 
 
+@contextlib.contextmanager
+def failing(error: type, said, caught=Exception):
+    """An exception in the block, not ray_dp's own, as `error` of one line: said(its first line)."""
+    try:
+        yield
+    except (ConfigError, DataError):
+        raise
+    except caught as exc:
+        raise error(said(first_line(exc))) from None
+
+
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     """The first thing wrong with the final configuration, in one line. The doctor trains nothing;
     a run that resumes starts from its checkpoint, not from --weights."""
@@ -2114,13 +2125,9 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     if cfg.dataset == "folder":
         cfg = with_data_statistics(cfg, train_set)
         train_set.transform, test_set.transform = image_transforms(cfg)
-    try:
+    with failing(DataError, lambda why: f"--dataset {cfg.dataset}: a target is a class index or "
+                 f"a tensor of values: {why}", (TypeError, ValueError, RuntimeError)):
         classes = class_names(train_set) if classifies(train_set) else []
-    except DataError:
-        raise
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise DataError(f"--dataset {cfg.dataset}: a target is a class index or a tensor of "
-                        f"values: {first_line(exc)}") from None
     check_targets(cfg, (train_set, test_set), classes)
     check_sendable(cfg, (train_set, test_set))
     train_set, test_set = shared(train_set), shared(test_set)
@@ -2153,12 +2160,10 @@ def check_targets(cfg: Config, data: tuple, classes: list) -> None:
 def check_sendable(cfg: Config, data: tuple) -> None:
     """Your data sets reach the workers pickled: one that holds a connection cannot."""
     if is_code(cfg.dataset) and not isinstance(data[0], TensorDataset):
-        try:
+        with failing(DataError, lambda why: f"--dataset {cfg.dataset}: its data sets cannot be "
+                     f"sent to the workers ({why}): open files and connections in __getitem__, "
+                     f"not __init__"):
             ray.cloudpickle.dumps(data)
-        except Exception as exc:
-            raise DataError(f"--dataset {cfg.dataset}: its data sets cannot be sent to the "
-                            f"workers ({first_line(exc)}): open files and connections in "
-                            f"__getitem__, not __init__") from None
 
 
 class SharedTensors(TensorDataset):
@@ -2229,27 +2234,23 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
                           f"no accuracy; choose test_loss")
     if cfg.eval_only or not (is_code(cfg.optimizer) or is_code(cfg.lr_schedule)):
         return
-    net, flag = build_model(cfg.model, data.sample_shape, data.outputs), "--optimizer"
-    try:
+    net, flag = build_model(cfg.model, data.sample_shape, data.outputs), "optimizer"
+    with failing(ConfigError, lambda why: f"--{flag.replace('_', '-')} {getattr(cfg, flag)} "
+                 f"fails on --model {cfg.model}: {why}"):  # the flag of the step that failed
         optimizer = build_optimizer(cfg, net)
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if not held & {id(p) for p in net.parameters()}:
             raise ConfigError(f"--optimizer {cfg.optimizer} holds none of --model {cfg.model}'s "
                               f"parameters, so it would train nothing: build it from the params "
                               f"it is given")
-        flag = "--lr-schedule"  # made before the step it follows, as the loop makes it
+        flag = "lr_schedule"  # made before the step it follows, as the loop makes it
         schedule = own_schedule(cfg, optimizer, 1)
-        flag = "--optimizer"
+        flag = "optimizer"
         sum(p.sum() for p in net.parameters()).backward()
         optimizer.step()
         if schedule is not None:
-            flag = "--lr-schedule"
+            flag = "lr_schedule"
             schedule.step()
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"{flag} {getattr(cfg, flag[2:].replace('-', '_'))} fails on --model "
-                          f"{cfg.model}: {first_line(exc)}") from None
 
 
 def check_model_fits(cfg: Config, data: DataInfo) -> None:
@@ -2283,28 +2284,21 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
     picked = [split[i * (len(split) - 1) // 15] for i in range(16)]
     x, y = (torch.stack([torch.as_tensor(sample[j]) for sample in picked]) for j in (0, 1))
     x = resized(x, cfg.image_size) if cfg.image_size else x
-    try:
+    wrong = x.is_floating_point() and x.dtype != torch.get_default_dtype()
+    hint = f" (inputs must be {torch.get_default_dtype()}, not {x.dtype})" if wrong else ""
+    with failing(ConfigError, lambda why: f"--model {cfg.model} fails on {len(x)} samples of "
+                 f"{cfg.dataset} (inputs {tuple(x.shape)}): {why}{hint}"):
         net = build_model(cfg.model, data.sample_shape, data.outputs)
         with torch.no_grad():
             output = net.eval()(x)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        dtype = torch.get_default_dtype()
-        hint = (f" (inputs must be {dtype}, not {x.dtype})"
-                if x.is_floating_point() and x.dtype != dtype else "")
-        raise ConfigError(f"--model {cfg.model} fails on {len(x)} samples of {cfg.dataset} (inputs "
-                          f"{tuple(x.shape)}): {first_line(exc)}{hint}") from None
     if not torch.is_tensor(output):
         raise ConfigError(f"--model {cfg.model} returns {type(output).__name__} in eval mode: "
                           f"ray_dp scores a tensor (logits, or a regression's values)")
     criterion = loss_function(cfg)
-    try:
+    with failing(ConfigError, lambda why: f"--loss {cfg.loss} fails on the model's outputs "
+                 f"{tuple(output.shape)} and targets {tuple(y.shape)}: {why}"):
         loss = criterion(output, y)
         each = [criterion(output[i:i + 1], y[i:i + 1]) for i in range(len(y))]
-    except Exception as exc:
-        raise ConfigError(f"--loss {cfg.loss} fails on the model's outputs {tuple(output.shape)} "
-                          f"and targets {tuple(y.shape)}: {first_line(exc)}") from None
     if not (torch.is_tensor(loss) and loss.ndim == 0):
         raise ConfigError(f"--loss {cfg.loss} returned {type(loss).__name__}, not a tensor")
     if not torch.allclose(loss, mean := torch.stack(each).mean(), rtol=1e-4, atol=1e-6):
@@ -2325,12 +2319,10 @@ def check_single_sample_steps(cfg: Config, net: nn.Module, x: torch.Tensor) -> N
     """BatchNorm cannot train on one value per channel, unless --sync-bn spans the workers."""
     if cfg.eval_only or cfg.sync_bn or cfg.mode == "scratch" or cfg.micro_batch != 1:
         return
-    try:
+    with failing(ConfigError, lambda why: f"--model {cfg.model} cannot train on micro-batches of "
+                 f"one sample ({why}): raise --batch-size to 2 per worker or more, or use "
+                 f"--sync-bn"):
         net.train()(x.to(next(net.parameters()).device))
-    except Exception as exc:
-        raise ConfigError(f"--model {cfg.model} cannot train on micro-batches of one sample "
-                          f"({first_line(exc)}): raise --batch-size to 2 per worker or more, or "
-                          f"use --sync-bn") from None
 
 
 def read_weights(path: str) -> dict:
@@ -2472,10 +2464,8 @@ def as_spec(value, flag: str) -> str:
 def your_data(spec: str, flag: str, cfg: Config):
     """Your data function's return, given the config if it takes it; one line if it raises."""
     load = user_code(spec, flag)
-    try:
+    with failing(DataError, lambda why: f"--{flag} {spec} failed: {why}"):
         return load(cfg) if takes_arguments(load) else load()
-    except Exception as exc:
-        raise DataError(f"--{flag} {spec} failed: {first_line(exc)}") from None
 
 
 def takes_arguments(function, name: Optional[str] = None) -> bool:
