@@ -2346,10 +2346,9 @@ def check_state_fits(cfg: Config, data: DataInfo, state: dict) -> None:
     try:
         net.load_state_dict(state["model"], assign=True)
     except RuntimeError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         where = f" ({cfg.model.rpartition(':')[0]} as it is now)" if is_code(cfg.model) else ""
         raise ConfigError(f"the checkpoint's weights do not fit --model {cfg.model}{where}: "
-                          f"{lines[-1][:200]}") from None
+                          f"{str(exc).strip().splitlines()[-1].strip()[:200]}") from None
 
 
 def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
@@ -2601,8 +2600,7 @@ def image_transforms(cfg: Config) -> tuple:
     fixed = [T.Resize(size), T.CenterCrop(size)]
     train = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()] if cfg.augment else fixed
     normalize = [T.Normalize(*cfg.normalize)] if cfg.normalize else []
-    return (T.Compose([*train, T.ToTensor(), *normalize]),
-            T.Compose([*fixed, T.ToTensor(), *normalize]))
+    return tuple(T.Compose([*steps, T.ToTensor(), *normalize]) for steps in (train, fixed))
 
 
 def with_data_statistics(cfg: Config, train_set) -> Config:
@@ -2697,9 +2695,8 @@ def model_outline(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES
         return build_model(name, sample_shape, num_classes)
 
 
-def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32),
-                  num_classes: int = NUM_CLASSES) -> bool:
-    net = model_outline(name, sample_shape, num_classes)
+def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32), outputs: int = NUM_CLASSES) -> bool:
+    net = model_outline(name, sample_shape, outputs)
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
 
 
