@@ -2554,8 +2554,7 @@ def code_for_workers(cfg: Config) -> list:
 
 @dataset("folder")
 def load_folder(cfg: Config) -> tuple:
-    """--data-dir PATH as torchvision's ImageFolder wants it: PATH/train/<class>/* and
-    PATH/val/<class>/*, decoded per sample; PATH on a disk or in object storage."""
+    """--data-dir PATH/{train,val}/<class>/* as ImageFolders (per sample), on a disk or a URI."""
     from torchvision.datasets import ImageFolder
     root = cfg.data_dir.rstrip("/") if is_uri(cfg.data_dir) else cfg.data_dir
     for split, other in (("train", "val"), ("val", "train")):
@@ -2646,7 +2645,7 @@ class SampleStreams(torch.utils.data.Dataset):
             self.data.prefetch([index for _, index in keys])
         return [self[key] for key in keys]
 
-    def __getitem__(self, key: tuple):  # (epoch, index)
+    def __getitem__(self, key: tuple):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(stream_seed(self.seed, AUGMENTATION_STREAM, *key))
             return self.data[key[1]]
