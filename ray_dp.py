@@ -1952,6 +1952,17 @@ def worker_env(cfg: Config) -> dict:
 DP_NEEDS_GPUS = "--mode dp needs CUDA GPUs (it is nn.DataParallel)"
 
 
+@contextlib.contextmanager
+def failing(error: type, said, caught=Exception):
+    """An exception in the block, not ray_dp's own, as `error` of one line: said(its first line)."""
+    try:
+        yield
+    except (ConfigError, DataError):
+        raise
+    except caught as exc:
+        raise error(said(first_line(exc))) from None
+
+
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
     """The first thing wrong with the final configuration, in one line. The doctor trains nothing;
     a run that resumes starts from its checkpoint, not from --weights."""
@@ -1966,8 +1977,7 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (not is_uri(cfg.data_dir) or cfg.dataset == "folder",
          f"--data-dir {cfg.data_dir}: only --dataset folder reads its data from object storage; "
          f"{cfg.dataset} is kept in a local directory"),
-        (cfg.check_replicas in ("off", "auto") or (cfg.check_replicas.isdigit()
-                                                   and int(cfg.check_replicas) >= 1),
+        (re.fullmatch(r"off|auto|0*[1-9][0-9]*", cfg.check_replicas),
          f"--check-replicas must be off, auto or a number of steps, got {cfg.check_replicas}"),
         (checkpoint_interval(cfg.checkpoint_every) is not None,
          f"--checkpoint-every must be a number of steps (200), minutes (10m) or 0 (at epochs' "
@@ -2115,13 +2125,9 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     if cfg.dataset == "folder":
         cfg = with_data_statistics(cfg, train_set)
         train_set.transform, test_set.transform = image_transforms(cfg)
-    try:
+    with failing(DataError, lambda why: f"--dataset {cfg.dataset}: a target is a class index or "
+                 f"a tensor of values: {why}", (TypeError, ValueError, RuntimeError)):
         classes = class_names(train_set) if classifies(train_set) else []
-    except DataError:
-        raise
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise DataError(f"--dataset {cfg.dataset}: a target is a class index or a tensor of "
-                        f"values: {first_line(exc)}") from None
     check_targets(cfg, (train_set, test_set), classes)
     check_sendable(cfg, (train_set, test_set))
     train_set, test_set = shared(train_set), shared(test_set)
@@ -2154,12 +2160,10 @@ def check_targets(cfg: Config, data: tuple, classes: list) -> None:
 def check_sendable(cfg: Config, data: tuple) -> None:
     """Your data sets reach the workers pickled: one that holds a connection cannot."""
     if is_code(cfg.dataset) and not isinstance(data[0], TensorDataset):
-        try:
+        with failing(DataError, lambda why: f"--dataset {cfg.dataset}: its data sets cannot be "
+                     f"sent to the workers ({why}): open files and connections in __getitem__, "
+                     f"not __init__"):
             ray.cloudpickle.dumps(data)
-        except Exception as exc:
-            raise DataError(f"--dataset {cfg.dataset}: its data sets cannot be sent to the "
-                            f"workers ({first_line(exc)}): open files and connections in "
-                            f"__getitem__, not __init__") from None
 
 
 class SharedTensors(TensorDataset):
@@ -2173,8 +2177,7 @@ class SharedTensors(TensorDataset):
 
 def shared_tensors(tensors: tuple, attributes: dict) -> SharedTensors:
     import warnings
-    with warnings.catch_warnings():  # arrays of the object store: read-only, as the data
-        warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings(action="ignore", category=UserWarning):  # read-only arrays
         data = SharedTensors(*map(torch.as_tensor, tensors))
     data.__dict__.update(attributes)
     return data
@@ -2217,13 +2220,11 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
     """The smallest square size above `fails` the model takes (bisection up to 512 px)."""
     def takes(size: int) -> bool:
         return image_size_problem(name, (channels, size, size), num_classes) is None
-    low, high = fails, 512
-    if not takes(high):  # a model of one size only (ViTs: 224)
+    import bisect
+    if not takes(512):  # a model of one size only (ViTs: 224)
         return next((size for size in (224, 299, 384) if size > fails and takes(size)), None)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if takes(middle) else (middle, high)
-    return high
+    sizes = range(min(fails, 511) + 1, 513)
+    return sizes[bisect.bisect_left(sizes, True, key=takes)]
 
 
 def check_training_choices(cfg: Config, data: DataInfo) -> None:
@@ -2233,27 +2234,23 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
                           f"no accuracy; choose test_loss")
     if cfg.eval_only or not (is_code(cfg.optimizer) or is_code(cfg.lr_schedule)):
         return
-    net, flag = build_model(cfg.model, data.sample_shape, data.outputs), "--optimizer"
-    try:
+    net, flag = build_model(cfg.model, data.sample_shape, data.outputs), "optimizer"
+    with failing(ConfigError, lambda why: f"--{flag.replace('_', '-')} {getattr(cfg, flag)} "
+                 f"fails on --model {cfg.model}: {why}"):  # the flag of the step that failed
         optimizer = build_optimizer(cfg, net)
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if not held & {id(p) for p in net.parameters()}:
             raise ConfigError(f"--optimizer {cfg.optimizer} holds none of --model {cfg.model}'s "
                               f"parameters, so it would train nothing: build it from the params "
                               f"it is given")
-        flag = "--lr-schedule"  # made before the step it follows, as the loop makes it
+        flag = "lr_schedule"  # made before the step it follows, as the loop makes it
         schedule = own_schedule(cfg, optimizer, 1)
-        flag = "--optimizer"
+        flag = "optimizer"
         sum(p.sum() for p in net.parameters()).backward()
         optimizer.step()
         if schedule is not None:
-            flag = "--lr-schedule"
+            flag = "lr_schedule"
             schedule.step()
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"{flag} {getattr(cfg, flag[2:].replace('-', '_'))} fails on --model "
-                          f"{cfg.model}: {first_line(exc)}") from None
 
 
 def check_model_fits(cfg: Config, data: DataInfo) -> None:
@@ -2265,12 +2262,11 @@ def check_model_fits(cfg: Config, data: DataInfo) -> None:
     if is_code(cfg.model) or not is_image(shape):
         return check_on_a_sample(cfg, data)
     problem = image_size_problem(cfg.model, shape, data.outputs)
-    if problem is None:
-        if cfg.micro_batch == 1:
-            check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),
-                                      torch.zeros(1, *shape))
-        return None if cfg.loss == "cross_entropy" and not is_code(cfg.dataset) else (
-            check_on_a_sample(cfg, data))
+    if problem is None and (cfg.loss != "cross_entropy" or is_code(cfg.dataset)):
+        return check_on_a_sample(cfg, data)
+    if problem is None:  # a built-in model on built-in images: its outline, no sample read
+        return check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),
+                                         torch.zeros(1, *shape))
     side = shape[-1]
     size = smallest_image_size(cfg.model, shape[0], data.outputs, side)
     what = f"{cfg.dataset}'s images as given ({side} x {side} px)"
@@ -2288,28 +2284,21 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
     picked = [split[i * (len(split) - 1) // 15] for i in range(16)]
     x, y = (torch.stack([torch.as_tensor(sample[j]) for sample in picked]) for j in (0, 1))
     x = resized(x, cfg.image_size) if cfg.image_size else x
-    try:
+    wrong = x.is_floating_point() and x.dtype != torch.get_default_dtype()
+    hint = f" (inputs must be {torch.get_default_dtype()}, not {x.dtype})" if wrong else ""
+    with failing(ConfigError, lambda why: f"--model {cfg.model} fails on {len(x)} samples of "
+                 f"{cfg.dataset} (inputs {tuple(x.shape)}): {why}{hint}"):
         net = build_model(cfg.model, data.sample_shape, data.outputs)
         with torch.no_grad():
             output = net.eval()(x)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        dtype = torch.get_default_dtype()
-        hint = (f" (inputs must be {dtype}, not {x.dtype})"
-                if x.is_floating_point() and x.dtype != dtype else "")
-        raise ConfigError(f"--model {cfg.model} fails on {len(x)} samples of {cfg.dataset} (inputs "
-                          f"{tuple(x.shape)}): {first_line(exc)}{hint}") from None
     if not torch.is_tensor(output):
         raise ConfigError(f"--model {cfg.model} returns {type(output).__name__} in eval mode: "
                           f"ray_dp scores a tensor (logits, or a regression's values)")
     criterion = loss_function(cfg)
-    try:
+    with failing(ConfigError, lambda why: f"--loss {cfg.loss} fails on the model's outputs "
+                 f"{tuple(output.shape)} and targets {tuple(y.shape)}: {why}"):
         loss = criterion(output, y)
         each = [criterion(output[i:i + 1], y[i:i + 1]) for i in range(len(y))]
-    except Exception as exc:
-        raise ConfigError(f"--loss {cfg.loss} fails on the model's outputs {tuple(output.shape)} "
-                          f"and targets {tuple(y.shape)}: {first_line(exc)}") from None
     if not (torch.is_tensor(loss) and loss.ndim == 0):
         raise ConfigError(f"--loss {cfg.loss} returned {type(loss).__name__}, not a tensor")
     if not torch.allclose(loss, mean := torch.stack(each).mean(), rtol=1e-4, atol=1e-6):
@@ -2330,12 +2319,10 @@ def check_single_sample_steps(cfg: Config, net: nn.Module, x: torch.Tensor) -> N
     """BatchNorm cannot train on one value per channel, unless --sync-bn spans the workers."""
     if cfg.eval_only or cfg.sync_bn or cfg.mode == "scratch" or cfg.micro_batch != 1:
         return
-    try:
+    with failing(ConfigError, lambda why: f"--model {cfg.model} cannot train on micro-batches of "
+                 f"one sample ({why}): raise --batch-size to 2 per worker or more, or use "
+                 f"--sync-bn"):
         net.train()(x.to(next(net.parameters()).device))
-    except Exception as exc:
-        raise ConfigError(f"--model {cfg.model} cannot train on micro-batches of one sample "
-                          f"({first_line(exc)}): raise --batch-size to 2 per worker or more, or "
-                          f"use --sync-bn") from None
 
 
 def read_weights(path: str) -> dict:
@@ -2359,10 +2346,9 @@ def check_state_fits(cfg: Config, data: DataInfo, state: dict) -> None:
     try:
         net.load_state_dict(state["model"], assign=True)
     except RuntimeError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         where = f" ({cfg.model.rpartition(':')[0]} as it is now)" if is_code(cfg.model) else ""
         raise ConfigError(f"the checkpoint's weights do not fit --model {cfg.model}{where}: "
-                          f"{lines[-1][:200]}") from None
+                          f"{str(exc).strip().splitlines()[-1].strip()[:200]}") from None
 
 
 def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
@@ -2419,8 +2405,7 @@ def user_code(spec: str, flag: str):
         raise ConfigError(f"{typed} {spec}: {where} has no {name}"
                           + (f"; did you mean {close[0]}?" if close else ""))
     CODE[spec] = getattr(module, name)
-    if (defined_in := sys.modules.get(getattr(CODE[spec], "__module__", None))) is not None:
-        travels(defined_in)  # re-exported: where it is defined travels too
+    travels(sys.modules.get(getattr(CODE[spec], "__module__", None)))  # re-exported: its home too
     return CODE[spec]
 
 
@@ -2447,7 +2432,7 @@ def load_module(where: str):
 
 def travels(module):
     """Your module's code goes to the workers by value (their nodes need no copy); an installed
-    package's, and __main__'s (which cloudpickle ships anyway), by name. The module."""
+    package's, and __main__'s (which cloudpickle ships anyway), by name. The module (None: none)."""
     import site
     import sysconfig
     installed = {os.path.realpath(path) for path in (
@@ -2471,18 +2456,15 @@ def as_spec(value, flag: str) -> str:
     if CODE.setdefault(spec, value) is not value:
         raise ConfigError(f"{flag}= is another object of the name {spec} than one given before: "
                           f"give each its own name (def)")
-    if (module := sys.modules.get(value.__module__)) is not None:
-        travels(module)
+    travels(sys.modules.get(value.__module__))
     return spec
 
 
 def your_data(spec: str, flag: str, cfg: Config):
     """Your data function's return, given the config if it takes it; one line if it raises."""
     load = user_code(spec, flag)
-    try:
+    with failing(DataError, lambda why: f"--{flag} {spec} failed: {why}"):
         return load(cfg) if takes_arguments(load) else load()
-    except Exception as exc:
-        raise DataError(f"--{flag} {spec} failed: {first_line(exc)}") from None
 
 
 def takes_arguments(function, name: Optional[str] = None) -> bool:
@@ -2495,8 +2477,7 @@ def takes_arguments(function, name: Optional[str] = None) -> bool:
 
 
 def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
-    """--optimizer FILE.py:NAME: an optimizer class, called (params, lr=--lr), or a function
-    (params, cfg) -> an optimizer."""
+    """--optimizer FILE.py:NAME: a class called (params, lr=--lr), or (params, cfg) -> one."""
     made = user_code(cfg.optimizer, "optimizer")
     optimizer = made(groups, lr=cfg.lr) if isinstance(made, type) else made(groups, cfg)
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -2573,8 +2554,7 @@ def code_for_workers(cfg: Config) -> list:
 
 @dataset("folder")
 def load_folder(cfg: Config) -> tuple:
-    """--data-dir PATH as torchvision's ImageFolder wants it: PATH/train/<class>/* and
-    PATH/val/<class>/*, decoded per sample; PATH on a disk or in object storage."""
+    """--data-dir PATH/{train,val}/<class>/* as ImageFolders (per sample), on a disk or a URI."""
     from torchvision.datasets import ImageFolder
     root = cfg.data_dir.rstrip("/") if is_uri(cfg.data_dir) else cfg.data_dir
     for split, other in (("train", "val"), ("val", "train")):
@@ -2582,14 +2562,10 @@ def load_folder(cfg: Config) -> tuple:
             raise DataError(f"--dataset folder needs {root}/{split}/<class>/<images> (and "
                             f"{root}/{other}/ beside it)")
     train_transform, eval_transform = image_transforms(cfg)
+    folder = (functools.partial(StoredImageFolder, data_dir=root) if is_uri(root) else
+              functools.partial(ImageFolder, loader=functools.partial(read_image, data_dir=root)))
     try:
-        if is_uri(root):
-            train = StoredImageFolder(f"{root}/train", train_transform, data_dir=root)
-            val = StoredImageFolder(f"{root}/val", eval_transform, data_dir=root)
-        else:
-            loader = functools.partial(read_image, data_dir=root)
-            train = ImageFolder(f"{root}/train", transform=train_transform, loader=loader)
-            val = ImageFolder(f"{root}/val", transform=eval_transform, loader=loader)
+        train, val = folder(f"{root}/train", train_transform), folder(f"{root}/val", eval_transform)
     except FileNotFoundError as exc:
         raise DataError(f"--data-dir {root}: {exc}") from None
     if train.classes != val.classes:
@@ -2601,13 +2577,9 @@ def load_folder(cfg: Config) -> tuple:
 
 
 def read_image(path: str, data_dir: str, data: Optional[bytes] = None):
-    """ImageFolder's loader (PIL, RGB), for a file or an object's bytes; a file that is no
-    readable image is one line naming it, wherever it is decoded."""
-    from torchvision.datasets.folder import default_loader
+    """ImageFolder's loader (PIL, RGB) of a file or an object's bytes; a bad one: one line."""
     try:
-        if data is None:
-            return default_loader(path)
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(path if data is None else io.BytesIO(data)) as image:
             return image.convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", " ".join(str(exc).split()))
@@ -2627,14 +2599,13 @@ def image_transforms(cfg: Config) -> tuple:
     fixed = [T.Resize(size), T.CenterCrop(size)]
     train = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()] if cfg.augment else fixed
     normalize = [T.Normalize(*cfg.normalize)] if cfg.normalize else []
-    return (T.Compose([*train, T.ToTensor(), *normalize]),
-            T.Compose([*fixed, T.ToTensor(), *normalize]))
+    return tuple(T.Compose([*steps, T.ToTensor(), *normalize]) for steps in (train, fixed))
 
 
 def with_data_statistics(cfg: Config, train_set) -> Config:
     """A per-sample data set's normalisation, decided once on the driver and kept in the config:
     ImageNet's with --weights, else the data's own from up to 500 training images."""
-    if isinstance(train_set, TensorDataset) or cfg.normalize:
+    if cfg.normalize:
         return cfg
     if cfg.weights:
         return replace(cfg, normalize=IMAGENET_STATISTICS)
@@ -2645,25 +2616,18 @@ def with_data_statistics(cfg: Config, train_set) -> Config:
         torch.manual_seed(cfg.seed)
         sample = torch.stack([train_set[i][0] for i in picked])
     mean, std = sample.mean((0, 2, 3)), sample.std((0, 2, 3)).clamp_min(1e-3)
-    return replace(cfg, normalize=([round(v, 4) for v in mean.tolist()],
-                                   [round(v, 4) for v in std.tolist()]))
+    return replace(cfg, normalize=tuple([round(v, 4) for v in t.tolist()] for t in (mean, std)))
 
 
-class EpochKeys(torch.utils.data.Sampler):
-    """A sampler's indices as (epoch, index) keys: the epoch rides along to the loader processes."""
+class EpochKeys(ResumableSampler):
+    """`sampler`'s indices as (epoch, index) keys: the epoch rides along to the loader processes."""
 
     def __init__(self, sampler: ResumableSampler):
-        self.sampler, self.epoch = sampler, 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch = epoch
-        self.sampler.set_epoch(epoch, start)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
+        super().__init__(sampler.dataset, sampler.num_replicas, sampler.rank, sampler.shuffle,
+                         sampler.seed, sampler.drop_last)
 
     def __iter__(self):
-        return ((self.epoch, index) for index in self.sampler)
+        return ((self.epoch, index) for index in super().__iter__())
 
 
 class SampleStreams(torch.utils.data.Dataset):
@@ -2682,16 +2646,13 @@ class SampleStreams(torch.utils.data.Dataset):
         return [self[key] for key in keys]
 
     def __getitem__(self, key: tuple):
-        epoch, index = key
         with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(
-                stream_seed(self.seed, AUGMENTATION_STREAM, epoch, index))
-            return self.data[index]
+            torch.default_generator.manual_seed(stream_seed(self.seed, AUGMENTATION_STREAM, *key))
+            return self.data[key[1]]
 
 
 def leave_sigterm_to_the_rank(loader_id: int) -> None:
-    """A loader process ignores SIGTERM, which a shutdown sends every process: its rank saves,
-    then stops, and its stop ends the loaders."""
+    """A shutdown's SIGTERM reaches every process: a loader's rank saves, then its stop ends it."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
@@ -2733,9 +2694,8 @@ def model_outline(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES
         return build_model(name, sample_shape, num_classes)
 
 
-def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32),
-                  num_classes: int = NUM_CLASSES) -> bool:
-    net = model_outline(name, sample_shape, num_classes)
+def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32), outputs: int = NUM_CLASSES) -> bool:
+    net = model_outline(name, sample_shape, outputs)
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
 
 
