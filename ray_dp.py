@@ -1683,7 +1683,7 @@ class Launch:
         if stop is not None:
             stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
         self.contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
-                         training_now(stop), board and relayed(board, options.progress),
+                         training_now(stop), board and relayed(board),
                          training and dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
         self.context = contextlib.ExitStack()
 
@@ -3846,29 +3846,24 @@ class DriverLink:
 
 CHECK_SHARE = 0.005  # --check-replicas auto aims its checks at this share of training (at most 1%)
 STRAGGLER = 1.5  # a rank whose forward passes take this much of the ranks' median, or more
+INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 class ReplicasDiffer(RuntimeError):
     """Ranks that hold other values than the rest: one line."""
 
 
-def as_bits(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1)
-    flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
-    if flat.is_floating_point():
-        return flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[
-            flat.element_size()])
-    return flat
-
-
 def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
     """Each tensor's torch.hash_tensor (an xor of its bits) and the integer sum of its bits (which
     sees equal values changed together, where an xor cancels): int64 (n, 2), on its device."""
-    rows = [torch.stack([torch.hash_tensor(bits).view(torch.int64), bits.sum(dtype=torch.int64)])
-            if bits.numel() else torch.zeros(2, dtype=torch.int64, device=bits.device)
-            for bits in (as_bits(tensor) for _, tensor in named)]
-    return (torch.stack([row.to(device) for row in rows]) if rows
-            else torch.zeros(0, 2, dtype=torch.int64, device=device))
+    rows = torch.zeros(len(named), 2, dtype=torch.int64, device=device)
+    for row, (_, tensor) in zip(rows, named):
+        bits = tensor.detach().reshape(-1)
+        bits = torch.view_as_real(bits).reshape(-1) if bits.is_complex() else bits
+        bits = bits.view(INT_OF_SIZE[bits.element_size()]) if bits.is_floating_point() else bits
+        if bits.numel():
+            row[0], row[1] = torch.hash_tensor(bits).view(torch.int64), bits.sum(dtype=torch.int64)
+    return rows
 
 
 def digest(hashes: torch.Tensor, extra: str = "") -> bytes:
@@ -3974,7 +3969,6 @@ class ForwardClock:
             self.spans.append((self.begun, now))
 
     def take(self) -> float:
-        """Seconds since the last take."""
         seconds = sum(end - begin if not self.cuda else begin.elapsed_time(end) / 1e3
                       for begin, end in self.spans)
         self.spans = []
@@ -4027,8 +4021,8 @@ def run_ledger(clock: dict, attempts: list, failed_at: list, ended: float,
             seconds[what] += spent
         if i + 1 < len(attempts):  # it failed: from its last word to the next's first step
             after, died = attempts[i + 1], failed_at[i] if i < len(failed_at) else attempt["at"]
-            setup = {what: after["seconds"].get(what, 0.0) for what in ("data", "model",
-                                                                        "restores")}
+            setup = {what: after["seconds"].get(what, 0.0)
+                     for what in ("data", "model", "restores")}
             seconds["training steps"] -= attempt["since_save"]
             seconds["failures"] += (attempt["since_save"] + died - attempt["at"]
                                     + after["began"] - died + sum(setup.values()))
@@ -4079,10 +4073,7 @@ def record_ledger(cfg: Config, out: Optional[dict], board, recovery: Optional[di
     directory, written back): what result.json holds."""
     recovery = recovery if recovery is not None else recovery_summary(
         os.path.join(local_run_dir(cfg), "recovery.json"))
-    attempts = []
-    if board is not None:
-        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-            attempts = ray.get(board.ledgers.remote(), timeout=30)
+    attempts = ask_board(board, "ledgers") or []
     if out is not None:
         attempts = [*attempts[:-1], out["ledger"]]
     failed_at = [event["at"] for event in recovery.get("events", []) if event["event"] == "failed"]
@@ -4141,8 +4132,7 @@ class Watchdog:
                 self.dump(f"no progress for {self.cfg.timeout / 2:g} s (--timeout / 2)")
             if self.asked or (self.board is not None and time.monotonic() - asked_at > 2):
                 asked_at = time.monotonic()
-                with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-                    asks = ray.get(self.board.dumps_asked.remote(), timeout=5) if self.board else 0
+                asks = ask_board(self.board, "dumps_asked", timeout=5) or 0
                 if self.asked or asks > self.answered:
                     self.asked, self.answered = False, max(asks, self.answered)
                     self.dump("asked (SIGUSR1)")
@@ -4158,17 +4148,10 @@ class Watchdog:
         folder = f"{self.cfg.run_dir}/hang"
         with contextlib.suppress(OSError):
             write_stored(f"{folder}/rank{self.worker.rank}.txt", text.encode())
-            if (recorded := flight_recorder()) is not None:
-                write_stored(f"{folder}/rank{self.worker.rank}.json", recorded)
-
-
-def flight_recorder() -> Optional[bytes]:
-    """torch's flight recorder of this process's collectives (TORCH_FR_BUFFER_SIZE), as JSON."""
-    try:
-        return importlib.import_module("torch._C._distributed_c10d")._dump_fr_trace_json(
-            True, False)
-    except (AttributeError, RuntimeError, ImportError):
-        return None
+            c10d = importlib.import_module("torch._C._distributed_c10d")  # its flight recorder
+            with contextlib.suppress(AttributeError, RuntimeError):  # (TORCH_FR_BUFFER_SIZE)
+                write_stored(f"{folder}/rank{self.worker.rank}.json",
+                             c10d._dump_fr_trace_json(True, False))
 
 
 def hang_report(cfg: Config) -> Optional[str]:
@@ -4265,7 +4248,7 @@ class Console:
     def __init__(self, options: LoopOptions, worker: Worker):
         self.board, self.main, self.shown = options.board, worker.is_main, 0.0
         self.progress_wanted = options.progress and worker.is_main
-        self.bar = Bar(self.progress_wanted) if self.board is None else None
+        self.bar = Bar() if self.board is None else None
 
     def say(self, line: str) -> None:
         if self.main:
@@ -4284,11 +4267,11 @@ class Console:
 
 
 class Bar:
-    def __init__(self, progress: bool = True):
-        self.progress, self.tqdm, self.epoch = progress, None, None
+    def __init__(self):
+        self.tqdm, self.epoch = None, None
 
     def show(self, state: Optional[tuple]) -> None:
-        if state is None or not self.progress:
+        if state is None:
             return self.close()
         epoch, done, steps, loss, rate, epochs = state
         if self.tqdm is None or epoch != self.epoch:
@@ -4308,9 +4291,9 @@ class Bar:
 
 
 @contextlib.contextmanager
-def relayed(board, progress: bool):
+def relayed(board):
     """A thread of the driver's that prints what the Board holds, five times a second."""
-    bar, done = Bar(progress), threading.Event()
+    bar, done = Bar(), threading.Event()
 
     def relay() -> None:
         while not done.is_set():
@@ -4333,9 +4316,6 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{('es' if noun.endswith('s') else 's') * (count != 1)}"
 
 
-OWN_LR = "; your optimizer's own where it sets one"
-
-
 def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
     """The run's header: what trains on what, and every switch that changes the maths or speed."""
     kind = "GPU" if cfg.gpu else "CPU"
@@ -4343,15 +4323,15 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
                f"{cfg.min_workers}-{cfg.workers} {kind} workers (elastic)" if cfg.min_workers else
                plural(cfg.workers, f"{kind} worker"))
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
+    own = "; your optimizer's own where it sets one" if is_code(cfg.optimizer) else ""
     dropped = data.sizes[0] % cfg.batch_size  # check_batch_split: every rank's share is whole
     left_out = (f" ({plural(dropped, 'train sample')} left out per epoch: whole global batches "
                 f"only)" if dropped else "")
     return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
             f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
-            f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
-            f"lr {cfg.lr} ({cfg.lr_schedule.rpartition(':')[2]}{OWN_LR * is_code(cfg.optimizer)}), "
-            f"{', '.join(switches(cfg, data))}, "
+            f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, lr {cfg.lr} "
+            f"({cfg.lr_schedule.rpartition(':')[2]}{own}), {', '.join(switches(cfg, data))}, "
             f"{plural(cfg.epochs, 'epoch')}, run dir {cfg.run_dir}")
 
 
@@ -4520,8 +4500,7 @@ def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config
 
 def checkpoint_file(path: str) -> str:
     """The checkpoint file PATH means: the file, DIR/checkpoint.pt, a run's best, else latest."""
-    if is_uri(path):
-        check_store("eval-only", path)
+    check_store("eval-only", path)
     kind = stored_type(path)
     if kind == "none":
         raise ConfigError(f"--eval-only {path} does not exist")
