@@ -3915,8 +3915,7 @@ def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Wor
 
 def certificate(model_state: dict, optimizer_state: dict, seed: int, epoch: int,
                 partial: Optional[dict]) -> dict:
-    """What a checkpoint holds, each part a digest: the model, the optimizer, the position in the
-    data (epoch, step, samples, --seed) and the random streams the next step draws from."""
+    """A digest of each part of a checkpoint: model, optimizer, data position, random streams."""
     def of(state) -> str:
         tensors, values = [], []
         for key, value in sorted(flat_items(state), key=lambda item: item[0]):
@@ -3951,11 +3950,10 @@ def uncertified(state: dict) -> list:
 
 
 class ForwardClock:
-    """This rank's seconds in its model's forward passes (CUDA events on a GPU): a straggler's
-    are longer, where whole steps are not (DDP waits for the slowest)."""
+    """This rank's seconds in its model's forward passes (its steps wait for the slowest rank)."""
 
     def __init__(self, model: nn.Module, device: torch.device):
-        self.cuda, self.spans, self.seconds, self.begun = device.type == "cuda", [], 0.0, None
+        self.cuda, self.spans, self.begun = device.type == "cuda", [], None
         model.register_forward_pre_hook(lambda *_: self.mark(True))
         model.register_forward_hook(lambda *_: self.mark(False))
 
@@ -3965,7 +3963,7 @@ class ForwardClock:
             now.record()
         if begin:
             self.begun = now
-        elif self.begun is not None:
+        else:
             self.spans.append((self.begun, now))
 
     def take(self) -> float:
@@ -3976,8 +3974,7 @@ class ForwardClock:
 
 
 def straggler_note(window: list, worker_ranks: int) -> Optional[str]:
-    """window: the last agreements' per-rank forward seconds a step; a rank slower than the
-    median by STRAGGLER in each, named once."""
+    """A rank slower than the median by STRAGGLER at each agreement of the window, named."""
     means = [statistics.mean(times[r] for times in window) for r in range(worker_ranks)]
     median = statistics.median(means)
     slow = [r for r in range(worker_ranks) if median and all(
@@ -4016,18 +4013,15 @@ def run_ledger(clock: dict, attempts: list, failed_at: list, ended: float,
     if attempts:
         seconds["cluster"] = attempts[0]["began"] - clock["checked"]
         seconds["cluster"] += fitted - attempts[-1].get("ended", fitted)
-    for i, attempt in enumerate(attempts):
+    for attempt, after in zip(attempts, attempts[1:] + [None]):
         for what, spent in attempt["seconds"].items():
             seconds[what] += spent
-        if i + 1 < len(attempts):  # it failed: from its last word to the next's first step
-            after, died = attempts[i + 1], failed_at[i] if i < len(failed_at) else attempt["at"]
-            setup = {what: after["seconds"].get(what, 0.0)
-                     for what in ("data", "model", "restores")}
+        if after is not None:  # it failed: from its last word to the next's first step
             seconds["training steps"] -= attempt["since_save"]
-            seconds["failures"] += (attempt["since_save"] + died - attempt["at"]
-                                    + after["began"] - died + sum(setup.values()))
-            for what, spent in setup.items():
-                seconds[what] -= spent
+            seconds["failures"] += attempt["since_save"] + after["began"] - attempt["at"]
+            for what in ("data", "model", "restores"):  # the next's set-up
+                seconds["failures"] += after["seconds"].get(what, 0.0)
+                seconds[what] -= after["seconds"].get(what, 0.0)
     wall, before = ended - begun, before or {}
     seconds["other"] = wall - sum(seconds.values())
     totals = {what: seconds[what] + before.get(what, 0.0) for what in LEDGER}
@@ -4069,8 +4063,7 @@ def checkpoint_advice(cfg: Config, summary: dict) -> Optional[str]:
 
 
 def record_ledger(cfg: Config, out: Optional[dict], board, recovery: Optional[dict] = None) -> dict:
-    """This command's ledger, added to the run's earlier commands' (ledger.json in the run
-    directory, written back): what result.json holds."""
+    """This command's ledger plus its run's earlier commands' (ledger.json, written back)."""
     recovery = recovery if recovery is not None else recovery_summary(
         os.path.join(local_run_dir(cfg), "recovery.json"))
     attempts = ask_board(board, "ledgers") or []
@@ -4545,13 +4538,12 @@ def check_same_classes(cfg: Config, trained: list, found: list, then: str) -> No
 def eval_loop_per_worker(config: dict) -> dict:
     """--eval-only on every worker: the checkpoint's model scored on this rank's shard."""
     cfg, worker, _, options = worker_setup(config)
-    weights = ray.get(options.weights)  # from Ray's object store: no shared disk needed
     if isinstance(data := worker_data(cfg, options, worker), DataError):
         return {"data_error": str(data)}
     test_set = data[1]
     classes = len(options.classes)  # the checkpoint's, not what the test labels reach
     model = build_model(cfg.model, input_shape(cfg, test_set), classes or options.outputs)
-    model.load_state_dict(weights)
+    model.load_state_dict(ray.get(options.weights))  # from Ray's object store: no shared disk
     on_device(model, worker.device, cfg.model).eval()
     hashes, slots = replicas_digest(named := replica_state(model, None, "epoch"), worker)
     compare_replicas(named, hashes, all_reduce_sum(slots).tolist(), worker, "before scoring")
@@ -4566,14 +4558,12 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     """--eval-only: the test metrics, per class, the confusion matrix; what result.json holds."""
     train_set, test_set = load_dataset(cfg)
     names = checkpoint_classes(cfg, checkpoint, train_set, test_set) if classifies(test_set) else []
-    info = DataInfo((len(train_set), len(test_set)), input_shape(cfg, test_set), names,
-                    not isinstance(test_set, TensorDataset), (test_set, test_set),
-                    outputs=outputs(test_set, names))
     best = (f"; the run's best: epoch {checkpoint['epoch']} by --best-by "
             f"{checkpoint['config'].get('best_by', 'test_loss')}"
             if cfg.eval_only.endswith(BEST_CHECKPOINT) else "")
-    cfg, out = scored(cfg, checkpoint, info, f"evaluating {cfg.eval_only} ({cfg.model} on "
-                      f"{cfg.dataset}, {len(test_set)} test samples{best})")
+    cfg, out = scored(cfg, checkpoint, test_set, names, outputs(test_set, names),
+                      f"evaluating {cfg.eval_only} ({cfg.model} on {cfg.dataset}, "
+                      f"{len(test_set)} test samples{best})")
     metrics = out["metrics"]
     predictions, confusion = metrics.pop("predictions"), metrics.pop("confusion")
     metrics.update({"confusion": confusion} if names else {})
@@ -4591,21 +4581,22 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     return record
 
 
-def scored(cfg: Config, checkpoint: dict, info: DataInfo, doing: str) -> tuple[Config, dict]:
-    """The checkpoint's model on info's test set, each sample once over the workers, after the
-    checks that need no cluster: (the config with its device, what rank 0 returned)."""
+def scored(cfg: Config, checkpoint: dict, test_set, names: list, width: int,
+           doing: str) -> tuple[Config, dict]:
+    """The checkpoint's model on test_set, each sample once over the workers, after the checks
+    that need no cluster: (the config with its device, what rank 0 returned)."""
+    info = DataInfo((len(test_set), len(test_set)), input_shape(cfg, test_set), names,
+                    not isinstance(test_set, TensorDataset), (test_set, test_set), outputs=width)
     check_model_fits(cfg, info)
     check_state_fits(cfg, info, checkpoint)
-    if stored_type(cfg.run_dir) == "file":
-        raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
-    if epoch_checkpoints(cfg.run_dir):
-        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, which this "
-                          f"command would write over; choose another --name")
+    if stored_type(cfg.run_dir) == "file" or epoch_checkpoints(cfg.run_dir):
+        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} is a file or holds a training run, "
+                          f"which this command would write over; choose another --name")
     cfg = connect(cfg)
     kind = "GPU" if cfg.gpu else "CPU"
     print(f"ray-dp: {doing} on {plural(cfg.workers, f'{kind} worker')}", flush=True)
-    options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(info.classes),
-                          outputs=info.outputs, data=ray.put((None, shared(info.datasets[1]))))
+    options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(names),
+                          outputs=width, data=ray.put((None, shared(test_set))))
     out = fit(cfg, eval_loop_per_worker, options).return_value
     if "data_error" in out:
         raise DataError(out["data_error"])
@@ -4655,10 +4646,8 @@ def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
         t for t in checkpoint["model"].values() if t.ndim][-1].shape[0]
     inputs, keys = predict_inputs(cfg, torch.tensor(0) if names else torch.zeros(width),
                                   checkpoint["config"]["dataset"])
-    info = DataInfo((len(inputs), len(inputs)), input_shape(cfg, inputs), names,
-                    not isinstance(inputs, TensorDataset), (inputs, inputs), outputs=width)
-    cfg, out = scored(cfg, checkpoint, info, f"predicting {plural(len(inputs), 'input')} with "
-                      f"{cfg.eval_only} ({cfg.model})")
+    cfg, out = scored(cfg, checkpoint, inputs, names, width, f"predicting "
+                      f"{plural(len(inputs), 'input')} with {cfg.eval_only} ({cfg.model})")
     columns = ["predicted"] if width == 1 else [f"predicted_{j}" for j in range(width)]
     rows = [{**key, **({"predicted": int(values[0]), "predicted_name": names[int(values[0])],
                         "probability": values[1]} if names else dict(zip(columns, values)))}
