@@ -4119,16 +4119,13 @@ class Watchdog:
         self.alive, self.where, self.dumped = time.monotonic(), where, False
 
     def watching(self) -> None:
-        asked_at = 0.0
-        while not self.done.wait(1.0):
+        while not self.done.wait(2.0):
             if not self.dumped and time.monotonic() - self.alive > self.cfg.timeout / 2:
                 self.dump(f"no progress for {self.cfg.timeout / 2:g} s (--timeout / 2)")
-            if self.asked or (self.board is not None and time.monotonic() - asked_at > 2):
-                asked_at = time.monotonic()
-                asks = ask_board(self.board, "dumps_asked", timeout=5) or 0
-                if self.asked or asks > self.answered:
-                    self.asked, self.answered = False, max(asks, self.answered)
-                    self.dump("asked (SIGUSR1)")
+            asks = ask_board(self.board, "dumps_asked", timeout=5) or 0
+            if self.asked or asks > self.answered:
+                self.asked, self.answered = False, max(asks, self.answered)
+                self.dump("asked (SIGUSR1)")
 
     def dump(self, why: str) -> None:
         self.dumped = True
@@ -4604,8 +4601,7 @@ def scored(cfg: Config, checkpoint: dict, test_set, names: list, width: int,
 
 
 def write_predictions(path: str, test_set, predictions: list, names: list) -> None:
-    """--predict-out: each test sample's label and prediction, by number and name, with its
-    probability (a regression: its target and prediction), and an image's file."""
+    """--predict-out: a row per test sample, its target and prediction (docs/own-data.md)."""
     files = [file for file, _ in test_set.samples] if hasattr(test_set, "samples") else None
     width = len(predictions[0]) if predictions and not names else 1
     head = (["label", "predicted", "probability", "label_name", "predicted_name"] if names
@@ -4672,7 +4668,8 @@ def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
         keys = [{"index": i} for i in range(len(data))]
         inputs = (TensorDataset(data.tensors[0], target.expand(len(data), *target.shape).clone())
                   if isinstance(data, TensorDataset) else Unlabelled(data, None, target))
-    elif os.path.isdir(where := cfg.data_dir):
+    else:
+        where = cfg.data_dir
         files = sorted(os.path.relpath(os.path.join(folder, name), where) for folder, _, names
                        in os.walk(where) for name in names  # linked folders: not walked
                        if has_file_allowed_extension(name, IMG_EXTENSIONS))
@@ -4680,8 +4677,6 @@ def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
         read.transforms.insert(0, functools.partial(read_image, data_dir=where))
         keys = [{"path": file} for file in files]
         inputs = Unlabelled([os.path.join(where, file) for file in files], read, target)
-    else:  # gone since the command was checked
-        raise DataError(f"--inputs {where} is not a folder")
     if not keys:
         raise DataError(f"--inputs {where} holds no inputs" if is_code(where) else
                         f"--inputs {where} holds no image ({', '.join(IMG_EXTENSIONS)})")
@@ -4694,8 +4689,7 @@ def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
 
 
 class Unlabelled(torch.utils.data.Dataset):
-    """predict's inputs: each item, read if a file, or the input of your (input, anything) pair;
-    with a stand-in target, scored but never shown."""
+    """predict's inputs (a file read, or your pair's input), each with a stand-in target."""
 
     def __init__(self, items, read, target: torch.Tensor):
         self.items, self.read, self.target = items, read, target
