@@ -4187,10 +4187,8 @@ class Board:
         lines, self.lines = self.lines, []
         return lines, self.bar
 
-    def stepped(self, since: int, snapshot: Optional[dict] = None) -> None:
-        self.since = since
-        if snapshot is not None and self.attempts:
-            self.attempts[-1] = snapshot
+    def stepped(self, since: int, snapshot: dict) -> None:
+        self.since, self.attempts[-1] = since, snapshot  # rank 0 said restarted() first
 
     def beat(self) -> bool:
         self.heard_at = time.time()
@@ -4467,8 +4465,7 @@ def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config
         raise ConfigError(f"--eval-only {path}: its weights are not those its certificate says "
                           f"(the file was altered since it was saved)")
     trained = stored_config(checkpoint)
-    refused = [f"--{name.replace('_', '-')}" for name in CONFIG_FIELDS
-               if name in typed & EVAL_REFUSES]
+    refused = [as_flag(name, True) for name in CONFIG_FIELDS if name in typed & EVAL_REFUSES]
     if refused:
         are = "is a training flag and has" if len(refused) == 1 else "are training flags and have"
         raise ConfigError(f"{', '.join(refused)} {are} no effect with --eval-only")
@@ -4580,8 +4577,7 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
 
 def scored(cfg: Config, checkpoint: dict, test_set, names: list, width: int,
            doing: str) -> tuple[Config, dict]:
-    """The checkpoint's model on test_set, each sample once over the workers, after the checks
-    that need no cluster: (the config with its device, what rank 0 returned)."""
+    """The checkpoint's model on test_set, each sample once over the workers: (cfg, rank 0's)."""
     info = DataInfo((len(test_set), len(test_set)), input_shape(cfg, test_set), names,
                     not isinstance(test_set, TensorDataset), (test_set, test_set), outputs=width)
     check_model_fits(cfg, info)
@@ -4635,8 +4631,7 @@ def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dic
 
 
 def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
-    """predict: the run's model on each input, once over the workers; a row per input in their
-    order (an image's path or an input's index, then its prediction), to --out if given."""
+    """predict: a row per input in their order (its path or index, its prediction); to --out."""
     names = list(checkpoint["classes"])  # a checkpoint from before "outputs": its last bias's width
     width = checkpoint.get("outputs") or len(names) or [
         t for t in checkpoint["model"].values() if t.ndim][-1].shape[0]
