@@ -3953,24 +3953,21 @@ class ForwardClock:
     """This rank's seconds in its model's forward passes (its steps wait for the slowest rank)."""
 
     def __init__(self, model: nn.Module, device: torch.device):
-        self.cuda, self.spans, self.begun = device.type == "cuda", [], None
-        model.register_forward_pre_hook(lambda *_: self.mark(True))
-        model.register_forward_hook(lambda *_: self.mark(False))
+        self.cuda, self.spans = device.type == "cuda", []
+        model.register_forward_pre_hook(lambda *_: self.spans.append([self.now()]))
+        model.register_forward_hook(lambda *_: self.spans[-1].append(self.now()))
 
-    def mark(self, begin: bool) -> None:
-        now = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
-        if self.cuda:
-            now.record()
-        if begin:
-            self.begun = now
-        else:
-            self.spans.append((self.begun, now))
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def take(self) -> float:
-        seconds = sum(end - begin if not self.cuda else begin.elapsed_time(end) / 1e3
-                      for begin, end in self.spans)
-        self.spans = []
-        return seconds
+        spans, self.spans = self.spans, []
+        return sum(end - begin if not self.cuda else begin.elapsed_time(end) / 1e3
+                   for begin, end in spans)
 
 
 def straggler_note(window: list, worker_ranks: int) -> Optional[str]:
