@@ -1683,7 +1683,7 @@ class Launch:
         if stop is not None:
             stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
         self.contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
-                         training_now(stop), board and relayed(board, options.progress),
+                         training_now(stop), board and relayed(board),
                          training and dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
         self.context = contextlib.ExitStack()
 
@@ -3806,29 +3806,24 @@ class DriverLink:
 
 CHECK_SHARE = 0.005  # --check-replicas auto aims its checks at this share of training (at most 1%)
 STRAGGLER = 1.5  # a rank whose forward passes take this much of the ranks' median, or more
+INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 class ReplicasDiffer(RuntimeError):
     """Ranks that hold other values than the rest: one line."""
 
 
-def as_bits(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1)
-    flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
-    if flat.is_floating_point():
-        return flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[
-            flat.element_size()])
-    return flat
-
-
 def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
     """Each tensor's torch.hash_tensor (an xor of its bits) and the integer sum of its bits (which
     sees equal values changed together, where an xor cancels): int64 (n, 2), on its device."""
-    rows = [torch.stack([torch.hash_tensor(bits).view(torch.int64), bits.sum(dtype=torch.int64)])
-            if bits.numel() else torch.zeros(2, dtype=torch.int64, device=bits.device)
-            for bits in (as_bits(tensor) for _, tensor in named)]
-    return (torch.stack([row.to(device) for row in rows]) if rows
-            else torch.zeros(0, 2, dtype=torch.int64, device=device))
+    rows = torch.zeros(len(named), 2, dtype=torch.int64, device=device)
+    for row, (_, tensor) in zip(rows, named):
+        bits = tensor.detach().reshape(-1)
+        bits = torch.view_as_real(bits).reshape(-1) if bits.is_complex() else bits
+        bits = bits.view(INT_OF_SIZE[bits.element_size()]) if bits.is_floating_point() else bits
+        if bits.numel():
+            row[0], row[1] = torch.hash_tensor(bits).view(torch.int64), bits.sum(dtype=torch.int64)
+    return rows
 
 
 def digest(hashes: torch.Tensor, extra: str = "") -> bytes:
@@ -3880,8 +3875,7 @@ def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Wor
 
 def certificate(model_state: dict, optimizer_state: dict, seed: int, epoch: int,
                 partial: Optional[dict]) -> dict:
-    """What a checkpoint holds, each part a digest: the model, the optimizer, the position in the
-    data (epoch, step, samples, --seed) and the random streams the next step draws from."""
+    """A digest of each part of a checkpoint: model, optimizer, data position, random streams."""
     def of(state) -> str:
         tensors, values = [], []
         for key, value in sorted(flat_items(state), key=lambda item: item[0]):
@@ -3916,34 +3910,28 @@ def uncertified(state: dict) -> list:
 
 
 class ForwardClock:
-    """This rank's seconds in its model's forward passes (CUDA events on a GPU): a straggler's
-    are longer, where whole steps are not (DDP waits for the slowest)."""
+    """This rank's seconds in its model's forward passes (its steps wait for the slowest rank)."""
 
     def __init__(self, model: nn.Module, device: torch.device):
-        self.cuda, self.spans, self.seconds, self.begun = device.type == "cuda", [], 0.0, None
-        model.register_forward_pre_hook(lambda *_: self.mark(True))
-        model.register_forward_hook(lambda *_: self.mark(False))
+        self.cuda, self.spans = device.type == "cuda", []
+        model.register_forward_pre_hook(lambda *_: self.spans.append([self.now()]))
+        model.register_forward_hook(lambda *_: self.spans[-1].append(self.now()))
 
-    def mark(self, begin: bool) -> None:
-        now = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
-        if self.cuda:
-            now.record()
-        if begin:
-            self.begun = now
-        elif self.begun is not None:
-            self.spans.append((self.begun, now))
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def take(self) -> float:
-        """Seconds since the last take."""
-        seconds = sum(end - begin if not self.cuda else begin.elapsed_time(end) / 1e3
-                      for begin, end in self.spans)
-        self.spans = []
-        return seconds
+        spans, self.spans = self.spans, []
+        return sum(end - begin if not self.cuda else begin.elapsed_time(end) / 1e3
+                   for begin, end in spans)
 
 
 def straggler_note(window: list, worker_ranks: int) -> Optional[str]:
-    """window: the last agreements' per-rank forward seconds a step; a rank slower than the
-    median by STRAGGLER in each, named once."""
+    """A rank slower than the median by STRAGGLER at each agreement of the window, named."""
     means = [statistics.mean(times[r] for times in window) for r in range(worker_ranks)]
     median = statistics.median(means)
     slow = [r for r in range(worker_ranks) if median and all(
@@ -3982,18 +3970,15 @@ def run_ledger(clock: dict, attempts: list, failed_at: list, ended: float,
     if attempts:
         seconds["cluster"] = attempts[0]["began"] - clock["checked"]
         seconds["cluster"] += fitted - attempts[-1].get("ended", fitted)
-    for i, attempt in enumerate(attempts):
+    for attempt, after in zip(attempts, attempts[1:] + [None]):
         for what, spent in attempt["seconds"].items():
             seconds[what] += spent
-        if i + 1 < len(attempts):  # it failed: from its last word to the next's first step
-            after, died = attempts[i + 1], failed_at[i] if i < len(failed_at) else attempt["at"]
-            setup = {what: after["seconds"].get(what, 0.0) for what in ("data", "model",
-                                                                        "restores")}
+        if after is not None:  # it failed: from its last word to the next's first step
             seconds["training steps"] -= attempt["since_save"]
-            seconds["failures"] += (attempt["since_save"] + died - attempt["at"]
-                                    + after["began"] - died + sum(setup.values()))
-            for what, spent in setup.items():
-                seconds[what] -= spent
+            seconds["failures"] += attempt["since_save"] + after["began"] - attempt["at"]
+            for what in ("data", "model", "restores"):  # the next's set-up
+                seconds["failures"] += after["seconds"].get(what, 0.0)
+                seconds[what] -= after["seconds"].get(what, 0.0)
     wall, before = ended - begun, before or {}
     seconds["other"] = wall - sum(seconds.values())
     totals = {what: seconds[what] + before.get(what, 0.0) for what in LEDGER}
@@ -4035,14 +4020,10 @@ def checkpoint_advice(cfg: Config, summary: dict) -> Optional[str]:
 
 
 def record_ledger(cfg: Config, out: Optional[dict], board, recovery: Optional[dict] = None) -> dict:
-    """This command's ledger, added to the run's earlier commands' (ledger.json in the run
-    directory, written back): what result.json holds."""
+    """This command's ledger plus its run's earlier commands' (ledger.json, written back)."""
     recovery = recovery if recovery is not None else recovery_summary(
         os.path.join(local_run_dir(cfg), "recovery.json"))
-    attempts = []
-    if board is not None:
-        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-            attempts = ray.get(board.ledgers.remote(), timeout=30)
+    attempts = ask_board(board, "ledgers") or []
     if out is not None:
         attempts = [*attempts[:-1], out["ledger"]]
     failed_at = [event["at"] for event in recovery.get("events", []) if event["event"] == "failed"]
@@ -4095,17 +4076,13 @@ class Watchdog:
         self.alive, self.where, self.dumped = time.monotonic(), where, False
 
     def watching(self) -> None:
-        asked_at = 0.0
-        while not self.done.wait(1.0):
+        while not self.done.wait(2.0):
             if not self.dumped and time.monotonic() - self.alive > self.cfg.timeout / 2:
                 self.dump(f"no progress for {self.cfg.timeout / 2:g} s (--timeout / 2)")
-            if self.asked or (self.board is not None and time.monotonic() - asked_at > 2):
-                asked_at = time.monotonic()
-                with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-                    asks = ray.get(self.board.dumps_asked.remote(), timeout=5) if self.board else 0
-                if self.asked or asks > self.answered:
-                    self.asked, self.answered = False, max(asks, self.answered)
-                    self.dump("asked (SIGUSR1)")
+            asks = ask_board(self.board, "dumps_asked", timeout=5) or 0
+            if self.asked or asks > self.answered:
+                self.asked, self.answered = False, max(asks, self.answered)
+                self.dump("asked (SIGUSR1)")
 
     def dump(self, why: str) -> None:
         self.dumped = True
@@ -4118,17 +4095,10 @@ class Watchdog:
         folder = f"{self.cfg.run_dir}/hang"
         with contextlib.suppress(OSError):
             write_stored(f"{folder}/rank{self.worker.rank}.txt", text.encode())
-            if (recorded := flight_recorder()) is not None:
-                write_stored(f"{folder}/rank{self.worker.rank}.json", recorded)
-
-
-def flight_recorder() -> Optional[bytes]:
-    """torch's flight recorder of this process's collectives (TORCH_FR_BUFFER_SIZE), as JSON."""
-    try:
-        return importlib.import_module("torch._C._distributed_c10d")._dump_fr_trace_json(
-            True, False)
-    except (AttributeError, RuntimeError, ImportError):
-        return None
+            c10d = importlib.import_module("torch._C._distributed_c10d")  # its flight recorder
+            with contextlib.suppress(AttributeError, RuntimeError):  # (TORCH_FR_BUFFER_SIZE)
+                write_stored(f"{folder}/rank{self.worker.rank}.json",
+                             c10d._dump_fr_trace_json(True, False))
 
 
 def hang_report(cfg: Config) -> Optional[str]:
@@ -4174,10 +4144,8 @@ class Board:
         lines, self.lines = self.lines, []
         return lines, self.bar
 
-    def stepped(self, since: int, snapshot: Optional[dict] = None) -> None:
-        self.since = since
-        if snapshot is not None and self.attempts:
-            self.attempts[-1] = snapshot
+    def stepped(self, since: int, snapshot: dict) -> None:
+        self.since, self.attempts[-1] = since, snapshot  # rank 0 said restarted() first
 
     def beat(self) -> bool:
         self.heard_at = time.time()
@@ -4225,7 +4193,7 @@ class Console:
     def __init__(self, options: LoopOptions, worker: Worker):
         self.board, self.main, self.shown = options.board, worker.is_main, 0.0
         self.progress_wanted = options.progress and worker.is_main
-        self.bar = Bar(self.progress_wanted) if self.board is None else None
+        self.bar = Bar() if self.board is None else None
 
     def say(self, line: str) -> None:
         if self.main:
@@ -4244,11 +4212,11 @@ class Console:
 
 
 class Bar:
-    def __init__(self, progress: bool = True):
-        self.progress, self.tqdm, self.epoch = progress, None, None
+    def __init__(self):
+        self.tqdm, self.epoch = None, None
 
     def show(self, state: Optional[tuple]) -> None:
-        if state is None or not self.progress:
+        if state is None:
             return self.close()
         epoch, done, steps, loss, rate, epochs = state
         if self.tqdm is None or epoch != self.epoch:
@@ -4268,9 +4236,9 @@ class Bar:
 
 
 @contextlib.contextmanager
-def relayed(board, progress: bool):
+def relayed(board):
     """A thread of the driver's that prints what the Board holds, five times a second."""
-    bar, done = Bar(progress), threading.Event()
+    bar, done = Bar(), threading.Event()
 
     def relay() -> None:
         while not done.is_set():
@@ -4293,9 +4261,6 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{('es' if noun.endswith('s') else 's') * (count != 1)}"
 
 
-OWN_LR = "; your optimizer's own where it sets one"
-
-
 def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
     """The run's header: what trains on what, and every switch that changes the maths or speed."""
     kind = "GPU" if cfg.gpu else "CPU"
@@ -4303,15 +4268,15 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
                f"{cfg.min_workers}-{cfg.workers} {kind} workers (elastic)" if cfg.min_workers else
                plural(cfg.workers, f"{kind} worker"))
     extra = f", {cfg.allreduce} all-reduce" if cfg.mode == "scratch" else ""
+    own = "; your optimizer's own where it sets one" if is_code(cfg.optimizer) else ""
     dropped = data.sizes[0] % cfg.batch_size  # check_batch_split: every rank's share is whole
     left_out = (f" ({plural(dropped, 'train sample')} left out per epoch: whole global batches "
                 f"only)" if dropped else "")
     return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
             f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
-            f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, "
-            f"lr {cfg.lr} ({cfg.lr_schedule.rpartition(':')[2]}{OWN_LR * is_code(cfg.optimizer)}), "
-            f"{', '.join(switches(cfg, data))}, "
+            f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, lr {cfg.lr} "
+            f"({cfg.lr_schedule.rpartition(':')[2]}{own}), {', '.join(switches(cfg, data))}, "
             f"{plural(cfg.epochs, 'epoch')}, run dir {cfg.run_dir}")
 
 
@@ -4457,8 +4422,7 @@ def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config
         raise ConfigError(f"--eval-only {path}: its weights are not those its certificate says "
                           f"(the file was altered since it was saved)")
     trained = stored_config(checkpoint)
-    refused = [f"--{name.replace('_', '-')}" for name in CONFIG_FIELDS
-               if name in typed & EVAL_REFUSES]
+    refused = [as_flag(name, True) for name in CONFIG_FIELDS if name in typed & EVAL_REFUSES]
     if refused:
         are = "is a training flag and has" if len(refused) == 1 else "are training flags and have"
         raise ConfigError(f"{', '.join(refused)} {are} no effect with --eval-only")
@@ -4480,8 +4444,7 @@ def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config
 
 def checkpoint_file(path: str) -> str:
     """The checkpoint file PATH means: the file, DIR/checkpoint.pt, a run's best, else latest."""
-    if is_uri(path):
-        check_store("eval-only", path)
+    check_store("eval-only", path)
     kind = stored_type(path)
     if kind == "none":
         raise ConfigError(f"--eval-only {path} does not exist")
@@ -4526,13 +4489,12 @@ def check_same_classes(cfg: Config, trained: list, found: list, then: str) -> No
 def eval_loop_per_worker(config: dict) -> dict:
     """--eval-only on every worker: the checkpoint's model scored on this rank's shard."""
     cfg, worker, _, options = worker_setup(config)
-    weights = ray.get(options.weights)  # from Ray's object store: no shared disk needed
     if isinstance(data := worker_data(cfg, options, worker), DataError):
         return {"data_error": str(data)}
     test_set = data[1]
     classes = len(options.classes)  # the checkpoint's, not what the test labels reach
     model = build_model(cfg.model, input_shape(cfg, test_set), classes or options.outputs)
-    model.load_state_dict(weights)
+    model.load_state_dict(ray.get(options.weights))  # from Ray's object store: no shared disk
     on_device(model, worker.device, cfg.model).eval()
     hashes, slots = replicas_digest(named := replica_state(model, None, "epoch"), worker)
     compare_replicas(named, hashes, all_reduce_sum(slots).tolist(), worker, "before scoring")
@@ -4547,14 +4509,12 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     """--eval-only: the test metrics, per class, the confusion matrix; what result.json holds."""
     train_set, test_set = load_dataset(cfg)
     names = checkpoint_classes(cfg, checkpoint, train_set, test_set) if classifies(test_set) else []
-    info = DataInfo((len(train_set), len(test_set)), input_shape(cfg, test_set), names,
-                    not isinstance(test_set, TensorDataset), (test_set, test_set),
-                    outputs=outputs(test_set, names))
     best = (f"; the run's best: epoch {checkpoint['epoch']} by --best-by "
             f"{checkpoint['config'].get('best_by', 'test_loss')}"
             if cfg.eval_only.endswith(BEST_CHECKPOINT) else "")
-    cfg, out = scored(cfg, checkpoint, info, f"evaluating {cfg.eval_only} ({cfg.model} on "
-                      f"{cfg.dataset}, {len(test_set)} test samples{best})")
+    cfg, out = scored(cfg, checkpoint, test_set, names, outputs(test_set, names),
+                      f"evaluating {cfg.eval_only} ({cfg.model} on {cfg.dataset}, "
+                      f"{len(test_set)} test samples{best})")
     metrics = out["metrics"]
     predictions, confusion = metrics.pop("predictions"), metrics.pop("confusion")
     metrics.update({"confusion": confusion} if names else {})
@@ -4572,21 +4532,21 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     return record
 
 
-def scored(cfg: Config, checkpoint: dict, info: DataInfo, doing: str) -> tuple[Config, dict]:
-    """The checkpoint's model on info's test set, each sample once over the workers, after the
-    checks that need no cluster: (the config with its device, what rank 0 returned)."""
+def scored(cfg: Config, checkpoint: dict, test_set, names: list, width: int,
+           doing: str) -> tuple[Config, dict]:
+    """The checkpoint's model on test_set, each sample once over the workers: (cfg, rank 0's)."""
+    info = DataInfo((len(test_set), len(test_set)), input_shape(cfg, test_set), names,
+                    not isinstance(test_set, TensorDataset), (test_set, test_set), outputs=width)
     check_model_fits(cfg, info)
     check_state_fits(cfg, info, checkpoint)
-    if stored_type(cfg.run_dir) == "file":
-        raise ConfigError(f"{cfg.run_dir} is a file, not a run directory: choose another --name")
-    if epoch_checkpoints(cfg.run_dir):
-        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} holds a training run, which this "
-                          f"command would write over; choose another --name")
+    if stored_type(cfg.run_dir) == "file" or epoch_checkpoints(cfg.run_dir):
+        raise ConfigError(f"--name {cfg.name}: {cfg.run_dir} is a file or holds a training run, "
+                          f"which this command would write over; choose another --name")
     cfg = connect(cfg)
     kind = "GPU" if cfg.gpu else "CPU"
     print(f"ray-dp: {doing} on {plural(cfg.workers, f'{kind} worker')}", flush=True)
-    options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(info.classes),
-                          outputs=info.outputs, data=ray.put((None, shared(info.datasets[1]))))
+    options = LoopOptions(weights=ray.put(checkpoint["model"]), classes=tuple(names),
+                          outputs=width, data=ray.put((None, shared(test_set))))
     out = fit(cfg, eval_loop_per_worker, options).return_value
     if "data_error" in out:
         raise DataError(out["data_error"])
@@ -4594,8 +4554,7 @@ def scored(cfg: Config, checkpoint: dict, info: DataInfo, doing: str) -> tuple[C
 
 
 def write_predictions(path: str, test_set, predictions: list, names: list) -> None:
-    """--predict-out: each test sample's label and prediction, by number and name, with its
-    probability (a regression: its target and prediction), and an image's file."""
+    """--predict-out: a row per test sample, its target and prediction (docs/own-data.md)."""
     files = [file for file, _ in test_set.samples] if hasattr(test_set, "samples") else None
     width = len(predictions[0]) if predictions and not names else 1
     head = (["label", "predicted", "probability", "label_name", "predicted_name"] if names
@@ -4629,17 +4588,14 @@ def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dic
 
 
 def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
-    """predict: the run's model on each input, once over the workers; a row per input in their
-    order (an image's path or an input's index, then its prediction), to --out if given."""
+    """predict: a row per input in their order (its path or index, its prediction); to --out."""
     names = list(checkpoint["classes"])  # a checkpoint from before "outputs": its last bias's width
     width = checkpoint.get("outputs") or len(names) or [
         t for t in checkpoint["model"].values() if t.ndim][-1].shape[0]
     inputs, keys = predict_inputs(cfg, torch.tensor(0) if names else torch.zeros(width),
                                   checkpoint["config"]["dataset"])
-    info = DataInfo((len(inputs), len(inputs)), input_shape(cfg, inputs), names,
-                    not isinstance(inputs, TensorDataset), (inputs, inputs), outputs=width)
-    cfg, out = scored(cfg, checkpoint, info, f"predicting {plural(len(inputs), 'input')} with "
-                      f"{cfg.eval_only} ({cfg.model})")
+    cfg, out = scored(cfg, checkpoint, inputs, names, width, f"predicting "
+                      f"{plural(len(inputs), 'input')} with {cfg.eval_only} ({cfg.model})")
     columns = ["predicted"] if width == 1 else [f"predicted_{j}" for j in range(width)]
     rows = [{**key, **({"predicted": int(values[0]), "predicted_name": names[int(values[0])],
                         "probability": values[1]} if names else dict(zip(columns, values)))}
@@ -4664,7 +4620,8 @@ def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
         keys = [{"index": i} for i in range(len(data))]
         inputs = (TensorDataset(data.tensors[0], target.expand(len(data), *target.shape).clone())
                   if isinstance(data, TensorDataset) else Unlabelled(data, None, target))
-    elif os.path.isdir(where := cfg.data_dir):
+    else:
+        where = cfg.data_dir
         files = sorted(os.path.relpath(os.path.join(folder, name), where) for folder, _, names
                        in os.walk(where) for name in names  # linked folders: not walked
                        if has_file_allowed_extension(name, IMG_EXTENSIONS))
@@ -4672,8 +4629,6 @@ def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
         read.transforms.insert(0, functools.partial(read_image, data_dir=where))
         keys = [{"path": file} for file in files]
         inputs = Unlabelled([os.path.join(where, file) for file in files], read, target)
-    else:  # gone since the command was checked
-        raise DataError(f"--inputs {where} is not a folder")
     if not keys:
         raise DataError(f"--inputs {where} holds no inputs" if is_code(where) else
                         f"--inputs {where} holds no image ({', '.join(IMG_EXTENSIONS)})")
@@ -4686,8 +4641,7 @@ def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
 
 
 class Unlabelled(torch.utils.data.Dataset):
-    """predict's inputs: each item, read if a file, or the input of your (input, anything) pair;
-    with a stand-in target, scored but never shown."""
+    """predict's inputs (a file read, or your pair's input), each with a stand-in target."""
 
     def __init__(self, items, read, target: torch.Tensor):
         self.items, self.read, self.target = items, read, target
