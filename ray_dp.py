@@ -1477,7 +1477,7 @@ def main(argv=None) -> int:
     except OSError as exc:
         if not disk_full(exc):
             raise
-        return fail(f"error: {storage_full(cfg, exc)}", 1)
+        return fail(f"error: {storage_full(cfg)}", 1)
     except KeyboardInterrupt:
         return fail(interrupted(command, cfg), 130)
     return 1 if command == "doctor" and not outcome else 0
@@ -1648,7 +1648,7 @@ def failures_said(cfg: Config, options: "LoopOptions"):
         raise RunFailed(describe_training_error(exc, {}) if torchrun_follower()
                         else record_failure(cfg, exc, options.board)) from None
     except OSError as exc:  # torchrun: rank 0's own write
-        raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
+        raise RunFailed(storage_full(cfg)) if disk_full(exc) else exc from None
 
 
 class Launch:
@@ -1683,7 +1683,7 @@ class Launch:
         if stop is not None:
             stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
         self.contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
-                         training_now(stop), board and relayed(board, options.progress),
+                         stop, board and relayed(board, options.progress),
                          training and dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
         self.context = contextlib.ExitStack()
 
@@ -1720,7 +1720,7 @@ def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") ->
     try:
         summary = summarize(cfg, result, board)
     except OSError as exc:
-        raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
+        raise RunFailed(storage_full(cfg)) if disk_full(exc) else exc from None
     print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
     print(f"ray-dp: {format_ledger(summary['ledger'])}", flush=True)
     for note in (near_chance(cfg, summary), cfg.mode == "dp" and DP_NOTE % cfg.workers,
@@ -2758,8 +2758,7 @@ RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json
 
 
 def best_epoch(history: list, metric: str) -> Optional[dict]:
-    """The epoch best by `metric`: the lowest loss or seconds, else the highest; the earliest of
-    equals."""
+    """The epoch best by `metric` (least loss or seconds, else most), the earliest of ties."""
     sign = 1 if metric.endswith(("loss", "seconds")) else -1
     return min((e for e in history if math.isfinite(e.get(metric, math.nan))),
                key=lambda e: (sign * e[metric], e["epoch"]), default=None)
@@ -3026,12 +3025,11 @@ def start_fresh(cfg: Config) -> None:
     if not cfg.fresh:
         return
     events = sorted(Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*"))
+    deleted = [cfg.run_dir] if stored_type(cfg.run_dir) == "directory" else []
+    deleted += [f"the run's TensorBoard events in {Path(cfg.logdir, cfg.name)}"] if events else []
     for path in events:
         path.unlink()
-    deleted = [cfg.run_dir] if stored_type(cfg.run_dir) == "directory" else []
     remove_stored(cfg.run_dir)
-    if events:
-        deleted.append(f"the run's TensorBoard events in {Path(cfg.logdir, cfg.name)}")
     if deleted:
         print(f"--fresh: deleted {' and '.join(deleted)}; starting run '{cfg.name}' over")
 
@@ -3194,7 +3192,7 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None
     failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
     node_ips = {int(rank): ip for rank, ip in (failed[-1]["node_ips"] if failed else {}).items()}
     if disk_full(error):
-        reason = storage_full(cfg, error)
+        reason = storage_full(cfg)
     else:
         append_log(logs, str(error))
         reason = (f"{hang_report(cfg) or describe_training_error(error, node_ips)}; the full "
@@ -3217,20 +3215,18 @@ def disk_full(error: BaseException) -> bool:
             or any("No space left on device" in str(text) for text in texts))
 
 
-def storage_full(cfg: Config, error: BaseException) -> str:
-    """Where space ran out, the last checkpoint that is safe, and how to go on."""
+def storage_full(cfg: Config) -> str:
+    """The fuller of --storage-path's and --logdir's disks, the last safe checkpoint, the way on."""
     free = []
     for flag, path in (("storage-path", cfg.storage_path), ("logdir", cfg.logdir)):
         existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
         if not is_uri(path) and existing is not None:
             with contextlib.suppress(OSError):
                 free.append((shutil.disk_usage(existing).free, flag, path))
-    where = f"no space left on a device the run writes to (--storage-path {cfg.storage_path})"
-    if getattr(error, "filename", None):
-        where = f"no space left on the device of {error.filename}"
-    elif free:
-        left, flag, path = min(free, key=lambda item: item[0])  # --storage-path's on a tie
-        where = f"no space left on the device of --{flag} {path} ({human_bytes(left)} free)"
+    left, flag, path = min(free, key=lambda item: item[0],  # --storage-path's on a tie
+                           default=(None, "storage-path", cfg.storage_path))
+    where = f"no space left on the device of --{flag} {path}"
+    where += f" ({human_bytes(left)} free)" if free else ""
     try:
         latest, place = last_saved(cfg)
     except BrokenSnapshot as exc:  # cut short by the full disk as Ray rewrote it
@@ -3414,22 +3410,20 @@ class Checkpointer:
                                                 if checkpoint_of else (0, 0.0))
         board = options.board if worker.is_main and ask_board(options.board, "restarted") else None
         self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
-        self.watchdog = Watchdog(cfg, worker, options.board)
+        self.watchdog, self.contexts = Watchdog(cfg, worker, options.board), contextlib.ExitStack()
         self.model = unwrap(model) if isinstance(model, nn.Module) else model
         self.optimizer = optimizer
         self.forward = (ForwardClock(self.model, worker.device)
                         if isinstance(self.model, nn.Module) and not cfg.compile else None)
-        self.check_every = 0 if model is None or worker.world == 1 else (
-            {"off": 0, "auto": 1}[cfg.check_replicas] if not cfg.check_replicas.isdigit()
-            else int(cfg.check_replicas))
+        replicas = {"off": "0", "auto": "1"}.get(cfg.check_replicas, cfg.check_replicas)
+        self.check_every = 0 if model is None or worker.world == 1 else int(replicas)
         self.check_seconds, self.last_check, self.slow, self.noted = 0.0, 0, [], False
         self.first_epoch, self.resumed_at, self.history, self.resume_record = 0, {}, [], None
         self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
         self.steps_done, self.next_agreement, self.agreed_steps, self.since_save = 0, 1, 0, 0
-        self.tic, self.agreed_at = time.perf_counter(), 0.0
+        self.tic, self.agreed_at, self.last_save = time.perf_counter(), 0.0, time.monotonic()
         self.first_step, self.saves, self.save_seconds, self.lost = 0, 0, 0.0, 0.0
         self.saved_count = 0
-        self.last_save = time.monotonic()
         marks = worker.marks
         marks["model"] = time.time()
         restored = getattr(launcher, "restore_seconds", 0.0)  # a test's launcher may not time it
@@ -3438,19 +3432,12 @@ class Checkpointer:
                              restores=restored)
 
     def __enter__(self) -> "Checkpointer":
-        if self.stop is not None:
-            self.stop.training, self.stop.asked = True, False
-        if self.link is not None:
-            self.link.__enter__()
-        self.watchdog.__enter__()
+        for context in filter(None, (self.stop, self.link, self.watchdog)):
+            self.contexts.enter_context(context)
         return self
 
     def __exit__(self, *error) -> None:
-        if self.stop is not None:
-            self.stop.training = False
-        if self.link is not None:
-            self.link.__exit__()
-        self.watchdog.__exit__()
+        self.contexts.close()
 
     def resumed(self, state: Optional[dict]) -> list:
         """The run's history so far (the loop appends to it): the checkpoint's, whose weights the
@@ -3465,13 +3452,11 @@ class Checkpointer:
         return self.history
 
     def describe_start(self, state: dict) -> str:
-        workers, epoch, step = plural(self.worker.world, "worker"), state["epoch"] + 1, 0
-        at = f"epoch {epoch} of {self.cfg.epochs}"
-        if self.resumed_at:
-            step = self.resumed_at["step"]
-            at += f", step {step + 1} of {self.resumed_at['steps']},"
+        epoch, step = state["epoch"] + 1, self.resumed_at.get("step", 0)
+        at = f", step {step + 1} of {self.resumed_at['steps']}," if step else ""
         since = f"at epoch {epoch}, step {step}" if step else f"of epoch {epoch - 1}"
-        line = f"resuming at {at} with {workers}, from the checkpoint {since}"
+        line = (f"resuming at epoch {epoch} of {self.cfg.epochs}{at} with "
+                f"{plural(self.worker.world, 'worker')}, from the checkpoint {since}")
         self.resume_record = {"from": since.split(" ", 1)[1], "certified": False}
         if "certificate" not in state or self.checkpoint_of is None:
             return line
@@ -3498,15 +3483,18 @@ class Checkpointer:
         self.lost += self.ledger.charge("training steps")
         self.steps_done, self.since_save = self.steps_done + 1, self.since_save + 1
         done, last = epoch * steps + step + 1, step + 1 == steps
-        self.watchdog.progress(f"after step {step + 1} of epoch {epoch + 1} (the run's {done})")
+        where = f"after step {step + 1} of epoch {epoch + 1} (the run's step {done})"
+        self.watchdog.progress(where)
         logged = done % self.cfg.log_every == 0
         due = bool(self.every_steps) and (step + 1) % self.every_steps == 0 and not last
         check = self.check_every and self.steps_done - self.last_check >= self.check_every
-        votes = (self.agree(losses, done if logged else 0, last, check, (epoch, step + 1, done))
+        votes = (self.agree(losses, done if logged else 0, last, check, where)
                  if logged or due or last or check or self.steps_done >= self.next_agreement
                  else set())
         self.lost += self.ledger.charge("training steps")
-        self.progress(epoch, step + 1, steps, losses)
+        rate = (step + 1 - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
+        loss = losses.logged[-1][1] if losses.logged else None
+        self.console.progress((epoch, step + 1, steps, loss, rate, self.cfg.epochs))
         stop = votes & STOP_VOTES
         if stop:
             self.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
@@ -3521,7 +3509,7 @@ class Checkpointer:
         return self.stopped is not None
 
     def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool, check: bool,
-              where: tuple) -> set:
+              where: str) -> set:
         """One all-reduce: each rank's votes (stop, save), rank 0's steps to the next agreement
         and check, the losses, each rank's forward seconds and, at a check, its replicas' digest."""
         mine = {SIGTERM_VOTE} if self.stop is not None and self.stop.asked else set()
@@ -3558,9 +3546,7 @@ class Checkpointer:
         self.note_stragglers(totals[9:9 + world])
         if check:  # what a check costs: its digest and this all-reduce, for --check-replicas auto
             self.last_check, self.check_seconds = self.steps_done, time.perf_counter() - tic
-            epoch, step, done = where
-            self.compared(named, hashes, totals[9 + world:],
-                          f"after step {step} of epoch {epoch + 1} (the run's step {done})")
+            self.compared(named, hashes, totals[9 + world:], where)
         self.agreed_at = trained
         return {vote for vote, count in zip(VOTES, totals) if count}
 
@@ -3574,8 +3560,7 @@ class Checkpointer:
         try:
             compare_replicas(named, hashes, slots, self.worker, where)
         except ReplicasDiffer as exc:
-            self.stopped = {"epoch": None, "step": None, "steps": None, "by": ["replicas"],
-                            "error": str(exc)}
+            self.stopped = {"by": ["replicas"], "error": str(exc)}
             return False
         return True
 
@@ -3594,11 +3579,6 @@ class Checkpointer:
             self.noted = True
             self.console.say(f"ray-dp: note: {note}")
 
-    def progress(self, epoch: int, done: int, steps: int, losses: EpochLoss) -> None:
-        rate = (done - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
-        loss = losses.logged[-1][1] if losses.logged else None
-        self.console.progress((epoch, done, steps, loss, rate, self.cfg.epochs))
-
     def save_within(self, epoch: int, step: int, steps: int, losses: EpochLoss) -> None:
         """Every rank, at the same step: rank 0's checkpoint of the epoch so far."""
         if not self.replicas_agree("save", f"at the save after step {step} of epoch {epoch + 1}"):
@@ -3609,8 +3589,7 @@ class Checkpointer:
                    "pending": self.pending}
         metrics = {"epoch": epoch + 1, "step": step, "steps": steps, "node": node_name(),
                    "keep": keep_score(epoch + 1, step, steps)}
-        state = (self.checkpoint_of(epoch, self.history, partial) if self.worker.is_main
-                 else None)
+        state = self.checkpoint_of(epoch, self.history, partial) if self.worker.is_main else None
         self.launcher.report(metrics, state, epoch + 1, step)
         self.saves += 1
         self.save_seconds += time.perf_counter() - tic
@@ -3696,6 +3675,13 @@ class GracefulStop:
     def __init__(self, before):
         self.before, self.asked, self.training, self.heard = before, False, False, False
         self.on_ask = None  # the driver's: tell the workers (False: none trains to hear it)
+
+    def __enter__(self) -> "GracefulStop":
+        self.training, self.asked, self.heard = True, False, False
+        return self
+
+    def __exit__(self, *error) -> None:  # nothing of the run it served stays behind
+        self.training, self.on_ask = False, None
 
     def __call__(self, signum, frame) -> None:
         self.heard = self.heard or self.training  # before on_ask, which may wait on a dying Ray
@@ -3796,18 +3782,6 @@ def dumps_asked(cfg: Config, board):
         yield
     finally:
         signal.signal(signal.SIGUSR1, before)
-
-
-@contextlib.contextmanager
-def training_now(stop: Optional[GracefulStop]):
-    if stop is None:
-        yield
-        return
-    stop.training, stop.asked, stop.heard = True, False, False
-    try:
-        yield
-    finally:
-        stop.training, stop.on_ask = False, None
 
 
 class DriverLink:
