@@ -2790,8 +2790,7 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
 
 
 def code_record(cfg: Config) -> dict:
-    return {flag: record for flag in CODE_FLAGS
-            if (record := code_file(getattr(cfg, flag)))}
+    return {flag: record for flag in CODE_FLAGS if (record := code_file(getattr(cfg, flag)))}
 
 
 def note_code_changed(cfg: Config, state: dict, since: str) -> None:
@@ -2974,15 +2973,11 @@ def as_flag(name: str, value) -> str:
     return f"--{flag}" if value is True else f"--{flag} {value}"
 
 
-def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> Optional[str]:
+def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> None:
     if resume.samples and data.fingerprint and resume.samples != data.fingerprint:
         raise ConfigError(f"run '{cfg.name}' trained on another list of images than --data-dir "
                           f"{cfg.data_dir} holds now ({data.sizes[0]} train images): restore the "
                           f"folder as it was, or start over with --fresh or a new --name")
-    if resume.resumes and data.fingerprint and not resume.samples:
-        return (f"run '{cfg.name}' was saved before ray_dp kept its list of images: it resumes on "
-                f"--data-dir {cfg.data_dir} as it is now")
-    return None
 
 
 def samples_fingerprint(data) -> Optional[str]:
@@ -3198,12 +3193,9 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None
         reason = (f"{hang_report(cfg) or describe_training_error(error, node_ips)}; the full "
                   f"errors are in {os.path.join(logs, 'ray.log')}")
     record_ledger(cfg, None, board, recovery)
-    try:
+    with contextlib.suppress(OSError):  # the disk that failed the run may refuse its record too
         write_json(os.path.join(cfg.run_dir, "result.json"),
                    run_record(cfg, None, {}, None, error=reason, recovery=recovery))
-    except OSError as exc:  # the disk that failed the run may refuse its record too
-        if not disk_full(exc):
-            raise
     return reason
 
 
@@ -3603,16 +3595,14 @@ class Checkpointer:
             self.link.board.stepped.remote(0, self.snapshot())
 
     def snapshot(self) -> dict:
-        """What the driver's ledger takes from this attempt: rank 0's seconds, when it began and
-        trained first, the training since the last save (a failure's loss)."""
+        """What the driver's ledger takes from this attempt (since_save: a failure's loss)."""
         marks = self.worker.marks
         return {"seconds": dict(self.ledger.seconds), "began": marks.get("loop", 0.0),
                 "first_step": marks.get("first_step"), "at": time.time(),
                 "since_save": self.lost, "saves": self.saved_count}
 
     def save(self, history: list, state: Optional[dict]) -> None:
-        """An epoch's end on every rank: its line, its report with rank 0's checkpoint; a stop
-        agreed on during the epoch takes effect here."""
+        """An epoch's end on every rank: its line, its report with rank 0's checkpoint, a stop."""
         self.ledger.charge("evaluation")
         metrics, marks = history[-1], self.worker.marks
         self.watchdog.progress(f"at the end of epoch {metrics['epoch']}")
@@ -3642,8 +3632,7 @@ class Checkpointer:
                "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
                "first_step_at": marks.get("first_step"), "startup": marks,
                "node_ranks": node_ranks(self.worker), "stopped": self.stopped,
-               "resumed": self.resume_record,
-               "ledger": {**self.snapshot(), "ended": time.time()}}
+               "resumed": self.resume_record, "ledger": {**self.snapshot(), "ended": time.time()}}
         self.console.flush()
         if (self.stopped and self.stopped["by"] == [SIGTERM_VOTE] and not self.torchrun
                 and self.cfg.max_failures):
@@ -3663,8 +3652,7 @@ def position_of(stopped: dict) -> str:
 
 
 def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
-    """What Ray keeps checkpoints by: every epoch's above every mid-epoch one, later above
-    earlier."""
+    """What Ray keeps checkpoints by: every epoch's above any mid-epoch one, later above earlier."""
     return 1e9 + epoch if not step else epoch - 1 + step / (steps + 1)
 
 
@@ -3699,8 +3687,7 @@ class GracefulStop:
 
 
 def graceful_stop() -> Optional[GracefulStop]:
-    """This process's GracefulStop, installed if this thread may (Ray's workers train in another
-    thread: graceful_sigterm_in_ray_worker installs theirs)."""
+    """This process's GracefulStop, installed from its main thread (Ray's workers: at set-up)."""
     handler = signal.getsignal(signal.SIGTERM)
     if hasattr(handler, "asked"):
         return handler
@@ -3759,10 +3746,9 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
 
 def named_train(process) -> bool:
     """A process of Ray Train's (its controller, its workers), or False when it has gone."""
-    try:
+    with contextlib.suppress(psutil.Error):
         return "Train" in process.name()
-    except Exception:  # psutil.NoSuchProcess, AccessDenied
-        return False
+    return False
 
 
 @contextlib.contextmanager
@@ -3808,10 +3794,8 @@ class DriverLink:
             self.beat(timeout=self.BEAT_S)
 
     def beat(self, timeout: float) -> None:
-        try:
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
             self.asked = ray.get(self.board.beat.remote(), timeout=timeout) or self.asked
-        except (ray.exceptions.RayError, TimeoutError):
-            pass
 
 
 # ==================================================================================================
