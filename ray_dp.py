@@ -3047,16 +3047,14 @@ def write_csv(path: str, rows: list) -> None:
 
 
 def write_stored(path: str, data: bytes) -> None:
-    storage, key = files_at(path)
-    if storage.type_name == "local":
-        return write_atomically(key, data)
-    with storage.open_output_stream(key) as f:
-        f.write(data)
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """Written beside, flushed, renamed over, folders flushed: a failure leaves the old file."""
-    folder = os.path.dirname(os.path.abspath(path))
+    """One object; on a disk written beside, flushed, renamed over, folders flushed: a failure
+    leaves the old file."""
+    storage, path = files_at(path)
+    if storage.type_name != "local":
+        with storage.open_output_stream(path) as f:
+            f.write(data)
+        return
+    folder = os.path.dirname(path)
     made = [part for part in [folder, *Path(folder).parents] if not os.path.isdir(part)]
     os.makedirs(folder, exist_ok=True)
     try:
@@ -3201,8 +3199,7 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None
 
 def disk_full(error: BaseException) -> bool:
     """A write failed for want of space, here or (as text) on a worker or Ray's controller."""
-    texts = [error, getattr(error, "controller_failure", None),
-             *getattr(error, "worker_failures", {}).values()]
+    texts = [error, *getattr(error, "worker_failures", {}).values()]  # a controller's: in error's
     return (isinstance(error, OSError) and error.errno == errno.ENOSPC
             or any("No space left on device" in str(text) for text in texts))
 
@@ -3279,8 +3276,7 @@ def describe_worker_failures(failures: dict, node_ips: dict) -> str:
                for error in failures.values()]
     if not failures or all(stopped):
         return stopped[0][0] if failures else ""
-    lost = {rank for rank, error in failures.items()
-            if type(error).__name__ == HEALTH_CHECK_ERROR}
+    lost = {rank for rank, error in failures.items() if type(error).__name__ == HEALTH_CHECK_ERROR}
     if not lost and all(PEER_LOST.search(str(error)) for error in failures.values()):
         lost = set(node_ips) - set(failures)
     if lost:
@@ -3492,7 +3488,7 @@ class Checkpointer:
             self.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
         if self.stopped is None and (due or votes) and not last and self.checkpoint_of:
             self.save_within(epoch, step + 1, steps, losses)
-            if stop:
+            if stop and self.stopped is None:  # not over the replicas' stop, which saved nothing
                 self.stopped = {"epoch": epoch + 1, "step": step + 1, "steps": steps,
                                 "by": sorted(stop)}
         self.stop_votes |= stop  # at the epoch's end, with its checkpoint
