@@ -2862,14 +2862,13 @@ def resume_point(run_dir: str) -> tuple[Optional[str], bool]:
 class Resume:
     done: int = 0
     classes: Optional[list] = None
-    step: int = 0  # a mid-epoch checkpoint: the steps of epoch done + 1 it has done
     unlisted: Optional[str] = None
     samples: Optional[str] = None
-    latest: Optional[str] = None
+    latest: Optional[str] = None  # its checkpoint, after an epoch or within one
 
     @property
     def resumes(self) -> bool:
-        return bool(self.done or self.step)
+        return self.latest is not None
 
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Resume]:
@@ -2913,8 +2912,8 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
               if is_code(cfg.optimizer) else f"lr {learning_rate(cfg, done):.4g}")
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
               f"{stored['epochs']}): epoch {done + 1} trains at {lr}", flush=True)
-    return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0),
-                       None if listed else latest, state.get("samples"), latest)
+    return cfg, Resume(done, state.get("classes"), None if listed else latest, state.get("samples"),
+                       latest)
 
 
 def stored_config(state: dict) -> dict:
@@ -3520,7 +3519,8 @@ class Checkpointer:
                   if self.cfg.check_replicas == "auto" else self.check_every) if main else 0
         forward = torch.zeros(world, dtype=torch.float64, device=device)
         forward[self.worker.rank] = self.forward.take() / steps if self.forward else 0.0
-        named, hashes, slots = self.digested("step") if check else (None, None, forward[:0])
+        named = replica_state(self.model, self.optimizer, "step") if check else None
+        hashes, slots = replicas_digest(named, self.worker) if check else (None, forward[:0])
         flags = torch.tensor([vote in mine for vote in VOTES] + [ahead, checks],
                              dtype=torch.float64, device=device)
         totals = all_reduce_sum(torch.cat([flags, losses.window, losses.sums, forward, slots]))
@@ -3538,11 +3538,6 @@ class Checkpointer:
         self.agreed_at = trained
         return {vote for vote, count in zip(VOTES, totals) if count}
 
-    def digested(self, stage: str) -> tuple:
-        """(what the replicas hold alike, its hashes, this rank's digest slots)."""
-        named = replica_state(self.model, self.optimizer, stage)
-        return (named, *replicas_digest(named, self.worker))
-
     def compared(self, named: list, hashes: torch.Tensor, slots: list, where: str) -> bool:
         """Whether every rank's digest is the same; else the run stops here, nothing saved."""
         try:
@@ -3556,7 +3551,8 @@ class Checkpointer:
         """At a save, before rank 0 writes: every rank's replicas, their optimizer's state too."""
         if not self.check_every:
             return True
-        named, hashes, slots = self.digested(stage)
+        named = replica_state(self.model, self.optimizer, stage)
+        hashes, slots = replicas_digest(named, self.worker)
         return self.compared(named, hashes, all_reduce_sum(slots).tolist(), where)
 
     def note_stragglers(self, forward: list) -> None:
