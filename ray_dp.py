@@ -2864,7 +2864,7 @@ class Resume:
     classes: Optional[list] = None
     unlisted: Optional[str] = None
     samples: Optional[str] = None
-    latest: Optional[str] = None  # its checkpoint, after an epoch or within one
+    latest: Optional[str] = None
 
     @property
     def resumes(self) -> bool:
@@ -3198,7 +3198,7 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None
 
 def disk_full(error: BaseException) -> bool:
     """A write failed for want of space, here or (as text) on a worker or Ray's controller."""
-    texts = [error, *getattr(error, "worker_failures", {}).values()]  # a controller's: in error's
+    texts = [error, *getattr(error, "worker_failures", {}).values()]
     return (isinstance(error, OSError) and error.errno == errno.ENOSPC
             or any("No space left on device" in str(text) for text in texts))
 
@@ -3705,7 +3705,7 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
     def stopped() -> None:
         with ending:  # once, from the watch or from the main thread
             ours = [p for p in me.children(recursive=True) if named_train(p)]
-            psutil.wait_procs(ours, timeout=10)  # saving
+            psutil.wait_procs(ours, timeout=10)
             latest, place = last_saved(cfg)
             with contextlib.suppress(Exception):  # its time counted, as "other": the
                 record_ledger(cfg, None, None)  # workers' clocks went with the Board
