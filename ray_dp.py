@@ -1477,7 +1477,7 @@ def main(argv=None) -> int:
     except OSError as exc:
         if not disk_full(exc):
             raise
-        return fail(f"error: {storage_full(cfg, exc)}", 1)
+        return fail(f"error: {storage_full(cfg)}", 1)
     except KeyboardInterrupt:
         return fail(interrupted(command, cfg), 130)
     return 1 if command == "doctor" and not outcome else 0
@@ -1648,7 +1648,7 @@ def failures_said(cfg: Config, options: "LoopOptions"):
         raise RunFailed(describe_training_error(exc, {}) if torchrun_follower()
                         else record_failure(cfg, exc, options.board)) from None
     except OSError as exc:  # torchrun: rank 0's own write
-        raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
+        raise RunFailed(storage_full(cfg)) if disk_full(exc) else exc from None
 
 
 class Launch:
@@ -1683,7 +1683,7 @@ class Launch:
         if stop is not None:
             stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
         self.contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
-                         training_now(stop), board and relayed(board),
+                         stop, board and relayed(board),
                          training and dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
         self.context = contextlib.ExitStack()
 
@@ -1720,7 +1720,7 @@ def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") ->
     try:
         summary = summarize(cfg, result, board)
     except OSError as exc:
-        raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
+        raise RunFailed(storage_full(cfg)) if disk_full(exc) else exc from None
     print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
     print(f"ray-dp: {format_ledger(summary['ledger'])}", flush=True)
     for note in (near_chance(cfg, summary), cfg.mode == "dp" and DP_NOTE % cfg.workers,
@@ -2718,8 +2718,7 @@ RUN_MARKERS = ("checkpoint_manager_snapshot.json", "result.json", "recovery.json
 
 
 def best_epoch(history: list, metric: str) -> Optional[dict]:
-    """The epoch best by `metric`: the lowest loss or seconds, else the highest; the earliest of
-    equals."""
+    """The epoch best by `metric` (least loss or seconds, else most), the earliest of ties."""
     sign = 1 if metric.endswith(("loss", "seconds")) else -1
     return min((e for e in history if math.isfinite(e.get(metric, math.nan))),
                key=lambda e: (sign * e[metric], e["epoch"]), default=None)
@@ -2751,8 +2750,7 @@ def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: 
 
 
 def code_record(cfg: Config) -> dict:
-    return {flag: record for flag in CODE_FLAGS
-            if (record := code_file(getattr(cfg, flag)))}
+    return {flag: record for flag in CODE_FLAGS if (record := code_file(getattr(cfg, flag)))}
 
 
 def note_code_changed(cfg: Config, state: dict, since: str) -> None:
@@ -2824,14 +2822,13 @@ def resume_point(run_dir: str) -> tuple[Optional[str], bool]:
 class Resume:
     done: int = 0
     classes: Optional[list] = None
-    step: int = 0  # a mid-epoch checkpoint: the steps of epoch done + 1 it has done
     unlisted: Optional[str] = None
     samples: Optional[str] = None
     latest: Optional[str] = None
 
     @property
     def resumes(self) -> bool:
-        return bool(self.done or self.step)
+        return self.latest is not None
 
 
 def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Resume]:
@@ -2875,8 +2872,8 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
               if is_code(cfg.optimizer) else f"lr {learning_rate(cfg, done):.4g}")
         print(f"note: the cosine schedule now spans --epochs {cfg.epochs} (it was "
               f"{stored['epochs']}): epoch {done + 1} trains at {lr}", flush=True)
-    return cfg, Resume(done, state.get("classes"), (state.get("partial") or {}).get("step", 0),
-                       None if listed else latest, state.get("samples"), latest)
+    return cfg, Resume(done, state.get("classes"), None if listed else latest, state.get("samples"),
+                       latest)
 
 
 def stored_config(state: dict) -> dict:
@@ -2935,15 +2932,11 @@ def as_flag(name: str, value) -> str:
     return f"--{flag}" if value is True else f"--{flag} {value}"
 
 
-def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> Optional[str]:
+def check_same_samples(cfg: Config, resume: Resume, data: DataInfo) -> None:
     if resume.samples and data.fingerprint and resume.samples != data.fingerprint:
         raise ConfigError(f"run '{cfg.name}' trained on another list of images than --data-dir "
                           f"{cfg.data_dir} holds now ({data.sizes[0]} train images): restore the "
                           f"folder as it was, or start over with --fresh or a new --name")
-    if resume.resumes and data.fingerprint and not resume.samples:
-        return (f"run '{cfg.name}' was saved before ray_dp kept its list of images: it resumes on "
-                f"--data-dir {cfg.data_dir} as it is now")
-    return None
 
 
 def samples_fingerprint(data) -> Optional[str]:
@@ -2986,12 +2979,11 @@ def start_fresh(cfg: Config) -> None:
     if not cfg.fresh:
         return
     events = sorted(Path(cfg.logdir, cfg.name).glob("events.out.tfevents.*"))
+    deleted = [cfg.run_dir] if stored_type(cfg.run_dir) == "directory" else []
+    deleted += [f"the run's TensorBoard events in {Path(cfg.logdir, cfg.name)}"] if events else []
     for path in events:
         path.unlink()
-    deleted = [cfg.run_dir] if stored_type(cfg.run_dir) == "directory" else []
     remove_stored(cfg.run_dir)
-    if events:
-        deleted.append(f"the run's TensorBoard events in {Path(cfg.logdir, cfg.name)}")
     if deleted:
         print(f"--fresh: deleted {' and '.join(deleted)}; starting run '{cfg.name}' over")
 
@@ -3014,16 +3006,14 @@ def write_csv(path: str, rows: list) -> None:
 
 
 def write_stored(path: str, data: bytes) -> None:
-    storage, key = files_at(path)
-    if storage.type_name == "local":
-        return write_atomically(key, data)
-    with storage.open_output_stream(key) as f:
-        f.write(data)
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """Written beside, flushed, renamed over, folders flushed: a failure leaves the old file."""
-    folder = os.path.dirname(os.path.abspath(path))
+    """One object; on a disk written beside, flushed, renamed over, folders flushed: a failure
+    leaves the old file."""
+    storage, path = files_at(path)
+    if storage.type_name != "local":
+        with storage.open_output_stream(path) as f:
+            f.write(data)
+        return
+    folder = os.path.dirname(path)
     made = [part for part in [folder, *Path(folder).parents] if not os.path.isdir(part)]
     os.makedirs(folder, exist_ok=True)
     try:
@@ -3154,43 +3144,37 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None
     failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
     node_ips = {int(rank): ip for rank, ip in (failed[-1]["node_ips"] if failed else {}).items()}
     if disk_full(error):
-        reason = storage_full(cfg, error)
+        reason = storage_full(cfg)
     else:
         append_log(logs, str(error))
         reason = (f"{hang_report(cfg) or describe_training_error(error, node_ips)}; the full "
                   f"errors are in {os.path.join(logs, 'ray.log')}")
     record_ledger(cfg, None, board, recovery)
-    try:
+    with contextlib.suppress(OSError):  # the disk that failed the run may refuse its record too
         write_json(os.path.join(cfg.run_dir, "result.json"),
                    run_record(cfg, None, {}, None, error=reason, recovery=recovery))
-    except OSError as exc:  # the disk that failed the run may refuse its record too
-        if not disk_full(exc):
-            raise
     return reason
 
 
 def disk_full(error: BaseException) -> bool:
     """A write failed for want of space, here or (as text) on a worker or Ray's controller."""
-    texts = [error, getattr(error, "controller_failure", None),
-             *getattr(error, "worker_failures", {}).values()]
+    texts = [error, *getattr(error, "worker_failures", {}).values()]
     return (isinstance(error, OSError) and error.errno == errno.ENOSPC
             or any("No space left on device" in str(text) for text in texts))
 
 
-def storage_full(cfg: Config, error: BaseException) -> str:
-    """Where space ran out, the last checkpoint that is safe, and how to go on."""
+def storage_full(cfg: Config) -> str:
+    """The fuller of --storage-path's and --logdir's disks, the last safe checkpoint, the way on."""
     free = []
     for flag, path in (("storage-path", cfg.storage_path), ("logdir", cfg.logdir)):
         existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
         if not is_uri(path) and existing is not None:
             with contextlib.suppress(OSError):
                 free.append((shutil.disk_usage(existing).free, flag, path))
-    where = f"no space left on a device the run writes to (--storage-path {cfg.storage_path})"
-    if getattr(error, "filename", None):
-        where = f"no space left on the device of {error.filename}"
-    elif free:
-        left, flag, path = min(free, key=lambda item: item[0])  # --storage-path's on a tie
-        where = f"no space left on the device of --{flag} {path} ({human_bytes(left)} free)"
+    left, flag, path = min(free, key=lambda item: item[0],  # --storage-path's on a tie
+                           default=(None, "storage-path", cfg.storage_path))
+    where = f"no space left on the device of --{flag} {path}"
+    where += f" ({human_bytes(left)} free)" if free else ""
     try:
         latest, place = last_saved(cfg)
     except BrokenSnapshot as exc:  # cut short by the full disk as Ray rewrote it
@@ -3251,8 +3235,7 @@ def describe_worker_failures(failures: dict, node_ips: dict) -> str:
                for error in failures.values()]
     if not failures or all(stopped):
         return stopped[0][0] if failures else ""
-    lost = {rank for rank, error in failures.items()
-            if type(error).__name__ == HEALTH_CHECK_ERROR}
+    lost = {rank for rank, error in failures.items() if type(error).__name__ == HEALTH_CHECK_ERROR}
     if not lost and all(PEER_LOST.search(str(error)) for error in failures.values()):
         lost = set(node_ips) - set(failures)
     if lost:
@@ -3374,22 +3357,20 @@ class Checkpointer:
                                                 if checkpoint_of else (0, 0.0))
         board = options.board if worker.is_main and ask_board(options.board, "restarted") else None
         self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
-        self.watchdog = Watchdog(cfg, worker, options.board)
+        self.watchdog, self.contexts = Watchdog(cfg, worker, options.board), contextlib.ExitStack()
         self.model = unwrap(model) if isinstance(model, nn.Module) else model
         self.optimizer = optimizer
         self.forward = (ForwardClock(self.model, worker.device)
                         if isinstance(self.model, nn.Module) and not cfg.compile else None)
-        self.check_every = 0 if model is None or worker.world == 1 else (
-            {"off": 0, "auto": 1}[cfg.check_replicas] if not cfg.check_replicas.isdigit()
-            else int(cfg.check_replicas))
+        replicas = {"off": "0", "auto": "1"}.get(cfg.check_replicas, cfg.check_replicas)
+        self.check_every = 0 if model is None or worker.world == 1 else int(replicas)
         self.check_seconds, self.last_check, self.slow, self.noted = 0.0, 0, [], False
         self.first_epoch, self.resumed_at, self.history, self.resume_record = 0, {}, [], None
         self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
         self.steps_done, self.next_agreement, self.agreed_steps, self.since_save = 0, 1, 0, 0
-        self.tic, self.agreed_at = time.perf_counter(), 0.0
+        self.tic, self.agreed_at, self.last_save = time.perf_counter(), 0.0, time.monotonic()
         self.first_step, self.saves, self.save_seconds, self.lost = 0, 0, 0.0, 0.0
         self.saved_count = 0
-        self.last_save = time.monotonic()
         marks = worker.marks
         marks["model"] = time.time()
         restored = getattr(launcher, "restore_seconds", 0.0)  # a test's launcher may not time it
@@ -3398,19 +3379,12 @@ class Checkpointer:
                              restores=restored)
 
     def __enter__(self) -> "Checkpointer":
-        if self.stop is not None:
-            self.stop.training, self.stop.asked = True, False
-        if self.link is not None:
-            self.link.__enter__()
-        self.watchdog.__enter__()
+        for context in filter(None, (self.stop, self.link, self.watchdog)):
+            self.contexts.enter_context(context)
         return self
 
     def __exit__(self, *error) -> None:
-        if self.stop is not None:
-            self.stop.training = False
-        if self.link is not None:
-            self.link.__exit__()
-        self.watchdog.__exit__()
+        self.contexts.close()
 
     def resumed(self, state: Optional[dict]) -> list:
         """The run's history so far (the loop appends to it): the checkpoint's, whose weights the
@@ -3425,13 +3399,11 @@ class Checkpointer:
         return self.history
 
     def describe_start(self, state: dict) -> str:
-        workers, epoch, step = plural(self.worker.world, "worker"), state["epoch"] + 1, 0
-        at = f"epoch {epoch} of {self.cfg.epochs}"
-        if self.resumed_at:
-            step = self.resumed_at["step"]
-            at += f", step {step + 1} of {self.resumed_at['steps']},"
+        epoch, step = state["epoch"] + 1, self.resumed_at.get("step", 0)
+        at = f", step {step + 1} of {self.resumed_at['steps']}," if step else ""
         since = f"at epoch {epoch}, step {step}" if step else f"of epoch {epoch - 1}"
-        line = f"resuming at {at} with {workers}, from the checkpoint {since}"
+        line = (f"resuming at epoch {epoch} of {self.cfg.epochs}{at} with "
+                f"{plural(self.worker.world, 'worker')}, from the checkpoint {since}")
         self.resume_record = {"from": since.split(" ", 1)[1], "certified": False}
         if "certificate" not in state or self.checkpoint_of is None:
             return line
@@ -3458,21 +3430,24 @@ class Checkpointer:
         self.lost += self.ledger.charge("training steps")
         self.steps_done, self.since_save = self.steps_done + 1, self.since_save + 1
         done, last = epoch * steps + step + 1, step + 1 == steps
-        self.watchdog.progress(f"after step {step + 1} of epoch {epoch + 1} (the run's {done})")
+        where = f"after step {step + 1} of epoch {epoch + 1} (the run's step {done})"
+        self.watchdog.progress(where)
         logged = done % self.cfg.log_every == 0
         due = bool(self.every_steps) and (step + 1) % self.every_steps == 0 and not last
         check = self.check_every and self.steps_done - self.last_check >= self.check_every
-        votes = (self.agree(losses, done if logged else 0, last, check, (epoch, step + 1, done))
+        votes = (self.agree(losses, done if logged else 0, last, check, where)
                  if logged or due or last or check or self.steps_done >= self.next_agreement
                  else set())
         self.lost += self.ledger.charge("training steps")
-        self.progress(epoch, step + 1, steps, losses)
+        rate = (step + 1 - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
+        loss = losses.logged[-1][1] if losses.logged else None
+        self.console.progress((epoch, step + 1, steps, loss, rate, self.cfg.epochs))
         stop = votes & STOP_VOTES
         if stop:
             self.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
         if self.stopped is None and (due or votes) and not last and self.checkpoint_of:
             self.save_within(epoch, step + 1, steps, losses)
-            if stop:
+            if stop and self.stopped is None:  # not over the replicas' stop, which saved nothing
                 self.stopped = {"epoch": epoch + 1, "step": step + 1, "steps": steps,
                                 "by": sorted(stop)}
         self.stop_votes |= stop  # at the epoch's end, with its checkpoint
@@ -3481,7 +3456,7 @@ class Checkpointer:
         return self.stopped is not None
 
     def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool, check: bool,
-              where: tuple) -> set:
+              where: str) -> set:
         """One all-reduce: each rank's votes (stop, save), rank 0's steps to the next agreement
         and check, the losses, each rank's forward seconds and, at a check, its replicas' digest."""
         mine = {SIGTERM_VOTE} if self.stop is not None and self.stop.asked else set()
@@ -3504,7 +3479,8 @@ class Checkpointer:
                   if self.cfg.check_replicas == "auto" else self.check_every) if main else 0
         forward = torch.zeros(world, dtype=torch.float64, device=device)
         forward[self.worker.rank] = self.forward.take() / steps if self.forward else 0.0
-        named, hashes, slots = self.digested("step") if check else (None, None, forward[:0])
+        named = replica_state(self.model, self.optimizer, "step") if check else None
+        hashes, slots = replicas_digest(named, self.worker) if check else (None, forward[:0])
         flags = torch.tensor([vote in mine for vote in VOTES] + [ahead, checks],
                              dtype=torch.float64, device=device)
         totals = all_reduce_sum(torch.cat([flags, losses.window, losses.sums, forward, slots]))
@@ -3518,24 +3494,16 @@ class Checkpointer:
         self.note_stragglers(totals[9:9 + world])
         if check:  # what a check costs: its digest and this all-reduce, for --check-replicas auto
             self.last_check, self.check_seconds = self.steps_done, time.perf_counter() - tic
-            epoch, step, done = where
-            self.compared(named, hashes, totals[9 + world:],
-                          f"after step {step} of epoch {epoch + 1} (the run's step {done})")
+            self.compared(named, hashes, totals[9 + world:], where)
         self.agreed_at = trained
         return {vote for vote, count in zip(VOTES, totals) if count}
-
-    def digested(self, stage: str) -> tuple:
-        """(what the replicas hold alike, its hashes, this rank's digest slots)."""
-        named = replica_state(self.model, self.optimizer, stage)
-        return (named, *replicas_digest(named, self.worker))
 
     def compared(self, named: list, hashes: torch.Tensor, slots: list, where: str) -> bool:
         """Whether every rank's digest is the same; else the run stops here, nothing saved."""
         try:
             compare_replicas(named, hashes, slots, self.worker, where)
         except ReplicasDiffer as exc:
-            self.stopped = {"epoch": None, "step": None, "steps": None, "by": ["replicas"],
-                            "error": str(exc)}
+            self.stopped = {"by": ["replicas"], "error": str(exc)}
             return False
         return True
 
@@ -3543,7 +3511,8 @@ class Checkpointer:
         """At a save, before rank 0 writes: every rank's replicas, their optimizer's state too."""
         if not self.check_every:
             return True
-        named, hashes, slots = self.digested(stage)
+        named = replica_state(self.model, self.optimizer, stage)
+        hashes, slots = replicas_digest(named, self.worker)
         return self.compared(named, hashes, all_reduce_sum(slots).tolist(), where)
 
     def note_stragglers(self, forward: list) -> None:
@@ -3553,11 +3522,6 @@ class Checkpointer:
         if len(self.slow) == 5 and (note := straggler_note(self.slow, self.worker.world)):
             self.noted = True
             self.console.say(f"ray-dp: note: {note}")
-
-    def progress(self, epoch: int, done: int, steps: int, losses: EpochLoss) -> None:
-        rate = (done - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
-        loss = losses.logged[-1][1] if losses.logged else None
-        self.console.progress((epoch, done, steps, loss, rate, self.cfg.epochs))
 
     def save_within(self, epoch: int, step: int, steps: int, losses: EpochLoss) -> None:
         """Every rank, at the same step: rank 0's checkpoint of the epoch so far."""
@@ -3569,8 +3533,7 @@ class Checkpointer:
                    "pending": self.pending}
         metrics = {"epoch": epoch + 1, "step": step, "steps": steps, "node": node_name(),
                    "keep": keep_score(epoch + 1, step, steps)}
-        state = (self.checkpoint_of(epoch, self.history, partial) if self.worker.is_main
-                 else None)
+        state = self.checkpoint_of(epoch, self.history, partial) if self.worker.is_main else None
         self.launcher.report(metrics, state, epoch + 1, step)
         self.saves += 1
         self.save_seconds += time.perf_counter() - tic
@@ -3584,16 +3547,14 @@ class Checkpointer:
             self.link.board.stepped.remote(0, self.snapshot())
 
     def snapshot(self) -> dict:
-        """What the driver's ledger takes from this attempt: rank 0's seconds, when it began and
-        trained first, the training since the last save (a failure's loss)."""
+        """What the driver's ledger takes from this attempt (since_save: a failure's loss)."""
         marks = self.worker.marks
         return {"seconds": dict(self.ledger.seconds), "began": marks.get("loop", 0.0),
                 "first_step": marks.get("first_step"), "at": time.time(),
                 "since_save": self.lost, "saves": self.saved_count}
 
     def save(self, history: list, state: Optional[dict]) -> None:
-        """An epoch's end on every rank: its line, its report with rank 0's checkpoint; a stop
-        agreed on during the epoch takes effect here."""
+        """An epoch's end on every rank: its line, its report with rank 0's checkpoint, a stop."""
         self.ledger.charge("evaluation")
         metrics, marks = history[-1], self.worker.marks
         self.watchdog.progress(f"at the end of epoch {metrics['epoch']}")
@@ -3623,8 +3584,7 @@ class Checkpointer:
                "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
                "first_step_at": marks.get("first_step"), "startup": marks,
                "node_ranks": node_ranks(self.worker), "stopped": self.stopped,
-               "resumed": self.resume_record,
-               "ledger": {**self.snapshot(), "ended": time.time()}}
+               "resumed": self.resume_record, "ledger": {**self.snapshot(), "ended": time.time()}}
         self.console.flush()
         if (self.stopped and self.stopped["by"] == [SIGTERM_VOTE] and not self.torchrun
                 and self.cfg.max_failures):
@@ -3644,8 +3604,7 @@ def position_of(stopped: dict) -> str:
 
 
 def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
-    """What Ray keeps checkpoints by: every epoch's above every mid-epoch one, later above
-    earlier."""
+    """What Ray keeps checkpoints by: every epoch's above any mid-epoch one, later above earlier."""
     return 1e9 + epoch if not step else epoch - 1 + step / (steps + 1)
 
 
@@ -3656,6 +3615,13 @@ class GracefulStop:
     def __init__(self, before):
         self.before, self.asked, self.training, self.heard = before, False, False, False
         self.on_ask = None  # the driver's: tell the workers (False: none trains to hear it)
+
+    def __enter__(self) -> "GracefulStop":
+        self.training, self.asked, self.heard = True, False, False
+        return self
+
+    def __exit__(self, *error) -> None:  # nothing of the run it served stays behind
+        self.training, self.on_ask = False, None
 
     def __call__(self, signum, frame) -> None:
         self.heard = self.heard or self.training  # before on_ask, which may wait on a dying Ray
@@ -3673,8 +3639,7 @@ class GracefulStop:
 
 
 def graceful_stop() -> Optional[GracefulStop]:
-    """This process's GracefulStop, installed if this thread may (Ray's workers train in another
-    thread: graceful_sigterm_in_ray_worker installs theirs)."""
+    """This process's GracefulStop, installed from its main thread (Ray's workers: at set-up)."""
     handler = signal.getsignal(signal.SIGTERM)
     if hasattr(handler, "asked"):
         return handler
@@ -3700,7 +3665,7 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
     def stopped() -> None:
         with ending:  # once, from the watch or from the main thread
             ours = [p for p in me.children(recursive=True) if named_train(p)]
-            psutil.wait_procs(ours, timeout=10)  # saving
+            psutil.wait_procs(ours, timeout=10)
             latest, place = last_saved(cfg)
             with contextlib.suppress(Exception):  # its time counted, as "other": the
                 record_ledger(cfg, None, None)  # workers' clocks went with the Board
@@ -3733,10 +3698,9 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
 
 def named_train(process) -> bool:
     """A process of Ray Train's (its controller, its workers), or False when it has gone."""
-    try:
+    with contextlib.suppress(psutil.Error):
         return "Train" in process.name()
-    except Exception:  # psutil.NoSuchProcess, AccessDenied
-        return False
+    return False
 
 
 @contextlib.contextmanager
@@ -3756,18 +3720,6 @@ def dumps_asked(cfg: Config, board):
         yield
     finally:
         signal.signal(signal.SIGUSR1, before)
-
-
-@contextlib.contextmanager
-def training_now(stop: Optional[GracefulStop]):
-    if stop is None:
-        yield
-        return
-    stop.training, stop.asked, stop.heard = True, False, False
-    try:
-        yield
-    finally:
-        stop.training, stop.on_ask = False, None
 
 
 class DriverLink:
@@ -3794,10 +3746,8 @@ class DriverLink:
             self.beat(timeout=self.BEAT_S)
 
     def beat(self, timeout: float) -> None:
-        try:
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
             self.asked = ray.get(self.board.beat.remote(), timeout=timeout) or self.asked
-        except (ray.exceptions.RayError, TimeoutError):
-            pass
 
 
 # ==================================================================================================

@@ -177,7 +177,7 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_nothing_beside_it(tm
     path.write_text("old")
     monkeypatch.setattr(ray_dp.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     with pytest.raises(OSError):
-        ray_dp.write_atomically(str(path), b"new")
+        ray_dp.write_stored(str(path), b"new")
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["result.json"]
 
 
@@ -220,7 +220,7 @@ def test_a_write_is_done_where_its_directory_cannot_be_flushed_and_file_uris_wri
             raise PermissionError(13, "Permission denied", path)
         return real_open(path, flags, *args)
     monkeypatch.setattr(ray_dp.os, "open", refusing)
-    ray_dp.write_atomically(str(tmp_path / "result.json"), b"{}")
+    ray_dp.write_stored(str(tmp_path / "result.json"), b"{}")
     assert (tmp_path / "result.json").read_text() == "{}"
     monkeypatch.undo()
     renamed = []

@@ -305,8 +305,9 @@ def test_ctrl_c_and_a_full_disk_say_the_snapshot_is_cut_short_not_that_nothing_w
     broken = (f"{run}/{ray_dp.RAY_SNAPSHOT} is not Ray's list of checkpoints: --eval-only one of the run's "
               f"checkpoint_epoch_* directories, or rerun with --fresh to start over")
     assert ray_dp.interrupted("train", cfg) == f"interrupted; {broken}"
-    assert ray_dp.storage_full(cfg, OSError(28, "No space left on device", str(run / "x"))) == (
-        f"no space left on the device of {run / 'x'}; {broken.replace(': ', ': once there is space, ', 1)}")
+    full = ray_dp.storage_full(cfg)
+    assert full.startswith("no space left on the device of --") and " free); " in full
+    assert full.endswith(f"; {broken.replace(': ', ': once there is space, ', 1)}")
 
 
 def without_any_ray_internal(cfg):

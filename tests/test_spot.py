@@ -419,7 +419,7 @@ def test_sigterm_while_training_asks_for_a_stop_and_otherwise_does_what_it_did_b
     assert handler_calls("callable", training=True, on_ask=lambda: False) == (False, [signal.SIGTERM])
     stop = ray_dp.GracefulStop(signal.SIG_IGN)
     stop.on_ask = object()
-    with ray_dp.training_now(stop):
+    with stop:
         assert stop.training
     assert not stop.training and stop.on_ask is None  # nothing of the run it served stays behind
 
@@ -440,7 +440,7 @@ def test_a_fit_that_raises_after_a_group_sigterm_ends_as_the_group_stop_once_its
     cfg = ray_dp.Config(dataset="digits", storage_path=str(tmp_path), name="group")
     stop = ray_dp.GracefulStop(signal.SIG_IGN)
     stop.on_ask = lambda: None  # the Board gone: no answer
-    with ray_dp.training_now(stop), pytest.raises(SystemExit):
+    with stop, pytest.raises(SystemExit):
         with ray_dp.own_ray_watched(cfg, stop):
             stop(signal.SIGTERM, None)
             assert stop.heard and stop.asked  # the GCS does not answer: the workers had the signal too
