@@ -88,8 +88,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import (
-    BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset)
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
 
 import ray.cloudpickle
 import ray.train
@@ -124,10 +123,10 @@ def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", do
     it takes it; lesson: scratch's default; path: made absolute; store: a URI "read" or "write";
     scratch: why scratch mode refuses any value but the default; bounds: an interval, "[0, 1)";
     code: it may name your code (FILE.py:NAME), which travels with the job."""
-    return field(default=default, metadata={"help": help, "rerun": rerun, "evaluation": evaluation,
-                                            "doctor": doctor, "lesson": lesson, "path": path,
-                                            "store": store, "scratch": scratch, "bounds": bounds,
-                                            "code": code, **argparse_kwargs})
+    return field(default=default, metadata={
+        "help": help, "rerun": rerun, "evaluation": evaluation, "doctor": doctor, "lesson": lesson,
+        "path": path, "store": store, "scratch": scratch, "bounds": bounds, "code": code,
+        "argparse": argparse_kwargs})
 
 
 def setting(default, help, **facts):
@@ -1058,11 +1057,8 @@ def allreduce_ring(buffer: torch.Tensor) -> None:
         exchange(chunks[(rank + 1 - step) % world], chunks[(rank - step) % world])
 
 
-def allreduce_library(buffer: torch.Tensor) -> None:
-    dist.all_reduce(buffer)  # what DDP calls, in buckets, overlapped with the backward pass
-
-
-ALLREDUCE = {"naive": allreduce_naive, "ring": allreduce_ring, "library": allreduce_library}
+# library: what DDP calls, in buckets, overlapped with the backward pass
+ALLREDUCE = {"naive": allreduce_naive, "ring": allreduce_ring, "library": dist.all_reduce}
 
 
 def allreduce(grads: list, algorithm: str) -> int:
@@ -1279,19 +1275,18 @@ def run(cfg: Config, resume: "Resume" = None, data: Optional["DataInfo"] = None,
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
     with failures_said(cfg, options):
         result = fit(cfg, loop, options, resume.done)
-    return summary_of(cfg, result, options)
+        return summary_of(cfg, result, options)
 
 
 def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.Result:
     """Run `loop` on the run's workers (Ray's, or under torchrun this very process) and wait."""
-    launch = Launch(cfg, loop, options, done)
-    # the launch: Ray Train starts the worker processes and their process group (its
-    # init_process_group, with TorchConfig's backend), then runs `loop` in each
-    trainer = TorchTrainer(loop, train_loop_config={"config": cfg, "options": launch.options},
-                           scaling_config=launch.scaling_config, run_config=launch.run_config,
-                           torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
-                                                    timeout_s=int(cfg.timeout)))
-    with launch:
+    with launched(cfg, loop, options, done) as (options, scaling, run_config):
+        # the launch: Ray Train starts the worker processes and their process group (its
+        # init_process_group, with TorchConfig's backend), then runs `loop` in each
+        trainer = TorchTrainer(loop, train_loop_config={"config": cfg, "options": options},
+                               scaling_config=scaling, run_config=run_config,
+                               torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
+                                                        timeout_s=int(cfg.timeout)))
         return trainer.fit()
 
 
@@ -1306,8 +1301,6 @@ def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.R
 copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
 IMPORTED_AT = time.time()
 CLOCK: dict = {}
-ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store", "scratch", "bounds",
-             "code")
 
 
 def fields_where(role: str, *values) -> set:
@@ -1336,7 +1329,7 @@ FIELD_TYPES = {f.name: {"int": int, "float": (int, float), "str": str, "bool": b
                         "Optional[bool]": (type(None), bool),
                         "Optional[tuple]": (type(None), tuple)}[f.type] for f in fields(Config)}
 CONFIG_FIELDS = [f.name for f in fields(Config)]
-CLI_FIELDS = {f.name for f in fields(Config) if f.metadata.get("cli", True)}
+CLI_FIELDS = {f.name for f in fields(Config) if f.metadata["argparse"].get("cli", True)}
 
 
 def checkpoint_interval(every: str) -> Optional[tuple[int, float]]:
@@ -1414,7 +1407,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         parser.add_argument("--out", dest="predict_out", required=True, metavar="FILE.csv")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
+        kwargs = {"help": f.metadata["help"], **f.metadata["argparse"]}
         if f.name in LESSON_DEFAULTS:
             kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
         if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS) or (
@@ -1538,9 +1531,10 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
         own = PREDICT_OWN if command == "predict" else set()
         cfg, options["checkpoint"] = eval_config(cfg, typed, own)
         command = "eval" if command == "train" else command
-    if command == "predict" and not (is_code(cfg.dataset) or os.path.exists(cfg.data_dir)):
-        raise ConfigError(f"--inputs {cfg.data_dir} is neither a folder nor FILE.py:NAME")
-    if command == "predict":  # a built-in loss of stand-in targets, scored but never shown
+    if command == "predict":
+        if not (is_code(cfg.dataset) or os.path.exists(cfg.data_dir)):
+            raise ConfigError(f"--inputs {cfg.data_dir} is neither a folder nor FILE.py:NAME")
+        # a built-in loss of stand-in targets, scored but never shown
         cfg = replace(cfg, loss="cross_entropy" if options["checkpoint"]["classes"] else "mse")
     cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
     if torchrun_follower():  # rank 0 resolves and checks the run for every rank
@@ -1647,57 +1641,52 @@ def failures_said(cfg: Config, options: "LoopOptions"):
     except ray.train.TrainingFailedError as exc:
         raise RunFailed(describe_training_error(exc, {}) if torchrun_follower()
                         else record_failure(cfg, exc, options.board)) from None
-    except OSError as exc:  # torchrun: rank 0's own write
+    except OSError as exc:  # rank 0's own write: result.json, or a checkpoint under torchrun
         raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
 
 
-class Launch:
+@contextlib.contextmanager
+def launched(cfg: Config, loop, options: "LoopOptions", done: int):
     """What fit hands Ray Train besides the loop: the workers' options (Ray's Board, your code),
-    the run's configuration and callbacks; around the fit: the console, SIGTERM, SIGUSR1."""
-
-    def __init__(self, cfg: Config, loop, options: "LoopOptions", done: int):
-        follower, training = torchrun_follower(), loop is not eval_loop_per_worker
-        set_ray_train_knobs(cfg)
-        if options.torchrun:  # Ray Train's local mode logs each report at INFO
-            quiet_ray_train()
-            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
-        board = None if options.torchrun else options.board or new_board()
-        for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
-            if registered is not None and registered.__module__ in sys.modules:
-                travels(sys.modules[registered.__module__])
-        self.options = replace(options, board=board,
-                               code=None if options.torchrun else ray.put(code_for_workers(cfg)))
-        workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
-                   (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
-        self.scaling_config = scaling_config(cfg, workers)
-        self.run_config = RunConfig(
-            name=cfg.name, storage_path=cfg.storage_path,
-            checkpoint_config=CheckpointConfig() if options.torchrun else checkpoint_config(cfg),
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=run_callbacks(cfg, None if follower else local_run_dir(cfg), self.options,
-                                    done, training),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            worker_runtime_env=worker_env(cfg))
-        # SIGTERM to the driver: rank 0 hears of it at its next beat
-        stop = graceful_stop() if training and board else None
-        if stop is not None:
-            stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
-        self.contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
-                         training_now(stop), board and relayed(board, options.progress),
-                         training and dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
-        self.context = contextlib.ExitStack()
-
-    def __enter__(self) -> "Launch":
-        for context in filter(None, self.contexts):
-            self.context.enter_context(context)
-        return self
-
-    def __exit__(self, kind, error, trace) -> bool:
-        CLOCK["fitted"] = time.time()
-        self.context.__exit__(kind, error, trace)  # own_ray_watched sees fit()'s error
-        if kind is SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, exits
-            raise KeyboardInterrupt from None
-        return False
+    the scaling and run configurations; around the fit: the console, SIGTERM, SIGUSR1."""
+    follower, training = torchrun_follower(), loop is not eval_loop_per_worker
+    set_ray_train_knobs(cfg)
+    if options.torchrun:  # Ray Train's local mode logs each report at INFO
+        quiet_ray_train()
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
+    board = None if options.torchrun else options.board or new_board()
+    for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
+        if registered is not None and registered.__module__ in sys.modules:
+            travels(sys.modules[registered.__module__])
+    options = replace(options, board=board,
+                      code=None if options.torchrun else ray.put(code_for_workers(cfg)))
+    workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
+               (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
+    run_config = RunConfig(
+        name=cfg.name, storage_path=cfg.storage_path,
+        checkpoint_config=CheckpointConfig() if options.torchrun else checkpoint_config(cfg),
+        logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+        callbacks=run_callbacks(cfg, None if follower else local_run_dir(cfg), options, done,
+                                training),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+        worker_runtime_env=worker_env(cfg))
+    # SIGTERM to the driver: rank 0 hears of it at its next beat
+    stop = graceful_stop() if training and board else None
+    if stop is not None:
+        stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
+    contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
+                training_now(stop), board and relayed(board, options.progress),
+                training and dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
+    try:
+        with contextlib.ExitStack() as stack:  # own_ray_watched sees fit()'s error
+            for context in filter(None, contexts):
+                stack.enter_context(context)
+            try:
+                yield options, scaling_config(cfg, workers), run_config
+            finally:
+                CLOCK["fitted"] = time.time()
+    except SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, exits
+        raise KeyboardInterrupt from None
 
 
 DP_NOTE = ("nn.DataParallel normalised each GPU's 1/%d of the batch with its own BatchNorm "
@@ -1717,10 +1706,7 @@ def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") ->
         record_ledger(cfg, result.return_value, board)
         raise RunStopped(f"stopped at {position_of(stopped)} (SIGTERM), its checkpoint saved: "
                          f"the same command resumes from there")
-    try:
-        summary = summarize(cfg, result, board)
-    except OSError as exc:
-        raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
+    summary = summarize(cfg, result, board)
     print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
     print(f"ray-dp: {format_ledger(summary['ledger'])}", flush=True)
     for note in (near_chance(cfg, summary), cfg.mode == "dp" and DP_NOTE % cfg.workers,
