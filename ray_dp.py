@@ -112,11 +112,10 @@ OPTIMIZERS, SCHEDULES = ("sgd", "adamw"), ("cosine", "constant")
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "library")
 NUM_CLASSES = 10
 MODEL_IMAGE_SIZE = {"lenet": 28, "mlp": 28, "resnet18": 32}
-NO_LESSON = object()
 
 
 def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", doctor: bool = False,
-           lesson=NO_LESSON, path: bool = False, store: str = "", scratch: str = "",
+           lesson=None, path: bool = False, store: str = "", scratch: str = "",
            bounds: str = "", code: bool = False, **argparse_kwargs):
     """A flag with its facts. rerun: "fixed" (another typed value is refused), "adopt" (the run's
     unless typed), "free"; evaluation: "train" (refused), "checkpoint", "adopt", "free"; doctor:
@@ -1308,7 +1307,7 @@ def fields_where(role: str, *values) -> set:
 
 
 LESSON_DEFAULTS = {f.name: f.metadata["lesson"] for f in fields(Config)
-                   if f.metadata["lesson"] is not NO_LESSON}
+                   if f.metadata["lesson"] is not None}
 RERUN_MAY_CHANGE = fields_where("rerun", "free", "adopt")
 RERUN_ADOPTS = fields_where("rerun", "fixed", "adopt")
 EVAL_REFUSES = fields_where("evaluation", "train")
@@ -1689,27 +1688,24 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
         raise KeyboardInterrupt from None
 
 
-DP_NOTE = ("nn.DataParallel normalised each GPU's 1/%d of the batch with its own BatchNorm "
-           "statistics (per replica); only DDP can synchronise them (--mode ddp --sync-bn)")
-
-
 def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") -> Optional[dict]:
     """A finished run's result.json and last lines (rank 0's); a run that stopped, one line."""
     if torchrun_follower():
         return None
-    board, torchrun = options.board, options.torchrun
     if "data_error" in result.return_value:
         raise DataError(result.return_value["data_error"])
     if (stopped := result.return_value["stopped"]) and stopped.get("error"):
         raise RunFailed(stopped["error"])
     if stopped:
-        record_ledger(cfg, result.return_value, board)
+        record_ledger(cfg, result.return_value, options.board)
         raise RunStopped(f"stopped at {position_of(stopped)} (SIGTERM), its checkpoint saved: "
                          f"the same command resumes from there")
-    summary = summarize(cfg, result, board)
-    print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
+    summary = summarize(cfg, result, options.board)
+    print(format_summary(summary, ", torchrun" if options.torchrun else ""), flush=True)
     print(f"ray-dp: {format_ledger(summary['ledger'])}", flush=True)
-    for note in (near_chance(cfg, summary), cfg.mode == "dp" and DP_NOTE % cfg.workers,
+    dp = (f"nn.DataParallel normalised each GPU's 1/{cfg.workers} of the batch with its own "
+          f"BatchNorm statistics; only DDP can synchronise them (--mode ddp --sync-bn)")
+    for note in (near_chance(cfg, summary), cfg.mode == "dp" and dp,
                  checkpoint_advice(cfg, summary)):
         if note:
             print(f"note: {note}", flush=True)
@@ -1736,15 +1732,14 @@ def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=())
 def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) -> LoopOptions:
     """Through Ray's object store, once (no files needed on the workers' nodes): --weights, the
     data the driver decided, a checkpoint Ray never listed. torchrun's processes read them."""
-    shared = not torchrun
+    progress = sys.stdout.isatty() and not cfg.quiet
+    if torchrun:
+        return LoopOptions(progress=progress, torchrun=True)
     return LoopOptions(
-        progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
-        board=new_board() if shared and ray.is_initialized() else None,
-        start_from=(ray.put(read_weights(cfg.weights))
-                    if cfg.weights and shared and not resume.resumes else None),
-        data=ray.put(data.datasets) if shared and data else None,
-        resume_from=(ray.put(load_checkpoint(resume.unlisted))
-                     if shared and resume.unlisted else None))
+        progress=progress, board=new_board() if ray.is_initialized() else None,
+        weights=ray.put(read_weights(cfg.weights)) if cfg.weights and not resume.resumes else None,
+        data=ray.put(data.datasets),
+        resume_from=ray.put(load_checkpoint(resume.unlisted)) if resume.unlisted else None)
 
 
 def scaling_config(cfg: Config, workers) -> ScalingConfig:
@@ -1830,9 +1825,8 @@ class LoopOptions:
     torchrun: bool = False
     board: Optional[object] = None
     data: Optional[object] = None
-    start_from: Optional[object] = None
     resume_from: Optional[object] = None  # ref of a checkpoint Ray never listed
-    weights: Optional[object] = None
+    weights: Optional[object] = None  # --weights' state_dict (training), the checkpoint's (eval)
     classes: tuple = ()
     outputs: int = 0
     code: Optional[object] = None
@@ -1848,8 +1842,7 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
             data = from_rank_0(load_dataset(cfg) if worker.is_main else None, worker.device)
         else:
             data = load_dataset(cfg)
-            check_classes_agree(class_names(data[0]) if classifies(data[0]) else [],
-                                worker.device)
+            check_classes_agree(class_names(data[0]) if classifies(data[0]) else [], worker.device)
         check_node_holds(data, cfg, worker, Console(options, worker))
     except DataError as exc:
         return exc
@@ -1858,8 +1851,8 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
 
 
 def starting_weights(cfg: Config, options: LoopOptions) -> dict:
-    if options.start_from is not None:
-        return ray.get(options.start_from)
+    if options.weights is not None:
+        return ray.get(options.weights)
     return read_weights(cfg.weights)
 
 
