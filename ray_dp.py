@@ -718,13 +718,9 @@ class ResumableSampler(DistributedSampler):
         self.start = start
 
     def __len__(self) -> int:
-        if not self.start:
-            return super().__len__()
         return (len(self.dataset) - self.start) // self.num_replicas
 
-    def __iter__(self):
-        if not self.start:
-            return super().__iter__()
+    def __iter__(self):  # from start 0: DistributedSampler's order and shards, drop_last
         order = torch.randperm(len(self.dataset),
                                generator=torch.Generator().manual_seed(self.seed + self.epoch))
         rest = order[self.start:self.start + len(self) * self.num_replicas]
