@@ -1262,11 +1262,11 @@ def train_loop_per_worker(config: dict) -> dict:
 # ==================================================================================================
 
 
-def run(cfg: Config, resume: "Resume" = None, data: Optional["DataInfo"] = None,
+def run(cfg: Config, resume: "Resume", data: Optional["DataInfo"] = None,
         typed: tuple = ()) -> Optional[dict]:
     """Train the resolved and validated cfg from `resume`. Under torchrun every process runs this;
     rank 0 alone checks, speaks and writes, and its loop decides for all."""
-    cfg, resume, options = prepared(cfg, resume, data, typed)
+    cfg, options = prepared(cfg, resume, data, typed)
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
     with failures_said(cfg, options):
         result = fit(cfg, loop, options, resume.done)
@@ -1593,8 +1593,7 @@ def settings_as_flags(settings: dict) -> list:
         if name == "gpu":
             flags += [] if value is None else ["--gpu" if value else "--cpu"]
         elif isinstance(value, bool):
-            default = next(f.default for f in fields(Config) if f.name == name)
-            flags += [flag] if value else [f"--no-{flag[2:]}"] if default else []
+            flags += [flag] if value else [f"--no-{flag[2:]}"] if getattr(Config, name) else []
         elif value is not None:
             flags += [flag, str(value)]
     return flags
@@ -1611,9 +1610,8 @@ def list_models(cfg: None) -> None:
 # ==================================================================================================
 
 def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -> tuple:
-    """(cfg, resume, LoopOptions) of a run: on rank 0, the checks that need the data, Ray, --fresh
+    """(cfg, LoopOptions) of a run: on rank 0, the checks that need the data, Ray, --fresh
     and the header; the clock's marks."""
-    resume = resume or Resume()
     torchrun = under_torchrun()
     if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts here
         CLOCK.clear()
@@ -1625,7 +1623,7 @@ def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -
         start_fresh(cfg)  # under torchrun before rank 0's loop looks for checkpoints
         remove_stored(f"{cfg.run_dir}/hang")
         print(describe(cfg, data, torchrun), *notes, sep="\nnote: ", flush=True)
-    return cfg, resume, loop_options(cfg, data, resume, torchrun)
+    return cfg, loop_options(cfg, data, resume, torchrun)
 
 
 @contextlib.contextmanager
