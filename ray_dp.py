@@ -1526,10 +1526,9 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
         own = PREDICT_OWN if command == "predict" else set()
         cfg, options["checkpoint"] = eval_config(cfg, typed, own)
         command = "eval" if command == "train" else command
-    if command == "predict":
-        if not (is_code(cfg.dataset) or os.path.exists(cfg.data_dir)):
-            raise ConfigError(f"--inputs {cfg.data_dir} is neither a folder nor FILE.py:NAME")
-        # a built-in loss of stand-in targets, scored but never shown
+    if command == "predict" and not (is_code(cfg.dataset) or os.path.exists(cfg.data_dir)):
+        raise ConfigError(f"--inputs {cfg.data_dir} is neither a folder nor FILE.py:NAME")
+    if command == "predict":  # a built-in loss of stand-in targets, scored but never shown
         cfg = replace(cfg, loss="cross_entropy" if options["checkpoint"]["classes"] else "mse")
     cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
     if torchrun_follower():  # rank 0 resolves and checks the run for every rank
