@@ -88,8 +88,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import (
-    BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset)
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
 
 import ray.cloudpickle
 import ray.train
@@ -113,21 +112,20 @@ OPTIMIZERS, SCHEDULES = ("sgd", "adamw"), ("cosine", "constant")
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "library")
 NUM_CLASSES = 10
 MODEL_IMAGE_SIZE = {"lenet": 28, "mlp": 28, "resnet18": 32}
-NO_LESSON = object()
 
 
 def option(default, help, *, rerun: str = "fixed", evaluation: str = "train", doctor: bool = False,
-           lesson=NO_LESSON, path: bool = False, store: str = "", scratch: str = "",
+           lesson=None, path: bool = False, store: str = "", scratch: str = "",
            bounds: str = "", code: bool = False, **argparse_kwargs):
     """A flag with its facts. rerun: "fixed" (another typed value is refused), "adopt" (the run's
     unless typed), "free"; evaluation: "train" (refused), "checkpoint", "adopt", "free"; doctor:
     it takes it; lesson: scratch's default; path: made absolute; store: a URI "read" or "write";
     scratch: why scratch mode refuses any value but the default; bounds: an interval, "[0, 1)";
     code: it may name your code (FILE.py:NAME), which travels with the job."""
-    return field(default=default, metadata={"help": help, "rerun": rerun, "evaluation": evaluation,
-                                            "doctor": doctor, "lesson": lesson, "path": path,
-                                            "store": store, "scratch": scratch, "bounds": bounds,
-                                            "code": code, **argparse_kwargs})
+    return field(default=default, metadata={
+        "help": help, "rerun": rerun, "evaluation": evaluation, "doctor": doctor, "lesson": lesson,
+        "path": path, "store": store, "scratch": scratch, "bounds": bounds, "code": code,
+        "argparse": argparse_kwargs})
 
 
 def setting(default, help, **facts):
@@ -720,13 +718,9 @@ class ResumableSampler(DistributedSampler):
         self.start = start
 
     def __len__(self) -> int:
-        if not self.start:
-            return super().__len__()
         return (len(self.dataset) - self.start) // self.num_replicas
 
-    def __iter__(self):
-        if not self.start:
-            return super().__iter__()
+    def __iter__(self):  # from start 0: DistributedSampler's order and shards, drop_last
         order = torch.randperm(len(self.dataset),
                                generator=torch.Generator().manual_seed(self.seed + self.epoch))
         rest = order[self.start:self.start + len(self) * self.num_replicas]
@@ -1058,11 +1052,8 @@ def allreduce_ring(buffer: torch.Tensor) -> None:
         exchange(chunks[(rank + 1 - step) % world], chunks[(rank - step) % world])
 
 
-def allreduce_library(buffer: torch.Tensor) -> None:
-    dist.all_reduce(buffer)  # what DDP calls, in buckets, overlapped with the backward pass
-
-
-ALLREDUCE = {"naive": allreduce_naive, "ring": allreduce_ring, "library": allreduce_library}
+# library: what DDP calls, in buckets, overlapped with the backward pass
+ALLREDUCE = {"naive": allreduce_naive, "ring": allreduce_ring, "library": dist.all_reduce}
 
 
 def allreduce(grads: list, algorithm: str) -> int:
@@ -1271,27 +1262,26 @@ def train_loop_per_worker(config: dict) -> dict:
 # ==================================================================================================
 
 
-def run(cfg: Config, resume: "Resume" = None, data: Optional["DataInfo"] = None,
+def run(cfg: Config, resume: "Resume", data: Optional["DataInfo"] = None,
         typed: tuple = ()) -> Optional[dict]:
     """Train the resolved and validated cfg from `resume`. Under torchrun every process runs this;
     rank 0 alone checks, speaks and writes, and its loop decides for all."""
-    cfg, resume, options = prepared(cfg, resume, data, typed)
+    cfg, options = prepared(cfg, resume, data, typed)
     loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
     with failures_said(cfg, options):
         result = fit(cfg, loop, options, resume.done)
-    return summary_of(cfg, result, options)
+        return summary_of(cfg, result, options)
 
 
 def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.Result:
     """Run `loop` on the run's workers (Ray's, or under torchrun this very process) and wait."""
-    launch = Launch(cfg, loop, options, done)
-    # the launch: Ray Train starts the worker processes and their process group (its
-    # init_process_group, with TorchConfig's backend), then runs `loop` in each
-    trainer = TorchTrainer(loop, train_loop_config={"config": cfg, "options": launch.options},
-                           scaling_config=launch.scaling_config, run_config=launch.run_config,
-                           torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
-                                                    timeout_s=int(cfg.timeout)))
-    with launch:
+    with launched(cfg, loop, options, done) as (options, scaling, run_config):
+        # the launch: Ray Train starts the worker processes and their process group (its
+        # init_process_group, with TorchConfig's backend), then runs `loop` in each
+        trainer = TorchTrainer(loop, train_loop_config={"config": cfg, "options": options},
+                               scaling_config=scaling, run_config=run_config,
+                               torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
+                                                        timeout_s=int(cfg.timeout)))
         return trainer.fit()
 
 
@@ -1306,8 +1296,6 @@ def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.R
 copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
 IMPORTED_AT = time.time()
 CLOCK: dict = {}
-ROLE_KEYS = ("rerun", "evaluation", "doctor", "lesson", "path", "store", "scratch", "bounds",
-             "code")
 
 
 def fields_where(role: str, *values) -> set:
@@ -1315,7 +1303,7 @@ def fields_where(role: str, *values) -> set:
 
 
 LESSON_DEFAULTS = {f.name: f.metadata["lesson"] for f in fields(Config)
-                   if f.metadata["lesson"] is not NO_LESSON}
+                   if f.metadata["lesson"] is not None}
 RERUN_MAY_CHANGE = fields_where("rerun", "free", "adopt")
 RERUN_ADOPTS = fields_where("rerun", "fixed", "adopt")
 EVAL_REFUSES = fields_where("evaluation", "train")
@@ -1336,7 +1324,7 @@ FIELD_TYPES = {f.name: {"int": int, "float": (int, float), "str": str, "bool": b
                         "Optional[bool]": (type(None), bool),
                         "Optional[tuple]": (type(None), tuple)}[f.type] for f in fields(Config)}
 CONFIG_FIELDS = [f.name for f in fields(Config)]
-CLI_FIELDS = {f.name for f in fields(Config) if f.metadata.get("cli", True)}
+CLI_FIELDS = {f.name for f in fields(Config) if f.metadata["argparse"].get("cli", True)}
 
 
 def checkpoint_interval(every: str) -> Optional[tuple[int, float]]:
@@ -1414,7 +1402,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         parser.add_argument("--out", dest="predict_out", required=True, metavar="FILE.csv")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        kwargs = {k: v for k, v in f.metadata.items() if k not in ROLE_KEYS}
+        kwargs = {"help": f.metadata["help"], **f.metadata["argparse"]}
         if f.name in LESSON_DEFAULTS:
             kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
         if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS) or (
@@ -1604,8 +1592,7 @@ def settings_as_flags(settings: dict) -> list:
         if name == "gpu":
             flags += [] if value is None else ["--gpu" if value else "--cpu"]
         elif isinstance(value, bool):
-            default = next(f.default for f in fields(Config) if f.name == name)
-            flags += [flag] if value else [f"--no-{flag[2:]}"] if default else []
+            flags += [flag] if value else [f"--no-{flag[2:]}"] if getattr(Config, name) else []
         elif value is not None:
             flags += [flag, str(value)]
     return flags
@@ -1622,9 +1609,8 @@ def list_models(cfg: None) -> None:
 # ==================================================================================================
 
 def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -> tuple:
-    """(cfg, resume, LoopOptions) of a run: on rank 0, the checks that need the data, Ray, --fresh
+    """(cfg, LoopOptions) of a run: on rank 0, the checks that need the data, Ray, --fresh
     and the header; the clock's marks."""
-    resume = resume or Resume()
     torchrun = under_torchrun()
     if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts here
         CLOCK.clear()
@@ -1636,7 +1622,7 @@ def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -
         start_fresh(cfg)  # under torchrun before rank 0's loop looks for checkpoints
         remove_stored(f"{cfg.run_dir}/hang")
         print(describe(cfg, data, torchrun), *notes, sep="\nnote: ", flush=True)
-    return cfg, resume, loop_options(cfg, data, resume, torchrun)
+    return cfg, loop_options(cfg, data, resume, torchrun)
 
 
 @contextlib.contextmanager
@@ -1647,83 +1633,72 @@ def failures_said(cfg: Config, options: "LoopOptions"):
     except ray.train.TrainingFailedError as exc:
         raise RunFailed(describe_training_error(exc, {}) if torchrun_follower()
                         else record_failure(cfg, exc, options.board)) from None
-    except OSError as exc:  # torchrun: rank 0's own write
+    except OSError as exc:  # rank 0's own write: result.json, or a checkpoint under torchrun
         raise RunFailed(storage_full(cfg)) if disk_full(exc) else exc from None
 
 
-class Launch:
+@contextlib.contextmanager
+def launched(cfg: Config, loop, options: "LoopOptions", done: int):
     """What fit hands Ray Train besides the loop: the workers' options (Ray's Board, your code),
-    the run's configuration and callbacks; around the fit: the console, SIGTERM, SIGUSR1."""
-
-    def __init__(self, cfg: Config, loop, options: "LoopOptions", done: int):
-        follower, training = torchrun_follower(), loop is not eval_loop_per_worker
-        set_ray_train_knobs(cfg)
-        if options.torchrun:  # Ray Train's local mode logs each report at INFO
-            quiet_ray_train()
-            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
-        board = None if options.torchrun else options.board or new_board()
-        for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
-            if registered is not None and registered.__module__ in sys.modules:
-                travels(sys.modules[registered.__module__])
-        self.options = replace(options, board=board,
-                               code=None if options.torchrun else ray.put(code_for_workers(cfg)))
-        workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
-                   (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
-        self.scaling_config = scaling_config(cfg, workers)
-        self.run_config = RunConfig(
-            name=cfg.name, storage_path=cfg.storage_path,
-            checkpoint_config=CheckpointConfig() if options.torchrun else checkpoint_config(cfg),
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=run_callbacks(cfg, None if follower else local_run_dir(cfg), self.options,
-                                    done, training),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            worker_runtime_env=worker_env(cfg))
-        # SIGTERM to the driver: rank 0 hears of it at its next beat
-        stop = graceful_stop() if training and board else None
-        if stop is not None:
-            stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
-        self.contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
-                         stop, board and relayed(board),
-                         training and dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
-        self.context = contextlib.ExitStack()
-
-    def __enter__(self) -> "Launch":
-        for context in filter(None, self.contexts):
-            self.context.enter_context(context)
-        return self
-
-    def __exit__(self, kind, error, trace) -> bool:
-        CLOCK["fitted"] = time.time()
-        self.context.__exit__(kind, error, trace)  # own_ray_watched sees fit()'s error
-        if kind is SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, exits
-            raise KeyboardInterrupt from None
-        return False
-
-
-DP_NOTE = ("nn.DataParallel normalised each GPU's 1/%d of the batch with its own BatchNorm "
-           "statistics (per replica); only DDP can synchronise them (--mode ddp --sync-bn)")
+    the scaling and run configurations; around the fit: the console, SIGTERM, SIGUSR1."""
+    follower, training = torchrun_follower(), loop is not eval_loop_per_worker
+    set_ray_train_knobs(cfg)
+    if options.torchrun:  # Ray Train's local mode logs each report at INFO
+        quiet_ray_train()
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
+    board = None if options.torchrun else options.board or new_board()
+    for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
+        if registered is not None and registered.__module__ in sys.modules:
+            travels(sys.modules[registered.__module__])
+    options = replace(options, board=board,
+                      code=None if options.torchrun else ray.put(code_for_workers(cfg)))
+    workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
+               (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
+    run_config = RunConfig(
+        name=cfg.name, storage_path=cfg.storage_path,
+        checkpoint_config=CheckpointConfig() if options.torchrun else checkpoint_config(cfg),
+        logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+        callbacks=run_callbacks(cfg, None if follower else local_run_dir(cfg), options, done,
+                                training),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+        worker_runtime_env=worker_env(cfg))
+    # SIGTERM to the driver: rank 0 hears of it at its next beat
+    stop = graceful_stop() if training and board else None
+    if stop is not None:
+        stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
+    contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
+                stop, board and relayed(board),
+                training and dumps_asked(cfg, board), stop and own_ray_watched(cfg, stop)]
+    try:
+        with contextlib.ExitStack() as stack:  # own_ray_watched sees fit()'s error
+            for context in filter(None, contexts):
+                stack.enter_context(context)
+            try:
+                yield options, scaling_config(cfg, workers), run_config
+            finally:
+                CLOCK["fitted"] = time.time()
+    except SystemExit:  # Ray Train's own Ctrl-C handler, which fit() installs, exits
+        raise KeyboardInterrupt from None
 
 
 def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") -> Optional[dict]:
     """A finished run's result.json and last lines (rank 0's); a run that stopped, one line."""
     if torchrun_follower():
         return None
-    board, torchrun = options.board, options.torchrun
     if "data_error" in result.return_value:
         raise DataError(result.return_value["data_error"])
     if (stopped := result.return_value["stopped"]) and stopped.get("error"):
         raise RunFailed(stopped["error"])
     if stopped:
-        record_ledger(cfg, result.return_value, board)
+        record_ledger(cfg, result.return_value, options.board)
         raise RunStopped(f"stopped at {position_of(stopped)} (SIGTERM), its checkpoint saved: "
                          f"the same command resumes from there")
-    try:
-        summary = summarize(cfg, result, board)
-    except OSError as exc:
-        raise RunFailed(storage_full(cfg)) if disk_full(exc) else exc from None
-    print(format_summary(summary, ", torchrun" if torchrun else ""), flush=True)
+    summary = summarize(cfg, result, options.board)
+    print(format_summary(summary, ", torchrun" if options.torchrun else ""), flush=True)
     print(f"ray-dp: {format_ledger(summary['ledger'])}", flush=True)
-    for note in (near_chance(cfg, summary), cfg.mode == "dp" and DP_NOTE % cfg.workers,
+    dp = (f"nn.DataParallel normalised each GPU's 1/{cfg.workers} of the batch with its own "
+          f"BatchNorm statistics; only DDP can synchronise them (--mode ddp --sync-bn)")
+    for note in (near_chance(cfg, summary), cfg.mode == "dp" and dp,
                  checkpoint_advice(cfg, summary)):
         if note:
             print(f"note: {note}", flush=True)
@@ -1750,15 +1725,14 @@ def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=())
 def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) -> LoopOptions:
     """Through Ray's object store, once (no files needed on the workers' nodes): --weights, the
     data the driver decided, a checkpoint Ray never listed. torchrun's processes read them."""
-    shared = not torchrun
+    progress = sys.stdout.isatty() and not cfg.quiet
+    if torchrun:
+        return LoopOptions(progress=progress, torchrun=True)
     return LoopOptions(
-        progress=sys.stdout.isatty() and not cfg.quiet, torchrun=torchrun,
-        board=new_board() if shared and ray.is_initialized() else None,
-        start_from=(ray.put(read_weights(cfg.weights))
-                    if cfg.weights and shared and not resume.resumes else None),
-        data=ray.put(data.datasets) if shared and data else None,
-        resume_from=(ray.put(load_checkpoint(resume.unlisted))
-                     if shared and resume.unlisted else None))
+        progress=progress, board=new_board() if ray.is_initialized() else None,
+        weights=ray.put(read_weights(cfg.weights)) if cfg.weights and not resume.resumes else None,
+        data=ray.put(data.datasets),
+        resume_from=ray.put(load_checkpoint(resume.unlisted)) if resume.unlisted else None)
 
 
 def scaling_config(cfg: Config, workers) -> ScalingConfig:
@@ -1844,9 +1818,8 @@ class LoopOptions:
     torchrun: bool = False
     board: Optional[object] = None
     data: Optional[object] = None
-    start_from: Optional[object] = None
     resume_from: Optional[object] = None  # ref of a checkpoint Ray never listed
-    weights: Optional[object] = None
+    weights: Optional[object] = None  # --weights' state_dict (training), the checkpoint's (eval)
     classes: tuple = ()
     outputs: int = 0
     code: Optional[object] = None
@@ -1862,8 +1835,7 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
             data = from_rank_0(load_dataset(cfg) if worker.is_main else None, worker.device)
         else:
             data = load_dataset(cfg)
-            check_classes_agree(class_names(data[0]) if classifies(data[0]) else [],
-                                worker.device)
+            check_classes_agree(class_names(data[0]) if classifies(data[0]) else [], worker.device)
         check_node_holds(data, cfg, worker, Console(options, worker))
     except DataError as exc:
         return exc
@@ -1872,8 +1844,8 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
 
 
 def starting_weights(cfg: Config, options: LoopOptions) -> dict:
-    if options.start_from is not None:
-        return ray.get(options.start_from)
+    if options.weights is not None:
+        return ray.get(options.weights)
     return read_weights(cfg.weights)
 
 

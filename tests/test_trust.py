@@ -308,8 +308,8 @@ def eval_typed_value(name):
     flag = "--" + name.replace("_", "-")
     if isinstance(f.default, bool):
         return [f"--no-{name.replace('_', '-')}"] if f.default else [flag]
-    if f.metadata.get("choices"):
-        return [flag, next(c for c in f.metadata["choices"] if c != f.default)]
+    if choices := f.metadata["argparse"].get("choices"):
+        return [flag, next(c for c in choices if c != f.default)]
     return [flag, {"weights": "{weights}"}.get(name, "3")]
 
 
