@@ -73,7 +73,11 @@ def _rank(rank, store, out):
                              "seconds": round(time.perf_counter() - tic, 1)}
         except Exception as exc:  # a path that fails on a GPU: what to fix
             results[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-    recorded = ray_dp.flight_recorder()
+    try:  # torch's flight recorder, as ray_dp's Watchdog writes it to hang/rank<N>.json
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+        recorded = _dump_fr_trace_json(True, False)
+    except (ImportError, AttributeError, RuntimeError):
+        recorded = None
     results["flight recorder"] = bool(recorded and json.loads(recorded).get("pg_status"))
     if rank == 0:
         with open(out, "w") as f:
