@@ -1354,11 +1354,6 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help)")
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):
-        return action.help if action.default in ("", None) else super()._get_help_string(action)
-
-
 COMMAND_HELP = {
     "train": __doc__.split("\n\n")[0],
     "compare": "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with "
@@ -1375,11 +1370,11 @@ COMMAND_HELP = {
 
 
 def build_parser(command: str = "train") -> argparse.ArgumentParser:
+    """A flag not typed is left out of what it parses (Config's default): what was typed."""
     parser = _Parser(prog="ray_dp.py" if command == "train" else f"ray_dp.py {command}",
                      usage="%(prog)s [compare | doctor | predict] [flags]" if command == "train"
-                     else None,
-                     description=COMMAND_HELP[command], formatter_class=_HelpFormatter,
-                     allow_abbrev=False, epilog=(
+                     else None, description=COMMAND_HELP[command],
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False, epilog=(
                          "other commands: 'ray_dp.py compare [flags]' trains ddp and the scratch "
                          "LeNet at 1 and N workers side by side and prints the lesson's table; "
                          "'ray_dp.py doctor [flags]' checks a Ray cluster before training on it; "
@@ -1393,7 +1388,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         parser.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
                             help="seconds every rank has to come to each probe collective before "
                                  "the ones that did not are named; also the longest one probe "
-                                 "collective may take (the process group's timeout)")
+                                 "collective may take (the process group's timeout; default: 30)")
     if command == "predict":
         parser.add_argument("eval_only", metavar="RUN", help="a run or checkpoint (--eval-only's)")
         parser.add_argument("--inputs", required=True, metavar="DIR|FILE.py:NAME", help="images, "
@@ -1405,23 +1400,23 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         kwargs = {"help": f.metadata["help"], **f.metadata["argparse"]}
         if f.name in LESSON_DEFAULTS:
             kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
+        if f.default not in ("", None):
+            kwargs["help"] += f" (default: {f.default})"
         if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS) or (
                 command == "predict" and f.name not in PREDICT_FLAGS):
             continue
         if f.name == "workers":
-            parser.add_argument(flag, action=_WorkersAction, default=f.default, **kwargs)
+            parser.add_argument(flag, action=_WorkersAction, **kwargs)
         elif f.name == "gpu":  # absent: Config's None, decided from the cluster
             group = parser.add_mutually_exclusive_group()
-            group.add_argument("--gpu", dest="gpu", action="store_const", const=True,
-                               default=argparse.SUPPRESS, help=kwargs["help"])
+            group.add_argument("--gpu", action="store_const", const=True, help=kwargs["help"])
             group.add_argument("--cpu", dest="gpu", action="store_const", const=False,
-                               default=argparse.SUPPRESS, help="use CPU workers (gloo backend)")
+                               help="use CPU workers (gloo backend)")
         elif isinstance(f.default, bool):
             action = argparse.BooleanOptionalAction if f.default else "store_true"
-            parser.add_argument(flag, action=action, default=f.default, **kwargs)
+            parser.add_argument(flag, action=action, **kwargs)
         else:
-            kwargs.setdefault("type", type(f.default))
-            parser.add_argument(flag, default=f.default, **kwargs)
+            parser.add_argument(flag, **{"type": type(f.default), **kwargs})
     return parser
 
 
@@ -1494,10 +1489,8 @@ def parse_command(argv) -> tuple[str, Config, dict]:
     args = vars(parser.parse_args(flags))
     if command == "doctor":
         return "doctor", *doctor_config(args)
-    untyped = argparse.Namespace(**dict.fromkeys(args, NOT_TYPED))  # what keeps it was not typed
-    typed = {k for k, v in vars(parser.parse_args(flags, untyped)).items() if v is not NOT_TYPED}
     try:
-        return configured(command, args, typed)
+        return configured(command, args, set(args))
     except ConfigError as exc:
         if command != "predict":
             raise
@@ -1506,16 +1499,21 @@ def parse_command(argv) -> tuple[str, Config, dict]:
 
 
 def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]:
-    """parse_command's (command, config, options) of the flags as parsed, `typed` those typed."""
-    options = ({"scale_lr": args.pop("scale_lr"), "typed": tuple(sorted(typed))}
+    """parse_command's (command, config, options) of the flags typed, `args`: completed by the
+    lesson's defaults (scratch, compare), torchrun's world, the checkpoint or the run it resumes."""
+    options = ({"scale_lr": args.pop("scale_lr", False), "typed": typed}
                if command == "compare" else {})
     if command == "predict":
         inputs, typed = args.pop("inputs"), typed | PREDICT_OWN
-        args.update(dataset=inputs if is_code(inputs) else "folder", loss="cross_entropy",
+        args.update(dataset=inputs if is_code(inputs) else "folder",
                     **({} if is_code(inputs) else {"data_dir": inputs}))
-    if args["model"] == "list":
+    if args.get("model") == "list":
         return "models", None, {}
-    cfg = resolve(command, args, typed)
+    if command == "compare" or args.get("mode") == "scratch":
+        args = {**LESSON_DEFAULTS, **args}
+    if under_torchrun():
+        args = torchrun_launch(command, args, typed)
+    cfg = with_absolute_paths(Config(**args))
     if command == "compare" and (cfg.eval_only or cfg.min_workers):
         raise ConfigError("compare trains its own rows at 1 and --workers N workers: give a fixed "
                           "--workers N, and run --eval-only on its own")
@@ -1537,7 +1535,7 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
     check_store("storage-path", cfg.storage_path)
     adopted = []
     if command == "train":
-        typed_cfg, options["typed"] = cfg, tuple(sorted(typed))
+        typed_cfg, options["typed"] = cfg, typed
         cfg, options["resume"] = check_run_dir(cfg, typed)
         adopted = [as_flag(f, getattr(cfg, f)) for f in CONFIG_FIELDS
                    if getattr(cfg, f) != getattr(typed_cfg, f) and f in CLI_FIELDS]
@@ -1553,19 +1551,6 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
             summary := finished_result(cfg, options["resume"])):
         return "finished", cfg, {"summary": summary, "done": options["resume"].done}
     return command, cfg, options
-
-
-NOT_TYPED = object()
-
-
-def resolve(command: str, args: dict, typed: set) -> Config:
-    """The flags as typed, completed by the lesson's defaults (scratch, compare), torchrun's world
-    and absolute paths."""
-    if command == "compare" or args.get("mode") == "scratch":
-        args = {**args, **{k: v for k, v in LESSON_DEFAULTS.items() if k not in typed}}
-    if under_torchrun():
-        args = torchrun_launch(command, args, typed)
-    return with_absolute_paths(Config(**args))
 
 
 def train(**settings) -> dict:
@@ -4988,7 +4973,7 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
     world = int(world)
     if args.get("mode") == "dp":
         raise ConfigError("--mode dp drives all GPUs in one process; under torchrun use --mode ddp")
-    if command != "train" or args["eval_only"]:
+    if command != "train" or args.get("eval_only"):
         raise ConfigError("under torchrun ray_dp trains; run compare and --eval-only with python "
                           "ray_dp.py, whose Ray workers need no torchrun")
     if "workers" in typed and (args["workers"], args.get("min_workers", 0)) != (world, 0):
