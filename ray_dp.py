@@ -57,7 +57,7 @@ import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
-from typing import Optional
+from typing import Optional, get_args, get_type_hints
 
 import ray
 
@@ -1294,7 +1294,6 @@ def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.R
 # torch.classes is a module of a type of its own that pickle cannot ship: cloudpickle takes it along
 # with any function shipped by value that names `classes` (yours too); by name instead
 copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
-IMPORTED_AT = time.time()
 CLOCK: dict = {}
 
 
@@ -1318,11 +1317,8 @@ DOCTOR_FLAGS = fields_where("doctor", True)
 PATH_FIELDS = fields_where("path", True)
 CODE_FLAGS = tuple(f.name for f in fields(Config) if f.metadata["code"])
 STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
-FIELD_TYPES = {f.name: {"int": int, "float": (int, float), "str": str, "bool": bool,
-                        "Optional[int]": (type(None), int),
-                        "Optional[float]": (type(None), int, float),
-                        "Optional[bool]": (type(None), bool),
-                        "Optional[tuple]": (type(None), tuple)}[f.type] for f in fields(Config)}
+FIELD_TYPES = {name: hint | int if float in (hint, *get_args(hint)) else hint  # 1 is a float's 1.0
+               for name, hint in get_type_hints(Config, globals()).items()}
 CONFIG_FIELDS = [f.name for f in fields(Config)]
 CLI_FIELDS = {f.name for f in fields(Config) if f.metadata["argparse"].get("cli", True)}
 
@@ -1469,10 +1465,8 @@ def main(argv=None) -> int:
 def new_command() -> None:
     """What a command starts from: its start-up marks, your code loaded anew."""
     CODE.clear()
-    first = __name__ == "__main__" and not CLOCK
     CLOCK.clear()
-    CLOCK.update({"started": STARTED_AT, "imported": IMPORTED_AT} if first
-                 else {"imported": time.time()})
+    CLOCK["imported"] = STARTED_AT if __name__ == "__main__" else time.time()
 
 
 def fail(message: str, status: int) -> int:
@@ -1594,8 +1588,9 @@ def list_models(cfg: None) -> None:
 # ==================================================================================================
 
 def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -> tuple:
-    """(cfg, LoopOptions) of a run: on rank 0, the checks that need the data, Ray, --fresh
-    and the header; the clock's marks."""
+    """(cfg, LoopOptions) of a run: on rank 0, the checks that need the data, Ray, --fresh and the
+    header; the clock's marks. Through Ray's object store, once (no files needed on the workers'
+    nodes): --weights, the data the driver decided, a checkpoint Ray never listed."""
     torchrun = under_torchrun()
     if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts here
         CLOCK.clear()
@@ -1607,7 +1602,14 @@ def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -
         start_fresh(cfg)  # under torchrun before rank 0's loop looks for checkpoints
         remove_stored(f"{cfg.run_dir}/hang")
         print(describe(cfg, data, torchrun), *notes, sep="\nnote: ", flush=True)
-    return cfg, loop_options(cfg, data, resume, torchrun)
+    progress = sys.stdout.isatty() and not cfg.quiet
+    if torchrun:  # its processes read them themselves
+        return cfg, LoopOptions(progress=progress, torchrun=True)
+    return cfg, LoopOptions(
+        progress=progress, board=new_board() if ray.is_initialized() else None,
+        weights=ray.put(read_weights(cfg.weights)) if cfg.weights and not resume.resumes else None,
+        data=ray.put(data.datasets),
+        resume_from=ray.put(load_checkpoint(resume.unlisted)) if resume.unlisted else None)
 
 
 @contextlib.contextmanager
@@ -1632,9 +1634,8 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
         quiet_ray_train()
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
     board = None if options.torchrun else options.board or new_board()
-    for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
-        if registered is not None and registered.__module__ in sys.modules:
-            travels(sys.modules[registered.__module__])
+    for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):  # @model, @dataset
+        travels(sys.modules.get(getattr(registered, "__module__", None)))
     options = replace(options, board=board,
                       code=None if options.torchrun else ray.put(code_for_workers(cfg)))
     workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
@@ -1705,19 +1706,6 @@ def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=())
               lambda: None if resume.resumes else check_weights(cfg, data),
               lambda: check_training_choices(cfg, data)]
     return cfg, data, [note for check in checks if isinstance(note := check(), str)]
-
-
-def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) -> LoopOptions:
-    """Through Ray's object store, once (no files needed on the workers' nodes): --weights, the
-    data the driver decided, a checkpoint Ray never listed. torchrun's processes read them."""
-    progress = sys.stdout.isatty() and not cfg.quiet
-    if torchrun:
-        return LoopOptions(progress=progress, torchrun=True)
-    return LoopOptions(
-        progress=progress, board=new_board() if ray.is_initialized() else None,
-        weights=ray.put(read_weights(cfg.weights)) if cfg.weights and not resume.resumes else None,
-        data=ray.put(data.datasets),
-        resume_from=ray.put(load_checkpoint(resume.unlisted)) if resume.unlisted else None)
 
 
 def scaling_config(cfg: Config, workers) -> ScalingConfig:
