@@ -1391,16 +1391,14 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
                             "any layout; or your function (as --dataset's) returning a Dataset of "
                             "inputs or of (input, anything) pairs")
         parser.add_argument("--out", dest="predict_out", required=True, metavar="FILE.csv")
-    for f in fields(Config):
+    shown = {"doctor": DOCTOR_FLAGS, "predict": PREDICT_FLAGS}.get(command, CLI_FIELDS) & CLI_FIELDS
+    for f in (f for f in fields(Config) if f.name in shown):
         flag = "--" + f.name.replace("_", "-")
         kwargs = {"help": f.metadata["help"], **f.metadata["argparse"]}
         if f.name in LESSON_DEFAULTS:
             kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
         if f.default not in ("", None):
             kwargs["help"] += f" (default: {f.default})"
-        if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS) or (
-                command == "predict" and f.name not in PREDICT_FLAGS):
-            continue
         if f.name == "workers":
             parser.add_argument(flag, action=_WorkersAction, **kwargs)
         elif f.name == "gpu":  # absent: Config's None, decided from the cluster
@@ -1436,7 +1434,7 @@ def default_run_name(command: str, cfg: Config) -> str:
 
 def main(argv=None) -> int:
     """The command line: one command, one line for every way it can end."""
-    new_command()
+    CODE.clear()  # your code loaded anew
     command, cfg = "train", None
     try:
         command, cfg, options = parse_command(argv)
@@ -1462,21 +1460,16 @@ def main(argv=None) -> int:
     return 1 if command == "doctor" and not outcome else 0
 
 
-def new_command() -> None:
-    """What a command starts from: its start-up marks, your code loaded anew."""
-    CODE.clear()
-    CLOCK.clear()
-    CLOCK["imported"] = STARTED_AT if __name__ == "__main__" else time.time()
-
-
 def fail(message: str, status: int) -> int:
     print(f"ray_dp.py: {message}", file=sys.stderr)
     return status
 
 
 def parse_command(argv) -> tuple[str, Config, dict]:
-    """(command, final config, the command's options): the flags, completed by the lesson's
-    defaults, torchrun, the checkpoint or the run it resumes, then validated once."""
+    """(command, final config, the command's options) of argv, validated once; the command's
+    clock starts (at the script's start when run as one)."""
+    CLOCK.clear()
+    CLOCK["imported"] = STARTED_AT if __name__ == "__main__" else time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv[:1] in (["compare"], ["doctor"], ["predict"]) else "train"
     parser, flags = build_parser(command), argv if command == "train" else argv[1:]
@@ -1550,7 +1543,7 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
 def train(**settings) -> dict:
     """ray_dp from Python: the flags as keyword arguments (ray_dp.train(workers=2, model=Net));
     what result.json holds, or ConfigError, RunFailed, RunStopped (the same call resumes)."""
-    new_command()
+    CODE.clear()  # your code loaded anew
     command, cfg, options = parse_command(settings_as_flags(settings))
     if command == "models":
         raise ConfigError("model='list' is the command line's listing (python ray_dp.py --model "
@@ -4468,7 +4461,7 @@ def write_predictions(path: str, test_set, predictions: list, names: list) -> No
 def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dict]:
     """ray_dp.predict("runs/myrun", inputs="photos/", workers=3): predict's rows (and its CSV, if
     `out`); inputs: a folder, FILE.py:NAME, your function or Dataset; settings as train()'s."""
-    new_command()
+    CODE.clear()  # your code loaded anew
     if isinstance(inputs, torch.utils.data.Dataset):  # its class's module travels as yours do
         dataset, inputs = inputs, lambda: dataset
         if (module := sys.modules.get(type(dataset).__module__)) is not None:
