@@ -1335,12 +1335,10 @@ def checkpoint_interval(every: str) -> Optional[tuple[int, float]]:
 class _WorkersAction(argparse.Action):
     def __call__(self, parser, namespace, text, option_string=None):
         low, colon, high = text.partition(":")
-        try:
+        said = f"--workers takes N or MIN:MAX in whole numbers, got {text!r}"
+        with failing(ConfigError, lambda _: said, ValueError):
             namespace.workers, namespace.min_workers = ((int(high), int(low)) if colon
                                                         else (int(low), 0))
-        except ValueError:
-            raise ConfigError(f"--workers takes N or MIN:MAX in whole numbers, "
-                              f"got {text!r}") from None
         if colon and namespace.min_workers < 1:
             namespace.min_workers = -1  # validate() says MIN must be >= 1
 
@@ -1581,9 +1579,8 @@ def list_models(cfg: None) -> None:
 # ==================================================================================================
 
 def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -> tuple:
-    """(cfg, LoopOptions) of a run: on rank 0, the checks that need the data, Ray, --fresh and the
-    header; the clock's marks. Through Ray's object store, once (no files needed on the workers'
-    nodes): --weights, the data the driver decided, a checkpoint Ray never listed."""
+    """(cfg, LoopOptions) of a run: rank 0 checks the data, starts Ray, --fresh, the header; the
+    workers get --weights, the data, a checkpoint Ray never listed through Ray's object store."""
     torchrun = under_torchrun()
     if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts here
         CLOCK.clear()
@@ -1752,11 +1749,9 @@ def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = Fa
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **settings)
         return
     check_reachable(address)
-    try:
+    with failing(ConfigError, lambda why: f"cannot attach to the Ray cluster at {address}: {why}",
+                 (ConnectionError, ray.exceptions.AuthenticationError)):
         ray.init(address=address, **settings)
-    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
-        raise ConfigError(f"cannot attach to the Ray cluster at {address}: "
-                          f"{first_line(exc)}") from None
 
 
 def fresh_runtime_env() -> dict:
