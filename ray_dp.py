@@ -1682,20 +1682,20 @@ def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") ->
     return summary
 
 
-def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=()) -> tuple:
+def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed) -> tuple:
     """The checks that need the data, before any cluster starts: (cfg, data, notes)."""
     if data is None:
         cfg, data = check_data(cfg)
-    checks = [lambda: check_images_only(cfg, data, typed),
-              lambda: check_model_fits(cfg, data),
-              lambda: resume.classes and check_same_classes(cfg, resume.classes, data.classes,
-                                                            "resume it on"),
-              lambda: check_same_samples(cfg, resume, data),
-              lambda: resume.resumes and is_code(cfg.model) and check_state_fits(
-                  cfg, data, load_checkpoint(resume.latest)),
-              lambda: None if resume.resumes else check_weights(cfg, data),
-              lambda: check_training_choices(cfg, data)]
-    return cfg, data, [note for check in checks if isinstance(note := check(), str)]
+    check_images_only(cfg, data, typed)
+    check_model_fits(cfg, data)
+    if resume.classes:
+        check_same_classes(cfg, resume.classes, data.classes, "resume it on")
+    check_same_samples(cfg, resume, data)
+    if resume.resumes and is_code(cfg.model):
+        check_state_fits(cfg, data, load_checkpoint(resume.latest))
+    note = None if resume.resumes else check_weights(cfg, data)
+    check_training_choices(cfg, data)
+    return cfg, data, [note] if note else []
 
 
 def scaling_config(cfg: Config, workers) -> ScalingConfig:
