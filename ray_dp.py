@@ -1423,16 +1423,9 @@ def with_absolute_paths(cfg: Config) -> Config:
     return replace(cfg, **paths)
 
 
-def default_run_name(command: str, cfg: Config) -> str:
-    model, data = (spec.rpartition(":")[2] for spec in (cfg.model, cfg.dataset))
-    prefix = {"compare": "compare", "eval": f"eval-{model}-{data}",
-              "predict": f"predict-{model}-{data}"}.get(command, f"{cfg.mode}-{model}-{data}")
-    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-
-
 def main(argv=None) -> int:
     """The command line: one command, one line for every way it can end."""
-    CODE.clear()  # your code loaded anew
+    CODE.clear()
     command, cfg = "train", None
     try:
         command, cfg, options = parse_command(argv)
@@ -1464,8 +1457,7 @@ def fail(message: str, status: int) -> int:
 
 
 def parse_command(argv) -> tuple[str, Config, dict]:
-    """(command, final config, the command's options) of argv, validated once; the command's
-    clock starts (at the script's start when run as one)."""
+    """(command, final config, its options) of argv, validated once; the command's clock starts."""
     CLOCK.clear()
     CLOCK["imported"] = STARTED_AT if __name__ == "__main__" else time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -1484,8 +1476,7 @@ def parse_command(argv) -> tuple[str, Config, dict]:
 
 
 def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]:
-    """parse_command's (command, config, options) of the flags typed, `args`: completed by the
-    lesson's defaults (scratch, compare), torchrun's world, the checkpoint or the run it resumes."""
+    """The flags typed, args, completed: the lesson's defaults, torchrun, the checkpoint or run."""
     options = ({"scale_lr": args.pop("scale_lr", False), "typed": typed}
                if command == "compare" else {})
     if command == "predict":
@@ -1513,7 +1504,10 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
         raise ConfigError(f"--inputs {cfg.data_dir} is neither a folder nor FILE.py:NAME")
     if command == "predict":  # a built-in loss of stand-in targets, scored but never shown
         cfg = replace(cfg, loss="cross_entropy" if options["checkpoint"]["classes"] else "mse")
-    cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
+    model, data = (spec.rpartition(":")[2] for spec in (cfg.model, cfg.dataset))
+    prefix = {"compare": "compare", "eval": f"eval-{model}-{data}",
+              "predict": f"predict-{model}-{data}"}.get(command, f"{cfg.mode}-{model}-{data}")
+    cfg = replace(cfg, name=cfg.name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     if torchrun_follower():  # rank 0 resolves and checks the run for every rank
         return command, cfg, {"resume": Resume()}
     check_run_name(cfg)
@@ -1541,7 +1535,7 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
 def train(**settings) -> dict:
     """ray_dp from Python: the flags as keyword arguments (ray_dp.train(workers=2, model=Net));
     what result.json holds, or ConfigError, RunFailed, RunStopped (the same call resumes)."""
-    CODE.clear()  # your code loaded anew
+    CODE.clear()
     command, cfg, options = parse_command(settings_as_flags(settings))
     if command == "models":
         raise ConfigError("model='list' is the command line's listing (python ray_dp.py --model "
@@ -1593,7 +1587,7 @@ def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -
         remove_stored(f"{cfg.run_dir}/hang")
         print(describe(cfg, data, torchrun), *notes, sep="\nnote: ", flush=True)
     progress = sys.stdout.isatty() and not cfg.quiet
-    if torchrun:  # its processes read them themselves
+    if torchrun:
         return cfg, LoopOptions(progress=progress, torchrun=True)
     return cfg, LoopOptions(
         progress=progress, board=new_board() if ray.is_initialized() else None,
@@ -1624,7 +1618,7 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
         quiet_ray_train()
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
     board = None if options.torchrun else options.board or new_board()
-    for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):  # @model, @dataset
+    for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
         travels(sys.modules.get(getattr(registered, "__module__", None)))
     options = replace(options, board=board,
                       code=None if options.torchrun else ray.put(code_for_workers(cfg)))
@@ -1755,8 +1749,7 @@ def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = Fa
 
 
 def fresh_runtime_env() -> dict:
-    """RUNTIME_ENV for one ray.init (it writes its setup hook into the env_vars it is given); the
-    object store the driver checked is the one the workers use (never the credentials)."""
+    """RUNTIME_ENV anew for each ray.init (which writes into it); the store's endpoint, no keys."""
     env_vars = {**RUNTIME_ENV["env_vars"],
                 **{k: os.environ[k] for k in STORE_SETTINGS if k in os.environ}}
     return {**RUNTIME_ENV, "env_vars": env_vars, "worker_process_setup_hook": own_ray_worker}
@@ -1805,9 +1798,7 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
 
 
 def starting_weights(cfg: Config, options: LoopOptions) -> dict:
-    if options.weights is not None:
-        return ray.get(options.weights)
-    return read_weights(cfg.weights)
+    return read_weights(cfg.weights) if options.weights is None else ray.get(options.weights)
 
 
 def node_ranks(worker: Worker) -> list:
@@ -4456,7 +4447,7 @@ def write_predictions(path: str, test_set, predictions: list, names: list) -> No
 def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dict]:
     """ray_dp.predict("runs/myrun", inputs="photos/", workers=3): predict's rows (and its CSV, if
     `out`); inputs: a folder, FILE.py:NAME, your function or Dataset; settings as train()'s."""
-    CODE.clear()  # your code loaded anew
+    CODE.clear()
     if isinstance(inputs, torch.utils.data.Dataset):  # its class's module travels as yours do
         dataset, inputs = inputs, lambda: dataset
         if (module := sys.modules.get(type(dataset).__module__)) is not None:
