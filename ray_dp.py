@@ -1317,7 +1317,7 @@ DOCTOR_FLAGS = fields_where("doctor", True)
 PATH_FIELDS = fields_where("path", True)
 CODE_FLAGS = tuple(f.name for f in fields(Config) if f.metadata["code"])
 STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
-FIELD_TYPES = {name: hint | int if float in (hint, *get_args(hint)) else hint  # 1 is a float's 1.0
+FIELD_TYPES = {name: hint | int if float in (hint, *get_args(hint)) else hint  # 1 for 1.0 too
                for name, hint in get_type_hints(Config, globals()).items()}
 CONFIG_FIELDS = [f.name for f in fields(Config)]
 CLI_FIELDS = {f.name for f in fields(Config) if f.metadata["argparse"].get("cli", True)}
@@ -1476,7 +1476,7 @@ def parse_command(argv) -> tuple[str, Config, dict]:
 
 
 def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]:
-    """The flags typed, args, completed: the lesson's defaults, torchrun, the checkpoint or run."""
+    """(command, cfg, options) of the flags typed (args), with the lesson's, torchrun's, a run's."""
     options = ({"scale_lr": args.pop("scale_lr", False), "typed": typed}
                if command == "compare" else {})
     if command == "predict":
