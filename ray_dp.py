@@ -57,7 +57,7 @@ import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
-from typing import Optional
+from typing import Optional, get_args, get_type_hints
 
 import ray
 
@@ -1294,7 +1294,6 @@ def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.R
 # torch.classes is a module of a type of its own that pickle cannot ship: cloudpickle takes it along
 # with any function shipped by value that names `classes` (yours too); by name instead
 copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
-IMPORTED_AT = time.time()
 CLOCK: dict = {}
 
 
@@ -1318,11 +1317,8 @@ DOCTOR_FLAGS = fields_where("doctor", True)
 PATH_FIELDS = fields_where("path", True)
 CODE_FLAGS = tuple(f.name for f in fields(Config) if f.metadata["code"])
 STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
-FIELD_TYPES = {f.name: {"int": int, "float": (int, float), "str": str, "bool": bool,
-                        "Optional[int]": (type(None), int),
-                        "Optional[float]": (type(None), int, float),
-                        "Optional[bool]": (type(None), bool),
-                        "Optional[tuple]": (type(None), tuple)}[f.type] for f in fields(Config)}
+FIELD_TYPES = {name: hint | int if float in (hint, *get_args(hint)) else hint  # 1 for 1.0 too
+               for name, hint in get_type_hints(Config, globals()).items()}
 CONFIG_FIELDS = [f.name for f in fields(Config)]
 CLI_FIELDS = {f.name for f in fields(Config) if f.metadata["argparse"].get("cli", True)}
 
@@ -1339,12 +1335,10 @@ def checkpoint_interval(every: str) -> Optional[tuple[int, float]]:
 class _WorkersAction(argparse.Action):
     def __call__(self, parser, namespace, text, option_string=None):
         low, colon, high = text.partition(":")
-        try:
+        said = f"--workers takes N or MIN:MAX in whole numbers, got {text!r}"
+        with failing(ConfigError, lambda _: said, ValueError):
             namespace.workers, namespace.min_workers = ((int(high), int(low)) if colon
                                                         else (int(low), 0))
-        except ValueError:
-            raise ConfigError(f"--workers takes N or MIN:MAX in whole numbers, "
-                              f"got {text!r}") from None
         if colon and namespace.min_workers < 1:
             namespace.min_workers = -1  # validate() says MIN must be >= 1
 
@@ -1352,11 +1346,6 @@ class _WorkersAction(argparse.Action):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise ConfigError(f"{message} (see --help)")
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):
-        return action.help if action.default in ("", None) else super()._get_help_string(action)
 
 
 COMMAND_HELP = {
@@ -1375,11 +1364,11 @@ COMMAND_HELP = {
 
 
 def build_parser(command: str = "train") -> argparse.ArgumentParser:
+    """A flag not typed is left out of what it parses (Config's default): what was typed."""
     parser = _Parser(prog="ray_dp.py" if command == "train" else f"ray_dp.py {command}",
                      usage="%(prog)s [compare | doctor | predict] [flags]" if command == "train"
-                     else None,
-                     description=COMMAND_HELP[command], formatter_class=_HelpFormatter,
-                     allow_abbrev=False, epilog=(
+                     else None, description=COMMAND_HELP[command],
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False, epilog=(
                          "other commands: 'ray_dp.py compare [flags]' trains ddp and the scratch "
                          "LeNet at 1 and N workers side by side and prints the lesson's table; "
                          "'ray_dp.py doctor [flags]' checks a Ray cluster before training on it; "
@@ -1393,35 +1382,33 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         parser.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
                             help="seconds every rank has to come to each probe collective before "
                                  "the ones that did not are named; also the longest one probe "
-                                 "collective may take (the process group's timeout)")
+                                 "collective may take (the process group's timeout; default: 30)")
     if command == "predict":
         parser.add_argument("eval_only", metavar="RUN", help="a run or checkpoint (--eval-only's)")
         parser.add_argument("--inputs", required=True, metavar="DIR|FILE.py:NAME", help="images, "
                             "any layout; or your function (as --dataset's) returning a Dataset of "
                             "inputs or of (input, anything) pairs")
         parser.add_argument("--out", dest="predict_out", required=True, metavar="FILE.csv")
-    for f in fields(Config):
+    shown = {"doctor": DOCTOR_FLAGS, "predict": PREDICT_FLAGS}.get(command, CLI_FIELDS) & CLI_FIELDS
+    for f in (f for f in fields(Config) if f.name in shown):
         flag = "--" + f.name.replace("_", "-")
         kwargs = {"help": f.metadata["help"], **f.metadata["argparse"]}
         if f.name in LESSON_DEFAULTS:
             kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
-        if not kwargs.pop("cli", True) or (command == "doctor" and f.name not in DOCTOR_FLAGS) or (
-                command == "predict" and f.name not in PREDICT_FLAGS):
-            continue
+        if f.default not in ("", None):
+            kwargs["help"] += f" (default: {f.default})"
         if f.name == "workers":
-            parser.add_argument(flag, action=_WorkersAction, default=f.default, **kwargs)
+            parser.add_argument(flag, action=_WorkersAction, **kwargs)
         elif f.name == "gpu":  # absent: Config's None, decided from the cluster
             group = parser.add_mutually_exclusive_group()
-            group.add_argument("--gpu", dest="gpu", action="store_const", const=True,
-                               default=argparse.SUPPRESS, help=kwargs["help"])
+            group.add_argument("--gpu", action="store_const", const=True, help=kwargs["help"])
             group.add_argument("--cpu", dest="gpu", action="store_const", const=False,
-                               default=argparse.SUPPRESS, help="use CPU workers (gloo backend)")
+                               help="use CPU workers (gloo backend)")
         elif isinstance(f.default, bool):
             action = argparse.BooleanOptionalAction if f.default else "store_true"
-            parser.add_argument(flag, action=action, default=f.default, **kwargs)
+            parser.add_argument(flag, action=action, **kwargs)
         else:
-            kwargs.setdefault("type", type(f.default))
-            parser.add_argument(flag, default=f.default, **kwargs)
+            parser.add_argument(flag, **{"type": type(f.default), **kwargs})
     return parser
 
 
@@ -1436,16 +1423,9 @@ def with_absolute_paths(cfg: Config) -> Config:
     return replace(cfg, **paths)
 
 
-def default_run_name(command: str, cfg: Config) -> str:
-    model, data = (spec.rpartition(":")[2] for spec in (cfg.model, cfg.dataset))
-    prefix = {"compare": "compare", "eval": f"eval-{model}-{data}",
-              "predict": f"predict-{model}-{data}"}.get(command, f"{cfg.mode}-{model}-{data}")
-    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-
-
 def main(argv=None) -> int:
     """The command line: one command, one line for every way it can end."""
-    new_command()
+    CODE.clear()
     command, cfg = "train", None
     try:
         command, cfg, options = parse_command(argv)
@@ -1471,33 +1451,23 @@ def main(argv=None) -> int:
     return 1 if command == "doctor" and not outcome else 0
 
 
-def new_command() -> None:
-    """What a command starts from: its start-up marks, your code loaded anew."""
-    CODE.clear()
-    first = __name__ == "__main__" and not CLOCK
-    CLOCK.clear()
-    CLOCK.update({"started": STARTED_AT, "imported": IMPORTED_AT} if first
-                 else {"imported": time.time()})
-
-
 def fail(message: str, status: int) -> int:
     print(f"ray_dp.py: {message}", file=sys.stderr)
     return status
 
 
 def parse_command(argv) -> tuple[str, Config, dict]:
-    """(command, final config, the command's options): the flags, completed by the lesson's
-    defaults, torchrun, the checkpoint or the run it resumes, then validated once."""
+    """(command, final config, its options) of argv, validated once; the command's clock starts."""
+    CLOCK.clear()
+    CLOCK["imported"] = STARTED_AT if __name__ == "__main__" else time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv[:1] in (["compare"], ["doctor"], ["predict"]) else "train"
     parser, flags = build_parser(command), argv if command == "train" else argv[1:]
     args = vars(parser.parse_args(flags))
     if command == "doctor":
         return "doctor", *doctor_config(args)
-    untyped = argparse.Namespace(**dict.fromkeys(args, NOT_TYPED))  # what keeps it was not typed
-    typed = {k for k, v in vars(parser.parse_args(flags, untyped)).items() if v is not NOT_TYPED}
     try:
-        return configured(command, args, typed)
+        return configured(command, args, set(args))
     except ConfigError as exc:
         if command != "predict":
             raise
@@ -1506,16 +1476,20 @@ def parse_command(argv) -> tuple[str, Config, dict]:
 
 
 def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]:
-    """parse_command's (command, config, options) of the flags as parsed, `typed` those typed."""
-    options = ({"scale_lr": args.pop("scale_lr"), "typed": tuple(sorted(typed))}
+    """(command, cfg, options) of the flags typed (args), with the lesson's, torchrun's, a run's."""
+    options = ({"scale_lr": args.pop("scale_lr", False), "typed": typed}
                if command == "compare" else {})
     if command == "predict":
         inputs, typed = args.pop("inputs"), typed | PREDICT_OWN
-        args.update(dataset=inputs if is_code(inputs) else "folder", loss="cross_entropy",
+        args.update(dataset=inputs if is_code(inputs) else "folder",
                     **({} if is_code(inputs) else {"data_dir": inputs}))
-    if args["model"] == "list":
+    if args.get("model") == "list":
         return "models", None, {}
-    cfg = resolve(command, args, typed)
+    if command == "compare" or args.get("mode") == "scratch":
+        args = {**LESSON_DEFAULTS, **args}
+    if under_torchrun():
+        args = torchrun_launch(command, args, typed)
+    cfg = with_absolute_paths(Config(**args))
     if command == "compare" and (cfg.eval_only or cfg.min_workers):
         raise ConfigError("compare trains its own rows at 1 and --workers N workers: give a fixed "
                           "--workers N, and run --eval-only on its own")
@@ -1530,14 +1504,17 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
         raise ConfigError(f"--inputs {cfg.data_dir} is neither a folder nor FILE.py:NAME")
     if command == "predict":  # a built-in loss of stand-in targets, scored but never shown
         cfg = replace(cfg, loss="cross_entropy" if options["checkpoint"]["classes"] else "mse")
-    cfg = replace(cfg, name=cfg.name or default_run_name(command, cfg))
+    model, data = (spec.rpartition(":")[2] for spec in (cfg.model, cfg.dataset))
+    prefix = {"compare": "compare", "eval": f"eval-{model}-{data}",
+              "predict": f"predict-{model}-{data}"}.get(command, f"{cfg.mode}-{model}-{data}")
+    cfg = replace(cfg, name=cfg.name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     if torchrun_follower():  # rank 0 resolves and checks the run for every rank
         return command, cfg, {"resume": Resume()}
     check_run_name(cfg)
     check_store("storage-path", cfg.storage_path)
     adopted = []
     if command == "train":
-        typed_cfg, options["typed"] = cfg, tuple(sorted(typed))
+        typed_cfg, options["typed"] = cfg, typed
         cfg, options["resume"] = check_run_dir(cfg, typed)
         adopted = [as_flag(f, getattr(cfg, f)) for f in CONFIG_FIELDS
                    if getattr(cfg, f) != getattr(typed_cfg, f) and f in CLI_FIELDS]
@@ -1555,23 +1532,10 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
     return command, cfg, options
 
 
-NOT_TYPED = object()
-
-
-def resolve(command: str, args: dict, typed: set) -> Config:
-    """The flags as typed, completed by the lesson's defaults (scratch, compare), torchrun's world
-    and absolute paths."""
-    if command == "compare" or args.get("mode") == "scratch":
-        args = {**args, **{k: v for k, v in LESSON_DEFAULTS.items() if k not in typed}}
-    if under_torchrun():
-        args = torchrun_launch(command, args, typed)
-    return with_absolute_paths(Config(**args))
-
-
 def train(**settings) -> dict:
     """ray_dp from Python: the flags as keyword arguments (ray_dp.train(workers=2, model=Net));
     what result.json holds, or ConfigError, RunFailed, RunStopped (the same call resumes)."""
-    new_command()
+    CODE.clear()
     command, cfg, options = parse_command(settings_as_flags(settings))
     if command == "models":
         raise ConfigError("model='list' is the command line's listing (python ray_dp.py --model "
@@ -1609,8 +1573,8 @@ def list_models(cfg: None) -> None:
 # ==================================================================================================
 
 def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -> tuple:
-    """(cfg, LoopOptions) of a run: on rank 0, the checks that need the data, Ray, --fresh
-    and the header; the clock's marks."""
+    """(cfg, LoopOptions) of a run: rank 0 checks the data, starts Ray, --fresh, the header; the
+    workers get --weights, the data, a checkpoint Ray never listed through Ray's object store."""
     torchrun = under_torchrun()
     if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts here
         CLOCK.clear()
@@ -1622,7 +1586,14 @@ def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -
         start_fresh(cfg)  # under torchrun before rank 0's loop looks for checkpoints
         remove_stored(f"{cfg.run_dir}/hang")
         print(describe(cfg, data, torchrun), *notes, sep="\nnote: ", flush=True)
-    return cfg, loop_options(cfg, data, resume, torchrun)
+    progress = sys.stdout.isatty() and not cfg.quiet
+    if torchrun:
+        return cfg, LoopOptions(progress=progress, torchrun=True)
+    return cfg, LoopOptions(
+        progress=progress, board=new_board() if ray.is_initialized() else None,
+        weights=ray.put(read_weights(cfg.weights)) if cfg.weights and not resume.resumes else None,
+        data=ray.put(data.datasets),
+        resume_from=ray.put(load_checkpoint(resume.unlisted)) if resume.unlisted else None)
 
 
 @contextlib.contextmanager
@@ -1648,8 +1619,7 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
     board = None if options.torchrun else options.board or new_board()
     for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
-        if registered is not None and registered.__module__ in sys.modules:
-            travels(sys.modules[registered.__module__])
+        travels(sys.modules.get(getattr(registered, "__module__", None)))
     options = replace(options, board=board,
                       code=None if options.torchrun else ray.put(code_for_workers(cfg)))
     workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
@@ -1706,33 +1676,20 @@ def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") ->
     return summary
 
 
-def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed=()) -> tuple:
+def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed) -> tuple:
     """The checks that need the data, before any cluster starts: (cfg, data, notes)."""
     if data is None:
         cfg, data = check_data(cfg)
-    checks = [lambda: check_images_only(cfg, data, typed),
-              lambda: check_model_fits(cfg, data),
-              lambda: resume.classes and check_same_classes(cfg, resume.classes, data.classes,
-                                                            "resume it on"),
-              lambda: check_same_samples(cfg, resume, data),
-              lambda: resume.resumes and is_code(cfg.model) and check_state_fits(
-                  cfg, data, load_checkpoint(resume.latest)),
-              lambda: None if resume.resumes else check_weights(cfg, data),
-              lambda: check_training_choices(cfg, data)]
-    return cfg, data, [note for check in checks if isinstance(note := check(), str)]
-
-
-def loop_options(cfg: Config, data: DataInfo, resume: "Resume", torchrun: bool) -> LoopOptions:
-    """Through Ray's object store, once (no files needed on the workers' nodes): --weights, the
-    data the driver decided, a checkpoint Ray never listed. torchrun's processes read them."""
-    progress = sys.stdout.isatty() and not cfg.quiet
-    if torchrun:
-        return LoopOptions(progress=progress, torchrun=True)
-    return LoopOptions(
-        progress=progress, board=new_board() if ray.is_initialized() else None,
-        weights=ray.put(read_weights(cfg.weights)) if cfg.weights and not resume.resumes else None,
-        data=ray.put(data.datasets),
-        resume_from=ray.put(load_checkpoint(resume.unlisted)) if resume.unlisted else None)
+    check_images_only(cfg, data, typed)
+    check_model_fits(cfg, data)
+    if resume.classes:
+        check_same_classes(cfg, resume.classes, data.classes, "resume it on")
+    check_same_samples(cfg, resume, data)
+    if resume.resumes and is_code(cfg.model):
+        check_state_fits(cfg, data, load_checkpoint(resume.latest))
+    note = None if resume.resumes else check_weights(cfg, data)
+    check_training_choices(cfg, data)
+    return cfg, data, [note] if note else []
 
 
 def scaling_config(cfg: Config, workers) -> ScalingConfig:
@@ -1786,16 +1743,13 @@ def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = Fa
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **settings)
         return
     check_reachable(address)
-    try:
+    with failing(ConfigError, lambda why: f"cannot attach to the Ray cluster at {address}: {why}",
+                 (ConnectionError, ray.exceptions.AuthenticationError)):
         ray.init(address=address, **settings)
-    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
-        raise ConfigError(f"cannot attach to the Ray cluster at {address}: "
-                          f"{first_line(exc)}") from None
 
 
 def fresh_runtime_env() -> dict:
-    """RUNTIME_ENV for one ray.init (it writes its setup hook into the env_vars it is given); the
-    object store the driver checked is the one the workers use (never the credentials)."""
+    """RUNTIME_ENV anew for each ray.init (which writes into it); the store's endpoint, no keys."""
     env_vars = {**RUNTIME_ENV["env_vars"],
                 **{k: os.environ[k] for k in STORE_SETTINGS if k in os.environ}}
     return {**RUNTIME_ENV, "env_vars": env_vars, "worker_process_setup_hook": own_ray_worker}
@@ -1844,9 +1798,7 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
 
 
 def starting_weights(cfg: Config, options: LoopOptions) -> dict:
-    if options.weights is not None:
-        return ray.get(options.weights)
-    return read_weights(cfg.weights)
+    return read_weights(cfg.weights) if options.weights is None else ray.get(options.weights)
 
 
 def node_ranks(worker: Worker) -> list:
@@ -4495,7 +4447,7 @@ def write_predictions(path: str, test_set, predictions: list, names: list) -> No
 def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dict]:
     """ray_dp.predict("runs/myrun", inputs="photos/", workers=3): predict's rows (and its CSV, if
     `out`); inputs: a folder, FILE.py:NAME, your function or Dataset; settings as train()'s."""
-    new_command()
+    CODE.clear()
     if isinstance(inputs, torch.utils.data.Dataset):  # its class's module travels as yours do
         dataset, inputs = inputs, lambda: dataset
         if (module := sys.modules.get(type(dataset).__module__)) is not None:
@@ -4988,7 +4940,7 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
     world = int(world)
     if args.get("mode") == "dp":
         raise ConfigError("--mode dp drives all GPUs in one process; under torchrun use --mode ddp")
-    if command != "train" or args["eval_only"]:
+    if command != "train" or args.get("eval_only"):
         raise ConfigError("under torchrun ray_dp trains; run compare and --eval-only with python "
                           "ray_dp.py, whose Ray workers need no torchrun")
     if "workers" in typed and (args["workers"], args.get("min_workers", 0)) != (world, 0):
