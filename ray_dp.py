@@ -5274,43 +5274,34 @@ RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_
 # ==================================================================================================
 
 
-@dataclass(frozen=True)
-class Check:
-    ok: bool
-    says: str
-
-
 class Doctor:
-    """The doctor's checks, each a Check of what it found; a node's question: a task on it."""
+    """Each check returns what it found or raises its failure's line; a node's question: a task."""
 
     def __init__(self, cfg: Config, hang_timeout: float):
         self.cfg, self.hang_timeout, self.nodes = cfg, hang_timeout, {}
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")
 
-    def ray(self) -> Check:
+    def ray(self) -> str:
         begun, address = time.time(), self.cfg.address
-        where = f"at {address}, attached" if address else "started on this machine"
-        try:
-            start_ray(address)
-        except ConfigError as exc:
-            return Check(False, str(exc))
+        start_ray(address)
         self.nodes = node_names([node for node in ray.nodes() if node["Alive"]])
-        return Check(True, f"Ray {ray.__version__} {where} in {time.time() - begun:.1f} s")
+        where = f"at {address}, attached" if address else "started on this machine"
+        return f"Ray {ray.__version__} {where} in {time.time() - begun:.1f} s"
 
-    def versions(self) -> Check:
+    def versions(self) -> str:
         here, nodes = node_software(), self.on_every_node(node_software)
         for node, found in nodes.items():
             if isinstance(found, Exception):
-                return Check(False, f"node {node} did not answer: {first_line(found)}")
+                raise ConfigError(f"node {node} did not answer: {first_line(found)}")
             if (differ := [f"{key} {found[key]} (the driver {here[key]})"
                            for key in here if key != "host" and found[key] != here[key]]):
-                return Check(False, f"node {node} ({found['host']}) has {', '.join(differ)}: "
-                                    f"install requirements.txt into the same Python on every "
-                                    f"node (cluster.yaml's setup_commands)")
+                raise ConfigError(f"node {node} ({found['host']}) has {', '.join(differ)}: "
+                                  f"install requirements.txt into the same Python on every "
+                                  f"node (cluster.yaml's setup_commands)")
         same = ", ".join(f"{key} {here[key]}" for key in here if key != "host")
-        return Check(True, f"{plural(len(nodes), 'node')}, the same as the driver's: {same}")
+        return f"{plural(len(nodes), 'node')}, the same as the driver's: {same}"
 
-    def resources(self) -> Check:
+    def resources(self) -> str:
         cluster = cluster_of(self.cfg)
         have = (f"{plural(len(self.nodes), 'node')}, {cluster.now.get('CPU', 0):g} CPUs, "
                 f"{cluster.now.get('GPU', 0):g} GPUs now")
@@ -5320,18 +5311,18 @@ class Doctor:
             with contextlib.redirect_stdout(notes := io.StringIO()):
                 self.cfg = settle_device(self.cfg, cluster)
         except ConfigError as exc:
-            return Check(False, f"{have}{grows}; {exc}")
+            raise ConfigError(f"{have}{grows}; {exc}") from None
         noted = " ".join(line.removeprefix("note: ") for line in notes.getvalue().splitlines())
         kind = "GPU workers (nccl)" if self.cfg.gpu else "CPU workers (gloo)"
         each = " + ".join(f"{amount:g} {resource}" for resource, amount in
                           resources_per_worker(self.cfg).items())
-        return Check(True, f"{have}{grows}; --workers {self.cfg.processes}: {kind}, {each} "
-                           f"each{'; ' + noted if noted else ''}")
+        return (f"{have}{grows}; --workers {self.cfg.processes}: {kind}, {each} each"
+                f"{'; ' + noted if noted else ''}")
 
-    def storage(self) -> Check:
+    def storage(self) -> str:
         path = self.cfg.storage_path
         if is_uri(path) and (problem := store_problem(path, "write")):
-            return Check(False, f"{path}: {problem}")
+            raise ConfigError(f"{path}: {problem}")
         folder = f"{path.rstrip('/')}/.ray-dp-doctor-{os.getpid()}-{time.time():.0f}"
         written = self.on_every_node(write_marker, folder)
         seen = self.on_every_node(read_markers, folder)
@@ -5339,7 +5330,7 @@ class Doctor:
                                                     written.items() if isinstance(made, str)})
         return storage_verdict(path, written, seen, self.nodes)
 
-    def workers(self) -> Check:
+    def workers(self) -> str:
         cfg, begun = self.cfg, time.time()
         set_ray_train_knobs(cfg)
         trainer = TorchTrainer(
@@ -5354,41 +5345,38 @@ class Doctor:
             raise KeyboardInterrupt from None
         except ray.train.TrainingFailedError as exc:
             append_log(self.logs, str(exc))
-            return Check(False, f"{probe_failure(exc, self.hang_timeout)}; a rank that never "
-                                f"answers is most often bound to a network interface the others "
-                                f"cannot reach: set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) on "
-                                f"every node")
+            raise ConfigError(f"{probe_failure(exc, self.hang_timeout)}; a rank that never "
+                              f"answers is most often bound to a network interface the others "
+                              f"cannot reach: set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) on "
+                              f"every node") from None
         ranks = probe["ranks"]
         up = max(rank["started"] for rank in ranks) - begun
         where = ", ".join(f"rank {r['rank']} on {r['node']}" for r in ranks)
-        return Check(True, f"{plural(len(ranks), 'worker')} up in {up:.1f} s (placed, started, "
-                           f"{probe['backend']} process group); {where}")
+        return (f"{plural(len(ranks), 'worker')} up in {up:.1f} s (placed, started, "
+                f"{probe['backend']} process group); {where}")
 
-    def data(self) -> Check:
+    def data(self) -> str:
         cfg = replace(self.cfg, download=False)
         try:
             here = data_files(cfg)
-        except DataError as exc:
+        except DataError:
             if self.cfg.download and cfg.dataset in ("fashion-mnist", "cifar10"):
-                return Check(True, f"{cfg.dataset} is not in {cfg.data_dir} yet: a run downloads "
-                                   f"it there first (not tried here)")
-            return Check(False, str(exc))
+                return (f"{cfg.dataset} is not in {cfg.data_dir} yet: a run downloads it there "
+                        f"first (not tried here)")
+            raise
         if not here["per_sample"]:
-            return Check(True, f"{cfg.dataset}: {here['train']} train / {here['test']} test "
-                               f"samples on the driver, which sends them to the workers (their "
-                               f"nodes need no files)")
+            return (f"{cfg.dataset}: {here['train']} train / {here['test']} test samples on the "
+                    f"driver, which sends them to the workers (their nodes need no files)")
         for node, found in self.on_every_node(data_files, cfg).items():
             if isinstance(found, Exception):
-                return Check(False, f"node {node}: {first_line(found)} (every node that trains "
-                                    f"reads the images itself)")
+                raise DataError(f"node {node}: {first_line(found)} (every node that trains reads "
+                                f"the images itself)")
             if found != here:
-                return Check(False, f"node {node} sees {found['train']} train / {found['test']} "
-                                    f"val images in {classes_of(found, here)}, the driver "
-                                    f"{here['train']} / {here['test']} in "
-                                    f"{classes_of(here, found)}")
-        return Check(True, f"{cfg.dataset} {cfg.data_dir}: {here['train']} train / {here['test']} "
-                           f"val images in {plural(len(here['classes']), 'class')}, the same on "
-                           f"every node")
+                raise DataError(f"node {node} sees {found['train']} train / {found['test']} val "
+                                f"images in {classes_of(found, here)}, the driver "
+                                f"{here['train']} / {here['test']} in {classes_of(here, found)}")
+        return (f"{cfg.dataset} {cfg.data_dir}: {here['train']} train / {here['test']} val images "
+                f"in {plural(len(here['classes']), 'class')}, the same on every node")
 
     def on_every_node(self, function, *args) -> dict:
         """function(*args) on every node at once, by name: its value or exception (TimeoutError)."""
@@ -5422,11 +5410,13 @@ def doctor(cfg: Config, hang_timeout: float) -> bool:
             print(f"skipped {name:<10} (needs {needs})", flush=True)
             continue
         try:
-            result = run()
+            ok, says = True, run()
+        except (ConfigError, DataError) as exc:
+            ok, says = False, str(exc)
         except Exception as exc:
-            result = Check(False, f"{first_line(exc)} (the check itself failed)")
-        passed.update([name] if result.ok else [])
-        print(f"{'ok' if result.ok else 'FAILED':<7} {name:<10} {result.says}", flush=True)
+            ok, says = False, f"{first_line(exc)} (the check itself failed)"
+        passed.update([name] if ok else [])
+        print(f"{'ok' if ok else 'FAILED':<7} {name:<10} {says}", flush=True)
     failed, seconds = len(checks) - len(passed), time.time() - started
     if not (failed and os.path.isfile(log)):
         shutil.rmtree(check.logs, ignore_errors=True)
@@ -5480,24 +5470,24 @@ def remove_markers(folder: str, created: dict) -> None:
             files_at(folder)[0].delete_dir(made)
 
 
-def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> Check:
+def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> str:
     """Each node's answers (the first directory it made, the markers it saw) or its exception."""
     for node, answer in written.items():
         if isinstance(answer, BaseException):
-            return Check(False, f"node {node} cannot write under {storage}: {first_line(answer)}; "
-                                f"choose a --storage-path every node can write (s3://... or a "
-                                f"shared file system)")
+            raise ConfigError(f"node {node} cannot write under {storage}: {first_line(answer)}; "
+                              f"choose a --storage-path every node can write (s3://... or a "
+                              f"shared file system)")
     for reader, markers in seen.items():
         if isinstance(markers, BaseException):
-            return Check(False, f"node {reader} cannot read {storage}: {first_line(markers)}")
+            raise ConfigError(f"node {reader} cannot read {storage}: {first_line(markers)}")
         if (missing := [writer for writer in written if node_ids[writer] not in markers]):
-            return Check(False, f"node {reader} cannot see what node {missing[0]} wrote under "
-                                f"{storage}: use s3:// or a shared file system (rank 0 saves the "
-                                f"checkpoints wherever it runs; every node reads them to resume)")
+            raise ConfigError(f"node {reader} cannot see what node {missing[0]} wrote under "
+                              f"{storage}: use s3:// or a shared file system (rank 0 saves the "
+                              f"checkpoints wherever it runs; every node reads them to resume)")
     if len(written) == 1:
-        return Check(True, f"{storage}: the node wrote a marker and read it back")
-    return Check(True, f"{storage}: {len(written)} nodes each wrote a marker and each read all "
-                       f"{len(written)} back (shared)")
+        return f"{storage}: the node wrote a marker and read it back"
+    return (f"{storage}: {len(written)} nodes each wrote a marker and each read all "
+            f"{len(written)} back (shared)")
 
 
 def data_files(cfg: Config) -> dict:
