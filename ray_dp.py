@@ -3146,7 +3146,7 @@ def storage_full(cfg: Config) -> str:
     left, flag, path = min(free, key=lambda item: item[0],  # --storage-path's on a tie
                            default=(None, "storage-path", cfg.storage_path))
     where = f"no space left on the device of --{flag} {path}"
-    where += f" ({human_bytes(left)} free)" if free else ""
+    where += f" ({tqdm.format_sizeof(left, 'B')} free)" if free else ""
     try:
         latest, place = last_saved(cfg)
     except BrokenSnapshot as exc:  # cut short by the full disk as Ray rewrote it
@@ -5524,13 +5524,6 @@ def probe_failure(error: ray.train.TrainingFailedError, seconds: float) -> str:
             return (f"rank {absent[1]} did not come to the first collective within {seconds:g} s "
                     f"(--hang-timeout)")
     return describe_training_error(error, {})
-
-
-def human_bytes(size: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if (value := size / scale) >= 1:
-            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
-    return f"{size} B"
 
 
 if __name__ == "__main__":
