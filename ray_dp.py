@@ -4856,35 +4856,31 @@ def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console
     """A DataError on all ranks if a node's folder lacks one of the run's images; extras: a note."""
     if cfg.dataset != "folder" or is_uri(cfg.data_dir):
         return
-    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
-    lacks, images, folders = [], 0, 0
+    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+    lacks, extra = [], 0
     for split, listed in zip(("train", "val"), data):
         if not hasattr(listed, "class_to_idx"):  # --eval-only reads val/ alone; predict, no class
             continue
         root = os.path.join(cfg.data_dir, split)
-        here = {path[len(root) + 1:] for path, _ in make_dataset(
-            root, listed.class_to_idx, IMG_EXTENSIONS, allow_empty=True)}
+        here = {os.path.relpath(os.path.join(folder, name), root)
+                for folder, _, names in os.walk(root, followlinks=True)
+                for name in names if has_file_allowed_extension(name, IMG_EXTENSIONS)}
         wanted = [path[len(listed.root.rstrip("/")) + 1:] for path, _ in listed.samples]
         lacks += [f"{split}/{name}" for name in wanted if name not in here]
-        if split == "train" and os.path.isdir(root):
-            images = len(here - set(wanted))
-            folders = sum(os.path.isdir(os.path.join(root, name))
-                          and name not in listed.class_to_idx for name in os.listdir(root))
-    found = [(node_name(), lacks[:1], len(lacks), images, folders)] * worker.world
+        extra += len(here - set(wanted))
+    found = [(node_name(), lacks[:1], len(lacks), extra)] * worker.world
     if worker.world > 1:
         dist.all_gather_object(found, found[0])
-    for rank, (node, first, lacking, _, _) in enumerate(found):
+    for rank, (node, first, lacking, _) in enumerate(found):
         if lacking:
             raise DataError(f"node {node} (rank {rank}) lacks {plural(lacking, 'image')} of the "
                             f"run's list in --data-dir {cfg.data_dir}, e.g. {first[0]}: copy the "
                             f"same folder to every node (cluster.yaml's file_mounts), or keep it "
                             f"in object storage (s3://...)")
-    for node, _, _, images, folders in found:
-        if images or folders:
-            more = plural(images, "image") + (f" and {plural(folders, 'class folder')}"
-                                               if folders else "")
-            console.say(f"ray-dp: note: node {node} holds {more} in --data-dir {cfg.data_dir}/"
-                        f"train that the run's list does not: they are not trained")
+    for node, _, _, extra in found:
+        if extra:
+            console.say(f"ray-dp: note: node {node} holds {plural(extra, 'image')} in --data-dir "
+                        f"{cfg.data_dir} that the run's list does not: they are left out")
 
 
 def node_name() -> str:
