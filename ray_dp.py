@@ -4916,14 +4916,12 @@ class RayLauncher:
             self.restore_seconds = time.perf_counter() - tic
 
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
-        dir_name = checkpoint_dir_name(epoch, step)
-        if state is None:
-            return ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=dir_name)
         with tempfile.TemporaryDirectory() as tmp:
-            torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=dir_name)
-            if metrics.get("best"):  # once Ray holds the epoch's
+            if state is not None:
+                torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
+            ray.train.report(metrics, checkpoint_dir_name=checkpoint_dir_name(epoch, step),
+                             checkpoint=None if state is None else ray.train.Checkpoint(tmp))
+            if state is not None and metrics.get("best"):  # once Ray holds the epoch's
                 write_stored(os.path.join(self.run_dir, BEST_CHECKPOINT),
                              Path(tmp, CHECKPOINT_FILE).read_bytes())
 
@@ -4954,22 +4952,21 @@ class TorchrunLauncher:
 
 def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0, keep: int = 0,
                     best: bool = False) -> None:
-    """Rank 0's checkpoint where Ray would have committed it, whole or not at all (and as the
-    best); once it is durable, older mid-epoch ones go, and epoch ones but the latest `keep`."""
+    """Rank 0's checkpoint where Ray would commit it, whole or not at all (and as the best); once
+    it is durable, older mid-epoch ones go, and epoch ones but the latest `keep`."""
     saved = io.BytesIO()
     torch.save(state, saved)
     name = checkpoint_dir_name(epoch, step)
     for target in [os.path.join(name, CHECKPOINT_FILE)] + [BEST_CHECKPOINT] * best:
         write_stored(os.path.join(run_dir, target), saved.getvalue())
-    storage, path = files_at(run_dir)
     folders = [PurePosixPath(older).parent.name for older in epoch_checkpoints(run_dir)]
     whole = [folder for folder in folders if not checkpoint_order(folder)[1]]
     gone = [folder for folder in folders if folder != name and (
         checkpoint_order(folder)[1] or keep and folder in whole[:-keep])]
     for folder in gone:
-        storage.delete_dir(f"{path}/{folder}")
-    if gone and storage.get_file_info(f"{path}/{RAY_SNAPSHOT}").type == fs.FileType.File:
-        storage.delete_file(f"{path}/{RAY_SNAPSHOT}")  # Ray's next run resumes from the highest
+        remove_stored(f"{run_dir}/{folder}")
+    if gone:  # Ray's next run resumes from the highest
+        remove_stored(f"{run_dir}/{RAY_SNAPSHOT}")
 
 
 def torchrun_follower() -> bool:
