@@ -4686,12 +4686,11 @@ def stored_type(path: str) -> str:
 
 
 def check_store(flag: str, uri: str) -> None:
-    name = flag.replace("-", "_")
-    if is_uri(uri) and name not in STORE_ACCESS:
-        takers = ["--" + name.replace("_", "-") for name in STORE_ACCESS]
-        raise ConfigError(f"--{flag} {uri}: a local path, not a URI (only "
-                          f"{', '.join(takers[:-1])} and {takers[-1]} take one)")
-    if is_uri(uri) and (problem := store_problem(uri, STORE_ACCESS[name])):
+    takers = {name.replace("_", "-"): access for name, access in STORE_ACCESS.items()}
+    if is_uri(uri) and flag not in takers:
+        raise ConfigError(f"--{flag} {uri}: a local path, not a URI (only --"
+                          f"{', --'.join(list(takers)[:-1])} and --{list(takers)[-1]} take one)")
+    if is_uri(uri) and (problem := store_problem(uri, takers[flag])):
         raise ConfigError(f"--{flag} {uri}: {problem}")
 
 
@@ -5487,15 +5486,14 @@ def data_files(cfg: Config) -> dict:
     train, test = load_dataset(cfg)
     train[0]
     named = isinstance(train, TensorDataset) or getattr(train, "classes", None)
-    return {"train": len(train), "test": len(test),
-            "classes": class_names(train) if named else None,
+    return {"train": len(train), "test": len(test), "classes": class_names(train) if named else [],
             "per_sample": not isinstance(train, TensorDataset)}
 
 
 def classes_of(seen: dict, other: dict) -> str:
-    names, others = seen["classes"] or [], other["classes"] or []
-    only = [name for name in names if name not in others]
-    return plural(len(names), "class") + (f" (only here: {', '.join(only)})" if only else "")
+    only = [name for name in seen["classes"] if name not in other["classes"]]
+    names = plural(len(seen["classes"]), "class")
+    return f"{names} (only here: {', '.join(only)})" if only else names
 
 
 def doctor_loop_per_worker(config: dict) -> Optional[dict]:
