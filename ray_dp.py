@@ -1749,8 +1749,7 @@ def connect(cfg: Config) -> Config:
     """Start (or attach to) Ray once the run is known to fit; the config with its device."""
     if not ray.is_initialized() and not cfg.address:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        cfg = settle_device(cfg, Cluster({"CPU": cpus, "GPU": torch.cuda.device_count()}, None,
-                                         local=True))
+        cfg = settle_device(cfg, Cluster({"CPU": cpus, "GPU": torch.cuda.device_count()}, None))
         start_ray("", cpus, cfg.worker_output)
         return cfg
     start_ray(cfg.address, worker_output=cfg.worker_output)
@@ -5001,10 +5000,9 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Resources now, an autoscaler's node types (a node's resources, most nodes); local: here."""
+    """Resources now; an attached cluster's autoscaler node types (a node's resources, most)."""
     now: dict
     node_types: Optional[list]
-    local: bool
 
     @property
     def most(self) -> Optional[dict]:
@@ -5021,8 +5019,7 @@ def fits(need: dict, have: dict) -> bool:
 
 
 def cluster_of(cfg: Config) -> Cluster:
-    return Cluster(ray.cluster_resources(), autoscaler_node_types() if cfg.address else None,
-                   local=not cfg.address)
+    return Cluster(ray.cluster_resources(), autoscaler_node_types() if cfg.address else None)
 
 
 def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
@@ -5033,7 +5030,7 @@ def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
         return True
     if cluster.most is not None:
         return cluster.most.get("GPU", 0) > 0
-    if cluster.local:
+    if not cfg.address:
         return False
     raise ConfigError(f"the cluster at {cfg.address} has no GPU now and ray_dp cannot tell "
                       f"whether it can add GPU nodes (no autoscaler configuration found): "
@@ -5043,7 +5040,7 @@ def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
 def settle_device(cfg: Config, cluster: Cluster) -> Config:
     """The config with its device, once the workers are known to fit (Ray would wait forever)."""
     cfg, cores = replace(cfg, gpu=decide_gpu(cfg, cluster)), cluster.now.get("CPU", 0)
-    if cluster.local and cfg.cpus_per_worker is None and cfg.processes > cores and not cfg.gpu:
+    if not cfg.address and cfg.cpus_per_worker is None and cfg.processes > cores and not cfg.gpu:
         share = math.floor(cores / cfg.processes * 10_000) / 10_000  # Ray counts in 0.0001 CPU
         if not share:
             raise ConfigError(f"{cfg.processes} workers cannot share {cores:g} cores (Ray's "
@@ -5056,13 +5053,12 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
     if fits(need, cluster.now):
         return cfg
     have = f"{cluster.now.get('CPU', 0):g} CPUs and {cluster.now.get('GPU', 0):g} GPUs"
-    if cluster.local and cfg.gpu and not cluster.now.get("GPU"):
+    if not cfg.address and cfg.gpu and not cluster.now.get("GPU"):
         raise ConfigError("--gpu was given but this machine has no GPU (use --cpu)")
-    if cluster.local or cluster.most is None or not fits(need, cluster.most):
-        limit = (f"the cluster has {have}" if cluster.local else
-                 f"the cluster has {have} and no autoscaler configuration that could add more"
-                 if cluster.most is None else
-                 f"its node types add up to at most {cluster.most}")
+    if cluster.most is None or not fits(need, cluster.most):
+        limit = (f"its node types add up to at most {cluster.most}" if cluster.most is not None
+                 else f"the cluster has {have}" if not cfg.address else
+                 f"the cluster has {have} and no autoscaler configuration that could add more")
         raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} "
                           f"GPUs but {limit} (lower --workers or --cpus-per-worker)")
     if not any(count and fits(per_worker, resources) for resources, count in cluster.node_types):
@@ -5298,7 +5294,7 @@ class Doctor:
         have = (f"{plural(len(self.nodes), 'node')}, {cluster.now.get('CPU', 0):g} CPUs, "
                 f"{cluster.now.get('GPU', 0):g} GPUs now")
         grows = (f"; its node types add up to {cluster.most}" if cluster.most is not None else
-                 "" if cluster.local else "; no autoscaler configuration found")
+                 "" if not self.cfg.address else "; no autoscaler configuration found")
         try:
             with contextlib.redirect_stdout(notes := io.StringIO()):
                 self.cfg = settle_device(self.cfg, cluster)
