@@ -4793,9 +4793,7 @@ STORE_CONNECTIONS = {}
 
 
 def stored_image(uri: str, data_dir: str) -> bytes:
-    data_dir = data_dir.rstrip("/")
-    key = (data_dir, os.getpid())  # a store's client does not survive a fork
-    if key not in STORE_CONNECTIONS:
+    if (key := (data_dir, os.getpid())) not in STORE_CONNECTIONS:  # a client dies with a fork
         STORE_CONNECTIONS[key] = files_at(data_dir)
     storage, root = STORE_CONNECTIONS[key]
     with storage.open_input_file(root + uri[len(data_dir):]) as f:
@@ -5070,12 +5068,10 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
 
 def autoscaler_node_types(bootstrap_path: str = "~/ray_bootstrap_config.yaml") -> Optional[list]:
     """The node types `ray up` left on this head node for its autoscaler; None if none."""
-    path = os.path.expanduser(bootstrap_path)
-    if not os.path.isfile(path):
+    if not (path := Path(bootstrap_path).expanduser()).is_file():
         return None
     import yaml
-    with open(path) as f:
-        cluster_yaml = yaml.safe_load(f)
+    cluster_yaml = yaml.safe_load(path.read_text())
     head = cluster_yaml.get("head_node_type")
     return [(node_type.get("resources", {}), node_type.get("max_workers", 0) + (name == head))
             for name, node_type in cluster_yaml.get("available_node_types", {}).items()]
@@ -5160,8 +5156,7 @@ def ray_snapshot(run_dir: str) -> Optional[dict]:
 
 
 def snapshot_shape(state) -> bool:
-    """What ray_dp reads, as Ray's _CheckpointManagerState has it: each committed checkpoint's
-    directory name and metrics, and the latest reported (None, or one of them)."""
+    """Ray's _CheckpointManagerState as ray_dp reads it: names and metrics; the latest (or None)."""
     def listed(entry) -> bool:
         return (isinstance(entry, dict) and isinstance(entry.get("checkpoint_dir_name"), str)
                 and isinstance(entry.get("metrics"), dict))
@@ -5206,7 +5201,7 @@ def graceful_sigterm_in_ray_worker() -> None:
     setattr(sys.modules[module], name, set_graceful)
 
 
-def check_reachable(address: str, seconds: float = 5.0) -> None:
+def check_reachable(address: str) -> None:
     """The cluster's GCS answers before ray.init, which would retry for minutes ('auto': Ray's)."""
     canonicalize = ray_internal("ray._private.services", "canonicalize_bootstrap_address")
     if canonicalize is None and address == "auto":
@@ -5221,7 +5216,7 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
                           f"(e.g. 10.0.0.5:6379)") from None
     host, _, port = resolved.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=seconds).close()
+        socket.create_connection((host, int(port)), timeout=5).close()
     except (OSError, ValueError):
         where = (address if address != "auto" else "auto (none is recorded on this machine)"
                  if not resolved else f"{resolved} (--address auto found it on this machine)")
