@@ -4948,8 +4948,7 @@ class TorchrunLauncher:
 
 def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0, keep: int = 0,
                     best: bool = False) -> None:
-    """Rank 0's checkpoint where Ray would commit it, whole or not at all (and as the best); once
-    it is durable, older mid-epoch ones go, and epoch ones but the latest `keep`."""
+    """Rank 0's checkpoint where Ray would commit it (and as the best); older ones Ray drops go."""
     saved = io.BytesIO()
     torch.save(state, saved)
     name = checkpoint_dir_name(epoch, step)
@@ -5113,14 +5112,13 @@ def under_torchrun() -> bool:
         return False
     has_torchrun_env = ray_internal("ray.train.v2._internal.execution.local_mode.torch",
                                     "has_torchrun_env")
-    try:
-        return has_torchrun_env()
-    except TypeError:
+    if has_torchrun_env is None:
         low, high = SUPPORTED_RAY
         raise ConfigError(f"under torchrun ray_dp needs Ray Train's local mode as Ray >= {low} and "
                           f"< {high} has it (Ray {ray.__version__} is installed): pip install -r "
                           f"requirements.txt, or run without torchrun "
-                          f"(python ray_dp.py --workers N)") from None
+                          f"(python ray_dp.py --workers N)")
+    return has_torchrun_env()
 
 
 HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"
