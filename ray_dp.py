@@ -5302,8 +5302,7 @@ class Doctor:
 
     def storage(self) -> str:
         path = self.cfg.storage_path
-        if is_uri(path) and (problem := store_problem(path, "write")):
-            raise ConfigError(f"{path}: {problem}")
+        check_store("storage-path", path)
         folder = f"{path.rstrip('/')}/.ray-dp-doctor-{os.getpid()}-{time.time():.0f}"
         written = self.on_every_node(write_marker, folder)
         seen = self.on_every_node(read_markers, folder)

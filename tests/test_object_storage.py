@@ -138,7 +138,7 @@ def test_the_doctors_storage_check_names_a_missing_bucket(s3):
     try:
         with pytest.raises(ray_dp.ConfigError) as failed:
             doctor.storage()
-        assert str(failed.value) == ("s3://missing/runs: bucket 'missing' does not exist at "
+        assert str(failed.value) == ("--storage-path s3://missing/runs: bucket 'missing' does not exist at "
                                      f"{ray_dp.os.environ['AWS_ENDPOINT_URL']} (AWS_ENDPOINT_URL): "
                                      "create it, or check its name and AWS_ENDPOINT_URL")
     finally:
