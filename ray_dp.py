@@ -4898,7 +4898,7 @@ def check_classes_agree(classes: list, device: torch.device) -> None:
 class RayLauncher:
     """Ray Train's workers: Ray finds and commits checkpoints; its controller writes TensorBoard."""
 
-    def __init__(self, run_dir: str, resume_from: Optional[object] = None):
+    def __init__(self, run_dir: str, resume_from: Optional[object]):
         self.run_dir, self.resume_from, self.restore_seconds = run_dir, resume_from, 0.0
 
     def latest_checkpoint(self) -> Optional[dict]:
@@ -5398,7 +5398,7 @@ def doctor(cfg: Config, hang_timeout: float) -> bool:
         passed.update([name] if ok else [])
         print(f"{'ok' if ok else 'FAILED':<7} {name:<10} {says}", flush=True)
     failed, seconds = len(checks) - len(passed), time.time() - started
-    if not (failed and os.path.isfile(log)):
+    if not os.path.isfile(log):  # only a failed workers check writes it
         shutil.rmtree(check.logs, ignore_errors=True)
     print(f"doctor: all {len(checks)} checks passed in {seconds:.1f} s" if not failed else
           f"doctor: {failed} of {len(checks)} checks failed or were skipped ({seconds:.1f} s)"
