@@ -1706,8 +1706,7 @@ def connect(cfg: Config) -> Config:
     """Start (or attach to) Ray once the run is known to fit; the config with its device."""
     if not ray.is_initialized() and not cfg.address:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        cfg = settle_device(cfg, Cluster({"CPU": cpus, "GPU": torch.cuda.device_count()}, None,
-                                         local=True))
+        cfg = settle_device(cfg, Cluster({"CPU": cpus, "GPU": torch.cuda.device_count()}, None))
         start_ray("", cpus, cfg.worker_output)
         return cfg
     start_ray(cfg.address, worker_output=cfg.worker_output)
@@ -3098,7 +3097,7 @@ def storage_full(cfg: Config) -> str:
     left, flag, path = min(free, key=lambda item: item[0],  # --storage-path's on a tie
                            default=(None, "storage-path", cfg.storage_path))
     where = f"no space left on the device of --{flag} {path}"
-    where += f" ({human_bytes(left)} free)" if free else ""
+    where += f" ({tqdm.format_sizeof(left, 'B')} free)" if free else ""
     try:
         latest, place = last_saved(cfg)
     except BrokenSnapshot as exc:  # cut short by the full disk as Ray rewrote it
@@ -4638,12 +4637,11 @@ def stored_type(path: str) -> str:
 
 
 def check_store(flag: str, uri: str) -> None:
-    name = flag.replace("-", "_")
-    if is_uri(uri) and name not in STORE_ACCESS:
-        takers = ["--" + name.replace("_", "-") for name in STORE_ACCESS]
-        raise ConfigError(f"--{flag} {uri}: a local path, not a URI (only "
-                          f"{', '.join(takers[:-1])} and {takers[-1]} take one)")
-    if is_uri(uri) and (problem := store_problem(uri, STORE_ACCESS[name])):
+    takers = {name.replace("_", "-"): access for name, access in STORE_ACCESS.items()}
+    if is_uri(uri) and flag not in takers:
+        raise ConfigError(f"--{flag} {uri}: a local path, not a URI (only --"
+                          f"{', --'.join(list(takers)[:-1])} and --{list(takers)[-1]} take one)")
+    if is_uri(uri) and (problem := store_problem(uri, takers[flag])):
         raise ConfigError(f"--{flag} {uri}: {problem}")
 
 
@@ -4747,9 +4745,7 @@ STORE_CONNECTIONS = {}
 
 
 def stored_image(uri: str, data_dir: str) -> bytes:
-    data_dir = data_dir.rstrip("/")
-    key = (data_dir, os.getpid())  # a store's client does not survive a fork
-    if key not in STORE_CONNECTIONS:
+    if (key := (data_dir, os.getpid())) not in STORE_CONNECTIONS:  # a client dies with a fork
         STORE_CONNECTIONS[key] = files_at(data_dir)
     storage, root = STORE_CONNECTIONS[key]
     with storage.open_input_file(root + uri[len(data_dir):]) as f:
@@ -4808,35 +4804,31 @@ def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console
     """A DataError on all ranks if a node's folder lacks one of the run's images; extras: a note."""
     if cfg.dataset != "folder" or is_uri(cfg.data_dir):
         return
-    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
-    lacks, images, folders = [], 0, 0
+    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+    lacks, extra = [], 0
     for split, listed in zip(("train", "val"), data):
         if not hasattr(listed, "class_to_idx"):  # --eval-only reads val/ alone; predict, no class
             continue
         root = os.path.join(cfg.data_dir, split)
-        here = {path[len(root) + 1:] for path, _ in make_dataset(
-            root, listed.class_to_idx, IMG_EXTENSIONS, allow_empty=True)}
+        here = {os.path.relpath(os.path.join(folder, name), root)
+                for folder, _, names in os.walk(root, followlinks=True)
+                for name in names if has_file_allowed_extension(name, IMG_EXTENSIONS)}
         wanted = [path[len(listed.root.rstrip("/")) + 1:] for path, _ in listed.samples]
         lacks += [f"{split}/{name}" for name in wanted if name not in here]
-        if split == "train" and os.path.isdir(root):
-            images = len(here - set(wanted))
-            folders = sum(os.path.isdir(os.path.join(root, name))
-                          and name not in listed.class_to_idx for name in os.listdir(root))
-    found = [(node_name(), lacks[:1], len(lacks), images, folders)] * worker.world
+        extra += len(here - set(wanted))
+    found = [(node_name(), lacks[:1], len(lacks), extra)] * worker.world
     if worker.world > 1:
         dist.all_gather_object(found, found[0])
-    for rank, (node, first, lacking, _, _) in enumerate(found):
+    for rank, (node, first, lacking, _) in enumerate(found):
         if lacking:
             raise DataError(f"node {node} (rank {rank}) lacks {plural(lacking, 'image')} of the "
                             f"run's list in --data-dir {cfg.data_dir}, e.g. {first[0]}: copy the "
                             f"same folder to every node (cluster.yaml's file_mounts), or keep it "
                             f"in object storage (s3://...)")
-    for node, _, _, images, folders in found:
-        if images or folders:
-            more = plural(images, "image") + (f" and {plural(folders, 'class folder')}"
-                                               if folders else "")
-            console.say(f"ray-dp: note: node {node} holds {more} in --data-dir {cfg.data_dir}/"
-                        f"train that the run's list does not: they are not trained")
+    for node, _, _, extra in found:
+        if extra:
+            console.say(f"ray-dp: note: node {node} holds {plural(extra, 'image')} in --data-dir "
+                        f"{cfg.data_dir} that the run's list does not: they are left out")
 
 
 def node_name() -> str:
@@ -4858,7 +4850,7 @@ def check_classes_agree(classes: list, device: torch.device) -> None:
 class RayLauncher:
     """Ray Train's workers: Ray finds and commits checkpoints; its controller writes TensorBoard."""
 
-    def __init__(self, run_dir: str, resume_from: Optional[object] = None):
+    def __init__(self, run_dir: str, resume_from: Optional[object]):
         self.run_dir, self.resume_from, self.restore_seconds = run_dir, resume_from, 0.0
 
     def latest_checkpoint(self) -> Optional[dict]:
@@ -4872,14 +4864,12 @@ class RayLauncher:
             self.restore_seconds = time.perf_counter() - tic
 
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
-        dir_name = checkpoint_dir_name(epoch, step)
-        if state is None:
-            return ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=dir_name)
         with tempfile.TemporaryDirectory() as tmp:
-            torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=dir_name)
-            if metrics.get("best"):  # once Ray holds the epoch's
+            if state is not None:
+                torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
+            ray.train.report(metrics, checkpoint_dir_name=checkpoint_dir_name(epoch, step),
+                             checkpoint=None if state is None else ray.train.Checkpoint(tmp))
+            if state is not None and metrics.get("best"):  # once Ray holds the epoch's
                 write_stored(os.path.join(self.run_dir, BEST_CHECKPOINT),
                              Path(tmp, CHECKPOINT_FILE).read_bytes())
 
@@ -4910,22 +4900,20 @@ class TorchrunLauncher:
 
 def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0, keep: int = 0,
                     best: bool = False) -> None:
-    """Rank 0's checkpoint where Ray would have committed it, whole or not at all (and as the
-    best); once it is durable, older mid-epoch ones go, and epoch ones but the latest `keep`."""
+    """Rank 0's checkpoint where Ray would commit it (and as the best); older ones Ray drops go."""
     saved = io.BytesIO()
     torch.save(state, saved)
     name = checkpoint_dir_name(epoch, step)
     for target in [os.path.join(name, CHECKPOINT_FILE)] + [BEST_CHECKPOINT] * best:
         write_stored(os.path.join(run_dir, target), saved.getvalue())
-    storage, path = files_at(run_dir)
     folders = [PurePosixPath(older).parent.name for older in epoch_checkpoints(run_dir)]
     whole = [folder for folder in folders if not checkpoint_order(folder)[1]]
     gone = [folder for folder in folders if folder != name and (
         checkpoint_order(folder)[1] or keep and folder in whole[:-keep])]
     for folder in gone:
-        storage.delete_dir(f"{path}/{folder}")
-    if gone and storage.get_file_info(f"{path}/{RAY_SNAPSHOT}").type == fs.FileType.File:
-        storage.delete_file(f"{path}/{RAY_SNAPSHOT}")  # Ray's next run resumes from the highest
+        remove_stored(f"{run_dir}/{folder}")
+    if gone:  # Ray's next run resumes from the highest
+        remove_stored(f"{run_dir}/{RAY_SNAPSHOT}")
 
 
 def torchrun_follower() -> bool:
@@ -4961,10 +4949,9 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Resources now, an autoscaler's node types (a node's resources, most nodes); local: here."""
+    """Resources now; an attached cluster's autoscaler node types (a node's resources, most)."""
     now: dict
     node_types: Optional[list]
-    local: bool
 
     @property
     def most(self) -> Optional[dict]:
@@ -4981,8 +4968,7 @@ def fits(need: dict, have: dict) -> bool:
 
 
 def cluster_of(cfg: Config) -> Cluster:
-    return Cluster(ray.cluster_resources(), autoscaler_node_types() if cfg.address else None,
-                   local=not cfg.address)
+    return Cluster(ray.cluster_resources(), autoscaler_node_types() if cfg.address else None)
 
 
 def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
@@ -4993,7 +4979,7 @@ def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
         return True
     if cluster.most is not None:
         return cluster.most.get("GPU", 0) > 0
-    if cluster.local:
+    if not cfg.address:
         return False
     raise ConfigError(f"the cluster at {cfg.address} has no GPU now and ray_dp cannot tell "
                       f"whether it can add GPU nodes (no autoscaler configuration found): "
@@ -5003,7 +4989,7 @@ def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
 def settle_device(cfg: Config, cluster: Cluster) -> Config:
     """The config with its device, once the workers are known to fit (Ray would wait forever)."""
     cfg, cores = replace(cfg, gpu=decide_gpu(cfg, cluster)), cluster.now.get("CPU", 0)
-    if cluster.local and cfg.cpus_per_worker is None and cfg.processes > cores and not cfg.gpu:
+    if not cfg.address and cfg.cpus_per_worker is None and cfg.processes > cores and not cfg.gpu:
         share = math.floor(cores / cfg.processes * 10_000) / 10_000  # Ray counts in 0.0001 CPU
         if not share:
             raise ConfigError(f"{cfg.processes} workers cannot share {cores:g} cores (Ray's "
@@ -5016,13 +5002,12 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
     if fits(need, cluster.now):
         return cfg
     have = f"{cluster.now.get('CPU', 0):g} CPUs and {cluster.now.get('GPU', 0):g} GPUs"
-    if cluster.local and cfg.gpu and not cluster.now.get("GPU"):
+    if not cfg.address and cfg.gpu and not cluster.now.get("GPU"):
         raise ConfigError("--gpu was given but this machine has no GPU (use --cpu)")
-    if cluster.local or cluster.most is None or not fits(need, cluster.most):
-        limit = (f"the cluster has {have}" if cluster.local else
-                 f"the cluster has {have} and no autoscaler configuration that could add more"
-                 if cluster.most is None else
-                 f"its node types add up to at most {cluster.most}")
+    if cluster.most is None or not fits(need, cluster.most):
+        limit = (f"its node types add up to at most {cluster.most}" if cluster.most is not None
+                 else f"the cluster has {have}" if not cfg.address else
+                 f"the cluster has {have} and no autoscaler configuration that could add more")
         raise ConfigError(f"{fewest} workers need {need['CPU']:g} CPUs and {need.get('GPU', 0)} "
                           f"GPUs but {limit} (lower --workers or --cpus-per-worker)")
     if not any(count and fits(per_worker, resources) for resources, count in cluster.node_types):
@@ -5034,12 +5019,10 @@ def settle_device(cfg: Config, cluster: Cluster) -> Config:
 
 def autoscaler_node_types(bootstrap_path: str = "~/ray_bootstrap_config.yaml") -> Optional[list]:
     """The node types `ray up` left on this head node for its autoscaler; None if none."""
-    path = os.path.expanduser(bootstrap_path)
-    if not os.path.isfile(path):
+    if not (path := Path(bootstrap_path).expanduser()).is_file():
         return None
     import yaml
-    with open(path) as f:
-        cluster_yaml = yaml.safe_load(f)
+    cluster_yaml = yaml.safe_load(path.read_text())
     head = cluster_yaml.get("head_node_type")
     return [(node_type.get("resources", {}), node_type.get("max_workers", 0) + (name == head))
             for name, node_type in cluster_yaml.get("available_node_types", {}).items()]
@@ -5081,14 +5064,13 @@ def under_torchrun() -> bool:
         return False
     has_torchrun_env = ray_internal("ray.train.v2._internal.execution.local_mode.torch",
                                     "has_torchrun_env")
-    try:
-        return has_torchrun_env()
-    except TypeError:
+    if has_torchrun_env is None:
         low, high = SUPPORTED_RAY
         raise ConfigError(f"under torchrun ray_dp needs Ray Train's local mode as Ray >= {low} and "
                           f"< {high} has it (Ray {ray.__version__} is installed): pip install -r "
                           f"requirements.txt, or run without torchrun "
-                          f"(python ray_dp.py --workers N)") from None
+                          f"(python ray_dp.py --workers N)")
+    return has_torchrun_env()
 
 
 HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"
@@ -5124,8 +5106,7 @@ def ray_snapshot(run_dir: str) -> Optional[dict]:
 
 
 def snapshot_shape(state) -> bool:
-    """What ray_dp reads, as Ray's _CheckpointManagerState has it: each committed checkpoint's
-    directory name and metrics, and the latest reported (None, or one of them)."""
+    """Ray's _CheckpointManagerState as ray_dp reads it: names and metrics; the latest (or None)."""
     def listed(entry) -> bool:
         return (isinstance(entry, dict) and isinstance(entry.get("checkpoint_dir_name"), str)
                 and isinstance(entry.get("metrics"), dict))
@@ -5170,7 +5151,7 @@ def graceful_sigterm_in_ray_worker() -> None:
     setattr(sys.modules[module], name, set_graceful)
 
 
-def check_reachable(address: str, seconds: float = 5.0) -> None:
+def check_reachable(address: str) -> None:
     """The cluster's GCS answers before ray.init, which would retry for minutes ('auto': Ray's)."""
     canonicalize = ray_internal("ray._private.services", "canonicalize_bootstrap_address")
     if canonicalize is None and address == "auto":
@@ -5185,7 +5166,7 @@ def check_reachable(address: str, seconds: float = 5.0) -> None:
                           f"(e.g. 10.0.0.5:6379)") from None
     host, _, port = resolved.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=seconds).close()
+        socket.create_connection((host, int(port)), timeout=5).close()
     except (OSError, ValueError):
         where = (address if address != "auto" else "auto (none is recorded on this machine)"
                  if not resolved else f"{resolved} (--address auto found it on this machine)")
@@ -5226,64 +5207,54 @@ RUNTIME_ENV = {"env_vars": {}, "worker_process_setup_hook": graceful_sigterm_in_
 # ==================================================================================================
 
 
-@dataclass(frozen=True)
-class Check:
-    ok: bool
-    says: str
-
-
 class Doctor:
-    """The doctor's checks, each a Check of what it found; a node's question: a task on it."""
+    """Each check returns what it found or raises its failure's line; a node's question: a task."""
 
     def __init__(self, cfg: Config, hang_timeout: float):
         self.cfg, self.hang_timeout, self.nodes = cfg, hang_timeout, {}
         self.logs = tempfile.mkdtemp(prefix="ray-dp-doctor-")
 
-    def ray(self) -> Check:
+    def ray(self) -> str:
         begun, address = time.time(), self.cfg.address
-        where = f"at {address}, attached" if address else "started on this machine"
-        try:
-            start_ray(address)
-        except ConfigError as exc:
-            return Check(False, str(exc))
+        start_ray(address)
         self.nodes = node_names([node for node in ray.nodes() if node["Alive"]])
-        return Check(True, f"Ray {ray.__version__} {where} in {time.time() - begun:.1f} s")
+        where = f"at {address}, attached" if address else "started on this machine"
+        return f"Ray {ray.__version__} {where} in {time.time() - begun:.1f} s"
 
-    def versions(self) -> Check:
+    def versions(self) -> str:
         here, nodes = node_software(), self.on_every_node(node_software)
         for node, found in nodes.items():
             if isinstance(found, Exception):
-                return Check(False, f"node {node} did not answer: {first_line(found)}")
+                raise ConfigError(f"node {node} did not answer: {first_line(found)}")
             if (differ := [f"{key} {found[key]} (the driver {here[key]})"
                            for key in here if key != "host" and found[key] != here[key]]):
-                return Check(False, f"node {node} ({found['host']}) has {', '.join(differ)}: "
-                                    f"install requirements.txt into the same Python on every "
-                                    f"node (cluster.yaml's setup_commands)")
+                raise ConfigError(f"node {node} ({found['host']}) has {', '.join(differ)}: "
+                                  f"install requirements.txt into the same Python on every "
+                                  f"node (cluster.yaml's setup_commands)")
         same = ", ".join(f"{key} {here[key]}" for key in here if key != "host")
-        return Check(True, f"{plural(len(nodes), 'node')}, the same as the driver's: {same}")
+        return f"{plural(len(nodes), 'node')}, the same as the driver's: {same}"
 
-    def resources(self) -> Check:
+    def resources(self) -> str:
         cluster = cluster_of(self.cfg)
         have = (f"{plural(len(self.nodes), 'node')}, {cluster.now.get('CPU', 0):g} CPUs, "
                 f"{cluster.now.get('GPU', 0):g} GPUs now")
         grows = (f"; its node types add up to {cluster.most}" if cluster.most is not None else
-                 "" if cluster.local else "; no autoscaler configuration found")
+                 "" if not self.cfg.address else "; no autoscaler configuration found")
         try:
             with contextlib.redirect_stdout(notes := io.StringIO()):
                 self.cfg = settle_device(self.cfg, cluster)
         except ConfigError as exc:
-            return Check(False, f"{have}{grows}; {exc}")
+            raise ConfigError(f"{have}{grows}; {exc}") from None
         noted = " ".join(line.removeprefix("note: ") for line in notes.getvalue().splitlines())
         kind = "GPU workers (nccl)" if self.cfg.gpu else "CPU workers (gloo)"
         each = " + ".join(f"{amount:g} {resource}" for resource, amount in
                           resources_per_worker(self.cfg).items())
-        return Check(True, f"{have}{grows}; --workers {self.cfg.processes}: {kind}, {each} "
-                           f"each{'; ' + noted if noted else ''}")
+        return (f"{have}{grows}; --workers {self.cfg.processes}: {kind}, {each} each"
+                f"{'; ' + noted if noted else ''}")
 
-    def storage(self) -> Check:
+    def storage(self) -> str:
         path = self.cfg.storage_path
-        if is_uri(path) and (problem := store_problem(path, "write")):
-            return Check(False, f"{path}: {problem}")
+        check_store("storage-path", path)
         folder = f"{path.rstrip('/')}/.ray-dp-doctor-{os.getpid()}-{time.time():.0f}"
         written = self.on_every_node(write_marker, folder)
         seen = self.on_every_node(read_markers, folder)
@@ -5291,7 +5262,7 @@ class Doctor:
                                                     written.items() if isinstance(made, str)})
         return storage_verdict(path, written, seen, self.nodes)
 
-    def workers(self) -> Check:
+    def workers(self) -> str:
         cfg, begun = self.cfg, time.time()
         set_ray_train_knobs(cfg)
         trainer = TorchTrainer(
@@ -5306,41 +5277,38 @@ class Doctor:
             raise KeyboardInterrupt from None
         except ray.train.TrainingFailedError as exc:
             append_log(self.logs, str(exc))
-            return Check(False, f"{probe_failure(exc, self.hang_timeout)}; a rank that never "
-                                f"answers is most often bound to a network interface the others "
-                                f"cannot reach: set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) on "
-                                f"every node")
+            raise ConfigError(f"{probe_failure(exc, self.hang_timeout)}; a rank that never "
+                              f"answers is most often bound to a network interface the others "
+                              f"cannot reach: set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) on "
+                              f"every node") from None
         ranks = probe["ranks"]
         up = max(rank["started"] for rank in ranks) - begun
         where = ", ".join(f"rank {r['rank']} on {r['node']}" for r in ranks)
-        return Check(True, f"{plural(len(ranks), 'worker')} up in {up:.1f} s (placed, started, "
-                           f"{probe['backend']} process group); {where}")
+        return (f"{plural(len(ranks), 'worker')} up in {up:.1f} s (placed, started, "
+                f"{probe['backend']} process group); {where}")
 
-    def data(self) -> Check:
+    def data(self) -> str:
         cfg = replace(self.cfg, download=False)
         try:
             here = data_files(cfg)
-        except DataError as exc:
+        except DataError:
             if self.cfg.download and cfg.dataset in ("fashion-mnist", "cifar10"):
-                return Check(True, f"{cfg.dataset} is not in {cfg.data_dir} yet: a run downloads "
-                                   f"it there first (not tried here)")
-            return Check(False, str(exc))
+                return (f"{cfg.dataset} is not in {cfg.data_dir} yet: a run downloads it there "
+                        f"first (not tried here)")
+            raise
         if not here["per_sample"]:
-            return Check(True, f"{cfg.dataset}: {here['train']} train / {here['test']} test "
-                               f"samples on the driver, which sends them to the workers (their "
-                               f"nodes need no files)")
+            return (f"{cfg.dataset}: {here['train']} train / {here['test']} test samples on the "
+                    f"driver, which sends them to the workers (their nodes need no files)")
         for node, found in self.on_every_node(data_files, cfg).items():
             if isinstance(found, Exception):
-                return Check(False, f"node {node}: {first_line(found)} (every node that trains "
-                                    f"reads the images itself)")
+                raise DataError(f"node {node}: {first_line(found)} (every node that trains reads "
+                                f"the images itself)")
             if found != here:
-                return Check(False, f"node {node} sees {found['train']} train / {found['test']} "
-                                    f"val images in {classes_of(found, here)}, the driver "
-                                    f"{here['train']} / {here['test']} in "
-                                    f"{classes_of(here, found)}")
-        return Check(True, f"{cfg.dataset} {cfg.data_dir}: {here['train']} train / {here['test']} "
-                           f"val images in {plural(len(here['classes']), 'class')}, the same on "
-                           f"every node")
+                raise DataError(f"node {node} sees {found['train']} train / {found['test']} val "
+                                f"images in {classes_of(found, here)}, the driver "
+                                f"{here['train']} / {here['test']} in {classes_of(here, found)}")
+        return (f"{cfg.dataset} {cfg.data_dir}: {here['train']} train / {here['test']} val images "
+                f"in {plural(len(here['classes']), 'class')}, the same on every node")
 
     def on_every_node(self, function, *args) -> dict:
         """function(*args) on every node at once, by name: its value or exception (TimeoutError)."""
@@ -5374,13 +5342,15 @@ def doctor(cfg: Config, hang_timeout: float) -> bool:
             print(f"skipped {name:<10} (needs {needs})", flush=True)
             continue
         try:
-            result = run()
+            ok, says = True, run()
+        except (ConfigError, DataError) as exc:
+            ok, says = False, str(exc)
         except Exception as exc:
-            result = Check(False, f"{first_line(exc)} (the check itself failed)")
-        passed.update([name] if result.ok else [])
-        print(f"{'ok' if result.ok else 'FAILED':<7} {name:<10} {result.says}", flush=True)
+            ok, says = False, f"{first_line(exc)} (the check itself failed)"
+        passed.update([name] if ok else [])
+        print(f"{'ok' if ok else 'FAILED':<7} {name:<10} {says}", flush=True)
     failed, seconds = len(checks) - len(passed), time.time() - started
-    if not (failed and os.path.isfile(log)):
+    if not os.path.isfile(log):  # only a failed workers check writes it
         shutil.rmtree(check.logs, ignore_errors=True)
     print(f"doctor: all {len(checks)} checks passed in {seconds:.1f} s" if not failed else
           f"doctor: {failed} of {len(checks)} checks failed or were skipped ({seconds:.1f} s)"
@@ -5432,39 +5402,38 @@ def remove_markers(folder: str, created: dict) -> None:
             files_at(folder)[0].delete_dir(made)
 
 
-def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> Check:
+def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> str:
     """Each node's answers (the first directory it made, the markers it saw) or its exception."""
     for node, answer in written.items():
         if isinstance(answer, BaseException):
-            return Check(False, f"node {node} cannot write under {storage}: {first_line(answer)}; "
-                                f"choose a --storage-path every node can write (s3://... or a "
-                                f"shared file system)")
+            raise ConfigError(f"node {node} cannot write under {storage}: {first_line(answer)}; "
+                              f"choose a --storage-path every node can write (s3://... or a "
+                              f"shared file system)")
     for reader, markers in seen.items():
         if isinstance(markers, BaseException):
-            return Check(False, f"node {reader} cannot read {storage}: {first_line(markers)}")
+            raise ConfigError(f"node {reader} cannot read {storage}: {first_line(markers)}")
         if (missing := [writer for writer in written if node_ids[writer] not in markers]):
-            return Check(False, f"node {reader} cannot see what node {missing[0]} wrote under "
-                                f"{storage}: use s3:// or a shared file system (rank 0 saves the "
-                                f"checkpoints wherever it runs; every node reads them to resume)")
+            raise ConfigError(f"node {reader} cannot see what node {missing[0]} wrote under "
+                              f"{storage}: use s3:// or a shared file system (rank 0 saves the "
+                              f"checkpoints wherever it runs; every node reads them to resume)")
     if len(written) == 1:
-        return Check(True, f"{storage}: the node wrote a marker and read it back")
-    return Check(True, f"{storage}: {len(written)} nodes each wrote a marker and each read all "
-                       f"{len(written)} back (shared)")
+        return f"{storage}: the node wrote a marker and read it back"
+    return (f"{storage}: {len(written)} nodes each wrote a marker and each read all "
+            f"{len(written)} back (shared)")
 
 
 def data_files(cfg: Config) -> dict:
     train, test = load_dataset(cfg)
     train[0]
     named = isinstance(train, TensorDataset) or getattr(train, "classes", None)
-    return {"train": len(train), "test": len(test),
-            "classes": class_names(train) if named else None,
+    return {"train": len(train), "test": len(test), "classes": class_names(train) if named else [],
             "per_sample": not isinstance(train, TensorDataset)}
 
 
 def classes_of(seen: dict, other: dict) -> str:
-    names, others = seen["classes"] or [], other["classes"] or []
-    only = [name for name in names if name not in others]
-    return plural(len(names), "class") + (f" (only here: {', '.join(only)})" if only else "")
+    only = [name for name in seen["classes"] if name not in other["classes"]]
+    names = plural(len(seen["classes"]), "class")
+    return f"{names} (only here: {', '.join(only)})" if only else names
 
 
 def doctor_loop_per_worker(config: dict) -> Optional[dict]:
@@ -5486,13 +5455,6 @@ def probe_failure(error: ray.train.TrainingFailedError, seconds: float) -> str:
             return (f"rank {absent[1]} did not come to the first collective within {seconds:g} s "
                     f"(--hang-timeout)")
     return describe_training_error(error, {})
-
-
-def human_bytes(size: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if (value := size / scale) >= 1:
-            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
-    return f"{size} B"
 
 
 if __name__ == "__main__":

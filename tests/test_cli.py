@@ -337,7 +337,7 @@ def test_scratch_and_compare_train_the_lessons_recipe_unless_told_otherwise():
     (2, None, None),  # they fit: one core each, no note
 ])
 def test_more_workers_than_local_cores_share_the_cores(workers, cpus, message, capsys):
-    local = ray_dp.Cluster({"CPU": 2}, None, local=True)
+    local = ray_dp.Cluster({"CPU": 2}, None)
     cfg = ray_dp.settle_device(ray_dp.Config(workers=workers, batch_size=48, cpus_per_worker=cpus), local)
     assert cfg.cpus_per_worker * workers <= 2 if message else cfg.cpus_per_worker is None
     assert ray_dp.resources_per_worker(cfg)["CPU"] == (cfg.cpus_per_worker or 1.0)
@@ -346,17 +346,14 @@ def test_more_workers_than_local_cores_share_the_cores(workers, cpus, message, c
 
 
 @pytest.mark.parametrize("cfg, cluster", [
-    (ray_dp.Config(workers=8, cpus_per_worker=1.0), ray_dp.Cluster({"CPU": 2}, None, local=True)),  # typed: kept
-    (ray_dp.Config(workers=8), ray_dp.Cluster({"CPU": 2}, None, local=False)),  # a cluster shares nothing
-    (ray_dp.Config(workers=8, gpu=True), ray_dp.Cluster({"CPU": 16, "GPU": 2}, None, local=True)),
+    (ray_dp.Config(workers=8, cpus_per_worker=1.0), ray_dp.Cluster({"CPU": 2}, None)),  # typed: kept
+    (ray_dp.Config(workers=8, address="10.0.0.1:6379", gpu=False),  # a cluster shares nothing
+     ray_dp.Cluster({"CPU": 2}, None)),
+    (ray_dp.Config(workers=8, gpu=True), ray_dp.Cluster({"CPU": 16, "GPU": 2}, None)),
 ])
 def test_core_sharing_never_hides_a_request_that_cannot_fit(cfg, cluster):
     with pytest.raises(ray_dp.ConfigError, match="8 workers need"):
-        ray_dp.settle_device(replace_address(cfg, cluster), cluster)
-
-
-def replace_address(cfg, cluster):
-    return cfg if cluster.local else ray_dp.replace(cfg, address="10.0.0.1:6379", gpu=False)
+        ray_dp.settle_device(cfg, cluster)
 
 
 def test_help_names_each_value_not_a_word_of_its_flag():
@@ -398,7 +395,7 @@ def test_an_address_without_a_port_is_one_line(address, no_cluster, capsys):
 
 def test_more_workers_than_ray_can_give_a_share_of_the_cores_is_one_line():
     with pytest.raises(ray_dp.ConfigError, match="30000 workers cannot share 2 cores"):
-        ray_dp.settle_device(ray_dp.Config(workers=30000, batch_size=30000), ray_dp.Cluster({"CPU": 2}, None, True))
+        ray_dp.settle_device(ray_dp.Config(workers=30000, batch_size=30000), ray_dp.Cluster({"CPU": 2}, None))
 
 
 def test_compares_help_says_which_of_the_flags_it_lists_its_rows_set_or_refuse(tmp_path, no_cluster, capsys):

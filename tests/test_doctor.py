@@ -53,29 +53,33 @@ def test_the_doctor_takes_only_its_own_flags(no_cluster, capsys):
     assert capsys.readouterr().err == "ray_dp.py: error: unrecognized arguments: --batch-size 3 (see --help)\n"
 
 
+def failure(*args):
+    """What storage_verdict fails with (its one line)."""
+    with pytest.raises(ray_dp.ConfigError) as failed:
+        ray_dp.storage_verdict(*args)
+    return str(failed.value)
+
+
 def test_storage_is_shared_only_when_every_node_reads_what_every_node_wrote():
     ids = {"10.0.0.1": "id-a", "10.0.0.2": "id-b"}
     wrote = None  # the node made no directory: the storage path was there
     written = {"10.0.0.1": wrote, "10.0.0.2": wrote}
     shared = ray_dp.storage_verdict("/nfs/runs", written, {"10.0.0.1": ["id-a", "id-b"],
                                                           "10.0.0.2": ["id-b", "id-a"]}, ids)
-    assert shared == ray_dp.Check(True, "/nfs/runs: 2 nodes each wrote a marker and each read all 2 back "
-                                        "(shared)")
-    local = ray_dp.storage_verdict("/home/me/runs", written, {"10.0.0.1": ["id-a"], "10.0.0.2": ["id-b"]}, ids)
-    assert not local.ok and local.says.startswith(
+    assert shared == "/nfs/runs: 2 nodes each wrote a marker and each read all 2 back (shared)"
+    local = failure("/home/me/runs", written, {"10.0.0.1": ["id-a"], "10.0.0.2": ["id-b"]}, ids)
+    assert local.startswith(
         "node 10.0.0.1 cannot see what node 10.0.0.2 wrote under /home/me/runs: use s3:// or a shared file system")
     # two nodes on one address (containers on one host): told apart by node ID, not by address
     same_host = {"10.0.0.1 (id-a)": "id-a", "10.0.0.1 (id-b)": "id-b"}
-    apart = ray_dp.storage_verdict("/runs", dict.fromkeys(same_host, wrote),
-                                   {"10.0.0.1 (id-a)": ["id-a"], "10.0.0.1 (id-b)": ["id-b"]}, same_host)
-    assert not apart.ok and "cannot see what node 10.0.0.1 (id-b) wrote" in apart.says
-    unwritable = ray_dp.storage_verdict("/runs", {"10.0.0.1": wrote, "10.0.0.2": PermissionError("Permission denied")},
-                                        {"10.0.0.1": ["id-a"], "10.0.0.2": ["id-a"]}, ids)
-    assert not unwritable.ok and unwritable.says.startswith(
-        "node 10.0.0.2 cannot write under /runs: PermissionError: Permission denied")
-    lost = ray_dp.storage_verdict("/runs", {"10.0.0.1": wrote, "10.0.0.2": TimeoutError("no answer within 60 s")},
-                                  {}, ids)
-    assert lost.says.startswith("node 10.0.0.2 cannot write under /runs: TimeoutError: no answer within 60 s")
+    apart = failure("/runs", dict.fromkeys(same_host, wrote),
+                    {"10.0.0.1 (id-a)": ["id-a"], "10.0.0.1 (id-b)": ["id-b"]}, same_host)
+    assert "cannot see what node 10.0.0.1 (id-b) wrote" in apart
+    unwritable = failure("/runs", {"10.0.0.1": wrote, "10.0.0.2": PermissionError("Permission denied")},
+                         {"10.0.0.1": ["id-a"], "10.0.0.2": ["id-a"]}, ids)
+    assert unwritable.startswith("node 10.0.0.2 cannot write under /runs: PermissionError: Permission denied")
+    lost = failure("/runs", {"10.0.0.1": wrote, "10.0.0.2": TimeoutError("no answer within 60 s")}, {}, ids)
+    assert lost.startswith("node 10.0.0.2 cannot write under /runs: TimeoutError: no answer within 60 s")
 
 
 def test_nodes_are_named_by_address_and_by_id_where_two_share_one():
@@ -105,12 +109,12 @@ def test_a_built_in_data_set_not_yet_on_the_driver_passes_only_when_a_run_may_do
     cfg = ray_dp.Config(dataset="fashion-mnist", data_dir=str(tmp_path))
     doctor = ray_dp.Doctor(cfg, 30)
     try:
-        assert doctor.data() == ray_dp.Check(True, f"fashion-mnist is not in {tmp_path} yet: a run downloads it "
-                                                   f"there first (not tried here)")
+        assert doctor.data() == (f"fashion-mnist is not in {tmp_path} yet: a run downloads it there first (not "
+                                 f"tried here)")
         doctor.cfg = ray_dp.replace(cfg, download=False)
-        check = doctor.data()
-        assert not check.ok and check.says.startswith(f"FashionMNIST is not in {tmp_path} (--no-download): put its "
-                                                      f"files there")
+        with pytest.raises(ray_dp.DataError, match=re.escape(f"FashionMNIST is not in {tmp_path} (--no-download): "
+                                                             f"put its files there")):
+            doctor.data()
     finally:
         shutil.rmtree(doctor.logs)
     assert os.listdir(tmp_path) == []  # nothing downloaded, nothing left

@@ -204,7 +204,8 @@ def test_a_checkpoint_is_on_the_disk_before_its_rename_and_an_older_one_goes_onl
     monkeypatch.setattr(ray_dp.os, "fsync", fsync)
     monkeypatch.setattr(ray_dp.os, "replace", lambda *paths: (events.append(("rename", paths[1])), real_replace(*paths)))
     monkeypatch.setattr(ray_dp, "files_at", lambda path: (  # the run directory's, where save_checkpoint deletes
-        Deleting(real_files_at(path)[0]) if path == str(run) else real_files_at(path)[0], real_files_at(path)[1]))
+        Deleting(real_files_at(path)[0]) if path.startswith(str(run)) else real_files_at(path)[0],
+        real_files_at(path)[1]))
     ray_dp.save_checkpoint(str(run), state, 1, 80)
     new = run / "checkpoint_epoch_001_step_000080"
     assert events == [("fsync", f"{new}/checkpoint.pt.tmp"), ("rename", f"{new}/checkpoint.pt"),

@@ -136,9 +136,11 @@ def test_workers_reach_the_store_the_driver_checked_but_get_no_credentials(monke
 def test_the_doctors_storage_check_names_a_missing_bucket(s3):
     doctor = ray_dp.Doctor(ray_dp.Config(storage_path="s3://missing/runs"), 30)
     try:
-        assert doctor.storage() == ray_dp.Check(False, "s3://missing/runs: bucket 'missing' does not exist at "
-                                                       f"{ray_dp.os.environ['AWS_ENDPOINT_URL']} (AWS_ENDPOINT_URL): "
-                                                       "create it, or check its name and AWS_ENDPOINT_URL")
+        with pytest.raises(ray_dp.ConfigError) as failed:
+            doctor.storage()
+        assert str(failed.value) == ("--storage-path s3://missing/runs: bucket 'missing' does not exist at "
+                                     f"{ray_dp.os.environ['AWS_ENDPOINT_URL']} (AWS_ENDPOINT_URL): "
+                                     "create it, or check its name and AWS_ENDPOINT_URL")
     finally:
         shutil.rmtree(doctor.logs)
 

@@ -294,7 +294,7 @@ def test_a_fresh_ray_up_cluster_with_gpu_node_types_but_no_gpu_yet_trains_on_gpu
     bootstrap = tmp_path / "ray_bootstrap_config.yaml"
     bootstrap.write_text(yaml.safe_dump(shipped_cluster_yaml()))
     node_types = ray_dp.autoscaler_node_types(str(bootstrap))
-    fresh = ray_dp.Cluster(now={"CPU": 0}, node_types=node_types, local=False)  # only the CPU:0 head is up
+    fresh = ray_dp.Cluster(now={"CPU": 0}, node_types=node_types)  # only the CPU:0 head is up
     assert fresh.most == {"CPU": 32, "GPU": 4}  # 4 g5.2xlarge workers; the head has CPU 0
     cfg = ray_dp.Config(address="auto", workers=4, model="resnet18")
     assert ray_dp.decide_gpu(cfg, fresh) is True
@@ -307,12 +307,12 @@ def test_a_fresh_ray_up_cluster_with_gpu_node_types_but_no_gpu_yet_trains_on_gpu
 
 
 @pytest.mark.parametrize("cfg, cluster, gpu", [
-    (ray_dp.Config(), ray_dp.Cluster({"CPU": 2}, None, local=True), False),  # a laptop
-    (ray_dp.Config(), ray_dp.Cluster({"CPU": 2, "GPU": 1}, None, local=True), True),
-    (ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 2, "GPU": 2}, None, local=False), True),
-    (ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 8}, [({"CPU": 16}, 2)], local=False), False),
-    (ray_dp.Config(address="auto", gpu=False), ray_dp.Cluster({"CPU": 0}, [({"GPU": 4}, 1)], local=False), False),
-    (ray_dp.Config(address="auto", gpu=True), ray_dp.Cluster({"CPU": 4}, None, local=False), True),
+    (ray_dp.Config(), ray_dp.Cluster({"CPU": 2}, None), False),  # a laptop
+    (ray_dp.Config(), ray_dp.Cluster({"CPU": 2, "GPU": 1}, None), True),
+    (ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 2, "GPU": 2}, None), True),
+    (ray_dp.Config(address="auto"), ray_dp.Cluster({"CPU": 8}, [({"CPU": 16}, 2)]), False),
+    (ray_dp.Config(address="auto", gpu=False), ray_dp.Cluster({"CPU": 0}, [({"GPU": 4}, 1)]), False),
+    (ray_dp.Config(address="auto", gpu=True), ray_dp.Cluster({"CPU": 4}, None), True),
 ])
 def test_device_decision(cfg, cluster, gpu):
     assert ray_dp.decide_gpu(cfg, cluster) is gpu
@@ -320,7 +320,7 @@ def test_device_decision(cfg, cluster, gpu):
 
 def test_an_attached_cluster_that_cannot_say_whether_it_adds_gpus_asks_for_gpu_or_cpu():
     with pytest.raises(ray_dp.ConfigError, match="cannot tell whether it can add GPU nodes.*pass --gpu or --cpu"):
-        ray_dp.decide_gpu(ray_dp.Config(address="10.0.0.1:6379"), ray_dp.Cluster({"CPU": 8}, None, local=False))
+        ray_dp.decide_gpu(ray_dp.Config(address="10.0.0.1:6379"), ray_dp.Cluster({"CPU": 8}, None))
 
 
 def test_cluster_yaml_and_readme_pass_gpu_explicitly():
