@@ -3041,7 +3041,7 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
     if recovery and board is not None:
         recovery["steps_redone"] = ray.get(board.steps_redone.remote())
-    ledger = record_ledger(cfg, out, board, recovery)
+    ledger = record_ledger(cfg, out, board)
     write_ledger_events(cfg, ledger, last)
     checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(last), CHECKPOINT_FILE)
     if not (is_uri(checkpoint) or os.path.isfile(checkpoint)):
@@ -3121,7 +3121,7 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None
         append_log(logs, str(error))
         reason = (f"{hang_report(cfg) or describe_training_error(error, node_ips)}; the full "
                   f"errors are in {os.path.join(logs, 'ray.log')}")
-    record_ledger(cfg, None, board, recovery)
+    record_ledger(cfg, None, board)
     with contextlib.suppress(OSError):  # the disk that failed the run may refuse its record too
         write_json(os.path.join(cfg.run_dir, "result.json"),
                    run_record(cfg, None, {}, None, error=reason, recovery=recovery))
@@ -3803,9 +3803,8 @@ def certificate(model_state: dict, optimizer_state: dict, seed: int, epoch: int,
         for key, value in sorted(flat_items(state), key=lambda item: item[0]):
             (tensors if torch.is_tensor(value) else values).append((key, value))
         return digest(tensor_hashes(tensors, torch.device("cpu")), repr(values)).hex()
-    step = (partial or {}).get("step", 0)
-    position = {"epoch": epoch, "step": step, "samples": (partial or {}).get("samples", 0),
-                "seed": seed}
+    step, samples = (partial or {}).get("step", 0), (partial or {}).get("samples", 0)
+    position = {"epoch": epoch, "step": step, "samples": samples, "seed": seed}
     streams = [stream_seed(seed, RANK_STREAM, 0, epoch, step),
                stream_seed(seed, AUGMENTATION_STREAM, epoch, 0)]
     return {"model": of(model_state), "optimizer": of(optimizer_state),
@@ -3882,7 +3881,7 @@ class Ledger:
         return spent
 
 
-def run_ledger(clock: dict, attempts: list, failed_at: list, ended: float,
+def run_ledger(clock: dict, attempts: list, failed: int, ended: float,
                before: Optional[dict] = None) -> dict:
     """The run's wall clock in LEDGER's categories (the rest: "other"), over every attempt and,
     with `before`, every earlier command of the run; goodput: training steps / wall clock."""
@@ -3907,7 +3906,7 @@ def run_ledger(clock: dict, attempts: list, failed_at: list, ended: float,
     wall += before.get("wall", 0.0)
     return {**{what: round(spent, 3) for what, spent in totals.items()}, "wall": round(wall, 3),
             "goodput": round(totals["training steps"] / wall, 4) if wall else 0.0,
-            "failed": len(failed_at) + before.get("failed", 0),
+            "failed": failed + before.get("failed", 0),
             "saved": sum(attempt.get("saves", 0) for attempt in attempts) + before.get("saved", 0)}
 
 
@@ -3941,20 +3940,16 @@ def checkpoint_advice(cfg: Config, summary: dict) -> Optional[str]:
             f"--checkpoint-every {flag}")
 
 
-def record_ledger(cfg: Config, out: Optional[dict], board, recovery: Optional[dict] = None) -> dict:
+def record_ledger(cfg: Config, out: Optional[dict], board) -> dict:
     """This command's ledger plus its run's earlier commands' (ledger.json, written back)."""
-    recovery = recovery if recovery is not None else recovery_summary(
-        os.path.join(local_run_dir(cfg), "recovery.json"))
+    failed = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json")).get("failures", 0)
     attempts = ask_board(board, "ledgers") or []
     if out is not None:
         attempts = [*attempts[:-1], out["ledger"]]
-    failed_at = [event["at"] for event in recovery.get("events", []) if event["event"] == "failed"]
-    path = os.path.join(cfg.run_dir, "ledger.json")
-    try:
+    path, before = os.path.join(cfg.run_dir, "ledger.json"), None
+    with contextlib.suppress(OSError, ValueError):
         before = json.loads(read_stored(path))
-    except (OSError, ValueError):
-        before = None
-    ledger = run_ledger(CLOCK, attempts, failed_at, time.time(), before)
+    ledger = run_ledger(CLOCK, attempts, failed, time.time(), before)
     with contextlib.suppress(OSError):
         write_json(path, ledger)
     return ledger
@@ -4048,8 +4043,6 @@ def hang_report(cfg: Config) -> Optional[str]:
 class Board:
     """An actor on the driver's node: lines to print, rank 0's beats, the driver's stop."""
 
-    HEARD_WITHIN = 10.0  # seconds without a beat after which no worker trains
-
     def __init__(self):
         self.lines, self.said, self.bar, self.attempts, self.dumps = [], set(), None, [], 0
         self.since, self.redone, self.stop, self.heard_at = 0, 0, False, 0.0
@@ -4088,9 +4081,9 @@ class Board:
         return self.dumps
 
     def ask_stop(self) -> bool:
-        """The driver's SIGTERM; whether rank 0 will hear of it (it beat lately)."""
+        """The driver's SIGTERM; whether rank 0 will hear of it (it beat in the last 10 s)."""
         self.stop = True
-        return time.time() - self.heard_at < self.HEARD_WITHIN
+        return time.time() - self.heard_at < 10.0
 
     def steps_redone(self) -> int:
         return self.redone
@@ -4498,8 +4491,7 @@ def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dic
     new_command()
     if isinstance(inputs, torch.utils.data.Dataset):  # its class's module travels as yours do
         dataset, inputs = inputs, lambda: dataset
-        if (module := sys.modules.get(type(dataset).__module__)) is not None:
-            travels(module)
+        travels(sys.modules.get(type(dataset).__module__))
     if not (callable(inputs) or isinstance(inputs, (str, os.PathLike))):
         raise ConfigError(f"inputs= takes a folder, FILE.py:NAME, a function or a Dataset, not "
                           f"a {type(inputs).__name__}")
