@@ -1658,8 +1658,8 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
         name=cfg.name, storage_path=cfg.storage_path,
         checkpoint_config=CheckpointConfig() if options.torchrun else checkpoint_config(cfg),
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-        callbacks=run_callbacks(cfg, None if follower else local_run_dir(cfg), options, done,
-                                training),
+        callbacks=[*([TensorBoardWriter(cfg)] if training and not options.torchrun else []),
+                   *([] if follower else [FailureLog(cfg, local_run_dir(cfg), board, done)])],
         failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         worker_runtime_env=worker_env(cfg))
     # SIGTERM to the driver: rank 0 hears of it at its next beat
@@ -4315,12 +4315,6 @@ class TensorBoardWriter(ray.train.UserCallback):
 def local_run_dir(cfg: Config) -> str:
     """Where the driver's node keeps a run's logs: the run directory, for a URI LOGDIR/<name>."""
     return os.path.join(cfg.logdir, cfg.name) if is_uri(cfg.run_dir) else cfg.run_dir
-
-
-def run_callbacks(cfg: Config, logs: Optional[str], options: LoopOptions, done: int,
-                  training: bool) -> list:
-    callbacks = [TensorBoardWriter(cfg)] if training and not options.torchrun else []
-    return callbacks + ([FailureLog(cfg, logs, options.board, done)] if logs else [])
 
 
 # ==================================================================================================
