@@ -3474,7 +3474,7 @@ class Checkpointer:
         """Whether every rank's digest is the same; else the run stops here, nothing saved."""
         try:
             compare_replicas(named, hashes, slots, self.worker, where)
-        except ReplicasDiffer as exc:
+        except RunFailed as exc:
             self.stopped = {"by": ["replicas"], "error": str(exc)}
             return False
         return True
@@ -3731,10 +3731,6 @@ STRAGGLER = 1.5  # a rank whose forward passes take this much of the ranks' medi
 INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
-class ReplicasDiffer(RuntimeError):
-    """Ranks that hold other values than the rest: one line."""
-
-
 def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
     """Each tensor's torch.hash_tensor (an xor of its bits) and the integer sum of its bits (which
     sees equal values changed together, where an xor cancels): int64 (n, 2), on its device."""
@@ -3778,7 +3774,7 @@ def replicas_digest(named: list, worker: Worker) -> tuple:
 def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Worker,
                      where: str) -> None:
     """Each rank's digest (the all-reduced slots) against the most common one; for ranks that
-    differ, a second all-reduce of every tensor's hashes names the first tensor that does."""
+    differ, a second all-reduce of every tensor's hashes names the first that does (RunFailed)."""
     prints = [tuple(slots[i:i + 2]) for i in range(0, len(slots), 2)]
     if len(set(prints)) == 1:
         return
@@ -3790,9 +3786,9 @@ def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Wor
     first = next((name for (name, _), mine, theirs in zip(named, rows[odd[0]], rows[reference])
                   if not torch.equal(mine, theirs)), "a tensor")
     ranks = f"rank{'s' * (len(odd) > 1)} {', '.join(map(str, odd))}"
-    raise ReplicasDiffer(f"the replicas differ {where}: {ranks} of {worker.world} hold other "
-                         f"values than rank {reference}, first in {first}; nothing is saved from "
-                         f"them, and the same command resumes from the last checkpoint")
+    raise RunFailed(f"the replicas differ {where}: {ranks} of {worker.world} hold other values "
+                    f"than rank {reference}, first in {first}; nothing is saved from them, and the "
+                    f"same command resumes from the last checkpoint")
 
 
 def certificate(model_state: dict, optimizer_state: dict, seed: int, epoch: int,

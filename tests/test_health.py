@@ -38,7 +38,7 @@ def digest_check(model_name, dtype, change, stage):
     try:
         ray_dp.compare_replicas(named, hashes, ray_dp.all_reduce_sum(slots.clone()).tolist(), here(), "in the test")
         error = None
-    except ray_dp.ReplicasDiffer as exc:
+    except ray_dp.RunFailed as exc:
         error = str(exc)
     return error, slots[2 * rank:2 * rank + 2].tolist()
 
@@ -290,7 +290,7 @@ def evaluated(cfg, nudged_rank):
     try:
         options = ray_dp.LoopOptions(weights=weights, classes=tuple(map(str, range(10))))
         return ray_dp.eval_loop_per_worker({"config": cfg, "options": options, "worker": here(), "launcher": None})
-    except ray_dp.ReplicasDiffer as exc:
+    except ray_dp.RunFailed as exc:
         return str(exc)
     finally:
         ray_dp.ray.get = get
