@@ -4016,8 +4016,7 @@ class Watchdog:
 
 def hang_report(cfg: Config) -> Optional[str]:
     """The ranks a hang's records say did not come to the collective the others waited in."""
-    folder = f"{cfg.run_dir}/hang"
-    reached = {}
+    folder, reached = f"{cfg.run_dir}/hang", {}
     for rank in range(cfg.workers):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             status = json.loads(read_stored(f"{folder}/rank{rank}.json"))["pg_status"]
@@ -4350,8 +4349,7 @@ def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config
 def checkpoint_file(path: str) -> str:
     """The checkpoint file PATH means: the file, DIR/checkpoint.pt, a run's best, else latest."""
     check_store("eval-only", path)
-    kind = stored_type(path)
-    if kind == "none":
+    if (kind := stored_type(path)) == "none":
         raise ConfigError(f"--eval-only {path} does not exist")
     full = path.rstrip("/") if is_uri(path) else os.path.abspath(path)
     if kind == "file":
