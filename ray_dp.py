@@ -1628,8 +1628,8 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
         name=cfg.name, storage_path=cfg.storage_path,
         checkpoint_config=CheckpointConfig() if options.torchrun else checkpoint_config(cfg),
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-        callbacks=run_callbacks(cfg, None if follower else local_run_dir(cfg), options, done,
-                                training),
+        callbacks=[*([TensorBoardWriter(cfg)] if training and not options.torchrun else []),
+                   *([] if follower else [FailureLog(cfg, local_run_dir(cfg), board, done)])],
         failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         worker_runtime_env=worker_env(cfg))
     # SIGTERM to the driver: rank 0 hears of it at its next beat
@@ -2992,7 +2992,7 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
     if recovery and board is not None:
         recovery["steps_redone"] = ray.get(board.steps_redone.remote())
-    ledger = record_ledger(cfg, out, board, recovery)
+    ledger = record_ledger(cfg, out, board)
     write_ledger_events(cfg, ledger, last)
     checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(last), CHECKPOINT_FILE)
     if not (is_uri(checkpoint) or os.path.isfile(checkpoint)):
@@ -3072,7 +3072,7 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None
         append_log(logs, str(error))
         reason = (f"{hang_report(cfg) or describe_training_error(error, node_ips)}; the full "
                   f"errors are in {os.path.join(logs, 'ray.log')}")
-    record_ledger(cfg, None, board, recovery)
+    record_ledger(cfg, None, board)
     with contextlib.suppress(OSError):  # the disk that failed the run may refuse its record too
         write_json(os.path.join(cfg.run_dir, "result.json"),
                    run_record(cfg, None, {}, None, error=reason, recovery=recovery))
@@ -3425,7 +3425,7 @@ class Checkpointer:
         """Whether every rank's digest is the same; else the run stops here, nothing saved."""
         try:
             compare_replicas(named, hashes, slots, self.worker, where)
-        except ReplicasDiffer as exc:
+        except RunFailed as exc:
             self.stopped = {"by": ["replicas"], "error": str(exc)}
             return False
         return True
@@ -3682,10 +3682,6 @@ STRAGGLER = 1.5  # a rank whose forward passes take this much of the ranks' medi
 INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
-class ReplicasDiffer(RuntimeError):
-    """Ranks that hold other values than the rest: one line."""
-
-
 def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
     """Each tensor's torch.hash_tensor (an xor of its bits) and the integer sum of its bits (which
     sees equal values changed together, where an xor cancels): int64 (n, 2), on its device."""
@@ -3729,7 +3725,7 @@ def replicas_digest(named: list, worker: Worker) -> tuple:
 def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Worker,
                      where: str) -> None:
     """Each rank's digest (the all-reduced slots) against the most common one; for ranks that
-    differ, a second all-reduce of every tensor's hashes names the first tensor that does."""
+    differ, a second all-reduce of every tensor's hashes names the first that does (RunFailed)."""
     prints = [tuple(slots[i:i + 2]) for i in range(0, len(slots), 2)]
     if len(set(prints)) == 1:
         return
@@ -3741,9 +3737,9 @@ def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Wor
     first = next((name for (name, _), mine, theirs in zip(named, rows[odd[0]], rows[reference])
                   if not torch.equal(mine, theirs)), "a tensor")
     ranks = f"rank{'s' * (len(odd) > 1)} {', '.join(map(str, odd))}"
-    raise ReplicasDiffer(f"the replicas differ {where}: {ranks} of {worker.world} hold other "
-                         f"values than rank {reference}, first in {first}; nothing is saved from "
-                         f"them, and the same command resumes from the last checkpoint")
+    raise RunFailed(f"the replicas differ {where}: {ranks} of {worker.world} hold other values "
+                    f"than rank {reference}, first in {first}; nothing is saved from them, and the "
+                    f"same command resumes from the last checkpoint")
 
 
 def certificate(model_state: dict, optimizer_state: dict, seed: int, epoch: int,
@@ -3754,9 +3750,8 @@ def certificate(model_state: dict, optimizer_state: dict, seed: int, epoch: int,
         for key, value in sorted(flat_items(state), key=lambda item: item[0]):
             (tensors if torch.is_tensor(value) else values).append((key, value))
         return digest(tensor_hashes(tensors, torch.device("cpu")), repr(values)).hex()
-    step = (partial or {}).get("step", 0)
-    position = {"epoch": epoch, "step": step, "samples": (partial or {}).get("samples", 0),
-                "seed": seed}
+    step, samples = (partial or {}).get("step", 0), (partial or {}).get("samples", 0)
+    position = {"epoch": epoch, "step": step, "samples": samples, "seed": seed}
     streams = [stream_seed(seed, RANK_STREAM, 0, epoch, step),
                stream_seed(seed, AUGMENTATION_STREAM, epoch, 0)]
     return {"model": of(model_state), "optimizer": of(optimizer_state),
@@ -3833,7 +3828,7 @@ class Ledger:
         return spent
 
 
-def run_ledger(clock: dict, attempts: list, failed_at: list, ended: float,
+def run_ledger(clock: dict, attempts: list, failed: int, ended: float,
                before: Optional[dict] = None) -> dict:
     """The run's wall clock in LEDGER's categories (the rest: "other"), over every attempt and,
     with `before`, every earlier command of the run; goodput: training steps / wall clock."""
@@ -3858,7 +3853,7 @@ def run_ledger(clock: dict, attempts: list, failed_at: list, ended: float,
     wall += before.get("wall", 0.0)
     return {**{what: round(spent, 3) for what, spent in totals.items()}, "wall": round(wall, 3),
             "goodput": round(totals["training steps"] / wall, 4) if wall else 0.0,
-            "failed": len(failed_at) + before.get("failed", 0),
+            "failed": failed + before.get("failed", 0),
             "saved": sum(attempt.get("saves", 0) for attempt in attempts) + before.get("saved", 0)}
 
 
@@ -3892,20 +3887,16 @@ def checkpoint_advice(cfg: Config, summary: dict) -> Optional[str]:
             f"--checkpoint-every {flag}")
 
 
-def record_ledger(cfg: Config, out: Optional[dict], board, recovery: Optional[dict] = None) -> dict:
+def record_ledger(cfg: Config, out: Optional[dict], board) -> dict:
     """This command's ledger plus its run's earlier commands' (ledger.json, written back)."""
-    recovery = recovery if recovery is not None else recovery_summary(
-        os.path.join(local_run_dir(cfg), "recovery.json"))
+    failed = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json")).get("failures", 0)
     attempts = ask_board(board, "ledgers") or []
     if out is not None:
         attempts = [*attempts[:-1], out["ledger"]]
-    failed_at = [event["at"] for event in recovery.get("events", []) if event["event"] == "failed"]
-    path = os.path.join(cfg.run_dir, "ledger.json")
-    try:
+    path, before = os.path.join(cfg.run_dir, "ledger.json"), None
+    with contextlib.suppress(OSError, ValueError):
         before = json.loads(read_stored(path))
-    except (OSError, ValueError):
-        before = None
-    ledger = run_ledger(CLOCK, attempts, failed_at, time.time(), before)
+    ledger = run_ledger(CLOCK, attempts, failed, time.time(), before)
     with contextlib.suppress(OSError):
         write_json(path, ledger)
     return ledger
@@ -3976,8 +3967,7 @@ class Watchdog:
 
 def hang_report(cfg: Config) -> Optional[str]:
     """The ranks a hang's records say did not come to the collective the others waited in."""
-    folder = f"{cfg.run_dir}/hang"
-    reached = {}
+    folder, reached = f"{cfg.run_dir}/hang", {}
     for rank in range(cfg.workers):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             status = json.loads(read_stored(f"{folder}/rank{rank}.json"))["pg_status"]
@@ -3998,8 +3988,6 @@ def hang_report(cfg: Config) -> Optional[str]:
 
 class Board:
     """An actor on the driver's node: lines to print, rank 0's beats, the driver's stop."""
-
-    HEARD_WITHIN = 10.0  # seconds without a beat after which no worker trains
 
     def __init__(self):
         self.lines, self.said, self.bar, self.attempts, self.dumps = [], set(), None, [], 0
@@ -4039,9 +4027,9 @@ class Board:
         return self.dumps
 
     def ask_stop(self) -> bool:
-        """The driver's SIGTERM; whether rank 0 will hear of it (it beat lately)."""
+        """The driver's SIGTERM; whether rank 0 will hear of it (it beat in the last 10 s)."""
         self.stop = True
-        return time.time() - self.heard_at < self.HEARD_WITHIN
+        return time.time() - self.heard_at < 10.0
 
     def steps_redone(self) -> int:
         return self.redone
@@ -4275,12 +4263,6 @@ def local_run_dir(cfg: Config) -> str:
     return os.path.join(cfg.logdir, cfg.name) if is_uri(cfg.run_dir) else cfg.run_dir
 
 
-def run_callbacks(cfg: Config, logs: Optional[str], options: LoopOptions, done: int,
-                  training: bool) -> list:
-    callbacks = [TensorBoardWriter(cfg)] if training and not options.torchrun else []
-    return callbacks + ([FailureLog(cfg, logs, options.board, done)] if logs else [])
-
-
 # ==================================================================================================
 # Inference (--eval-only): a saved model scored exactly on N workers, per class, each prediction.
 # ==================================================================================================
@@ -4318,8 +4300,7 @@ def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config
 def checkpoint_file(path: str) -> str:
     """The checkpoint file PATH means: the file, DIR/checkpoint.pt, a run's best, else latest."""
     check_store("eval-only", path)
-    kind = stored_type(path)
-    if kind == "none":
+    if (kind := stored_type(path)) == "none":
         raise ConfigError(f"--eval-only {path} does not exist")
     full = path.rstrip("/") if is_uri(path) else os.path.abspath(path)
     if kind == "file":
@@ -4449,8 +4430,7 @@ def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dic
     CODE.clear()
     if isinstance(inputs, torch.utils.data.Dataset):  # its class's module travels as yours do
         dataset, inputs = inputs, lambda: dataset
-        if (module := sys.modules.get(type(dataset).__module__)) is not None:
-            travels(module)
+        travels(sys.modules.get(type(dataset).__module__))
     if not (callable(inputs) or isinstance(inputs, (str, os.PathLike))):
         raise ConfigError(f"inputs= takes a folder, FILE.py:NAME, a function or a Dataset, not "
                           f"a {type(inputs).__name__}")

@@ -38,7 +38,7 @@ def digest_check(model_name, dtype, change, stage):
     try:
         ray_dp.compare_replicas(named, hashes, ray_dp.all_reduce_sum(slots.clone()).tolist(), here(), "in the test")
         error = None
-    except ray_dp.ReplicasDiffer as exc:
+    except ray_dp.RunFailed as exc:
         error = str(exc)
     return error, slots[2 * rank:2 * rank + 2].tolist()
 
@@ -181,14 +181,14 @@ def test_the_ledger_sums_to_the_wall_clock_and_charges_a_failure_its_lost_steps_
     final = {"seconds": {"data": 1.0, "model": 2.0, "restores": 0.5, "training steps": 20.0, "saves": 1.0,
                          "evaluation": 2.0, "waits for data": 0.5}, "began": 160.0, "at": 185.0, "ended": 186.0,
              "since_save": 0.0, "saves": 2}
-    ledger = ray_dp.run_ledger(clock, [failed, final], [152.0], 195.0)
+    ledger = ray_dp.run_ledger(clock, [failed, final], 1, 195.0)
     assert ledger["wall"] == 95.0 and sum(ledger[what] for what in ray_dp.LEDGER) == pytest.approx(95.0)
     assert ledger["driver"] == 4.0 + 5.0 and ledger["cluster"] == 6.0 + 4.0
     # the 8 s since its last save, 2 s from its last word to its death, 8 s to the next worker group, 3.5 s of its set-up
     assert ledger["failures"] == 8.0 + 2.0 + 8.0 + 3.5
     assert ledger["training steps"] == 30.0 - 8.0 + 20.0 and ledger["goodput"] == round(42.0 / 95.0, 4)
     assert (ledger["failed"], ledger["saved"]) == (1, 4)
-    again = ray_dp.run_ledger(clock, [final], [], 195.0, before=ledger)  # a rerun of the same --name adds up
+    again = ray_dp.run_ledger(clock, [final], 0, 195.0, before=ledger)  # a rerun of the same --name adds up
     assert again["wall"] == 190.0 and again["failed"] == 1 and again["training steps"] == 62.0
 
 
@@ -290,7 +290,7 @@ def evaluated(cfg, nudged_rank):
     try:
         options = ray_dp.LoopOptions(weights=weights, classes=tuple(map(str, range(10))))
         return ray_dp.eval_loop_per_worker({"config": cfg, "options": options, "worker": here(), "launcher": None})
-    except ray_dp.ReplicasDiffer as exc:
+    except ray_dp.RunFailed as exc:
         return str(exc)
     finally:
         ray_dp.ray.get = get

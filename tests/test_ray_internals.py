@@ -147,8 +147,8 @@ def pickled_as_script(logs):
     finally:
         sys.argv = argv
     return ray.cloudpickle.dumps([script["fresh_runtime_env"]()["worker_process_setup_hook"],
-                                  script["run_callbacks"](script["Config"](), logs, script["LoopOptions"](), 0,
-                                                          True)])
+                                  [script["TensorBoardWriter"](script["Config"]()),
+                                   script["FailureLog"](script["Config"](), logs, None, 0)]])
 
 
 def test_the_autoscalers_node_types_come_from_the_config_ray_up_left_on_the_head(tmp_path):
