@@ -3044,8 +3044,6 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     ledger = record_ledger(cfg, out, board, recovery)
     write_ledger_events(cfg, ledger, last)
     checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(last), CHECKPOINT_FILE)
-    if not (is_uri(checkpoint) or os.path.isfile(checkpoint)):
-        checkpoint = latest_committed(cfg.run_dir) or checkpoint
     best = best_epoch(history, cfg.best_by)
     summary = run_record(
         cfg, history[-1], out, checkpoint, epochs=history, best={
@@ -3102,7 +3100,7 @@ def wrote_run(cfg: Config, summary: dict) -> str:
 
 
 class RunStopped(RuntimeError):
-    """A graceful stop (SIGTERM): where, and how to go on."""
+    """A graceful stop (SIGTERM): where, and how to go on (a worker's: for Ray to restart it)."""
 
 
 class RunFailed(RuntimeError):
@@ -3308,7 +3306,6 @@ class FailureLog(ray.train.UserCallback):
 
 SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE = "sigterm", "driver", "due"
 VOTES = (SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE)
-STOP_VOTES = {SIGTERM_VOTE, DRIVER_VOTE}
 SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
@@ -3414,7 +3411,7 @@ class Checkpointer:
         rate = (step + 1 - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
         loss = losses.logged[-1][1] if losses.logged else None
         self.console.progress((epoch, step + 1, steps, loss, rate, self.cfg.epochs))
-        stop = votes & STOP_VOTES
+        stop = votes - {DUE_VOTE}
         if stop:
             self.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
         if self.stopped is None and (due or votes) and not last and self.checkpoint_of:
@@ -3560,13 +3557,8 @@ class Checkpointer:
         self.console.flush()
         if (self.stopped and self.stopped["by"] == [SIGTERM_VOTE] and not self.torchrun
                 and self.cfg.max_failures):
-            raise StoppedBySigtermError(f"{SIGTERM_STOPPED}; saved {position_of(self.stopped)} "
-                                        f"and stopped")
+            raise RunStopped(f"{SIGTERM_STOPPED}; saved {position_of(self.stopped)} and stopped")
         return out
-
-
-class StoppedBySigtermError(RuntimeError):
-    """Every rank's end after a worker's SIGTERM and the checkpoint it led to."""
 
 
 def position_of(stopped: dict) -> str:
@@ -3645,8 +3637,8 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
                   f"command resumes from {latest}", file=sys.stderr, flush=True)
             os._exit(143)  # 128 + SIGTERM, as a shell reports one
 
-    def watch() -> None:
-        while not done.wait(0.5):
+    def watch(until: float = math.inf) -> None:
+        while not done.wait(0.5) and time.monotonic() < until:
             if stop.heard and not gcs_answers():
                 stopped()
     own = RAY_STARTED.get("local")
@@ -3658,11 +3650,7 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
         yield
     except BaseException:  # fit() raised: its controller may have gone before the GCS did
         if own and stop.heard:
-            until = time.monotonic() + 5
-            while gcs_answers() and time.monotonic() < until:
-                time.sleep(0.25)
-            if not gcs_answers():
-                stopped()
+            watch(time.monotonic() + 5)
         raise
     finally:
         done.set()
