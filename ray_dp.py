@@ -1168,11 +1168,10 @@ def scratch_loop_per_worker(config: dict) -> dict:
                 break
             scores = evaluate(lambda X: lenet(X, params), test_set, worker.device)
             history.append({"epoch": epoch + 1, **trained, **scores})
-            checkpointer.save(history, checkpoint_of(epoch + 1, history) if worker.is_main
-                              else None)
+            checkpointer.save(checkpoint_of(epoch + 1, history) if worker.is_main else None)
             if checkpointer.stopped:
                 break
-    return checkpointer.result(history)
+    return checkpointer.result()
 
 
 # ==================================================================================================
@@ -1250,11 +1249,10 @@ def train_loop_per_worker(config: dict) -> dict:
             scores = evaluate_as_saved(model, test_set, cfg, worker.device, len(classes))
             history.append({"epoch": epoch + 1, **trained, **scores})
             # 9. every rank reports; rank 0 alone hands its checkpoint over, to be saved once
-            checkpointer.save(history, checkpoint_of(epoch + 1, history) if worker.is_main
-                              else None)
+            checkpointer.save(checkpoint_of(epoch + 1, history) if worker.is_main else None)
             if checkpointer.stopped:
                 break
-    return checkpointer.result(history)
+    return checkpointer.result()
 
 
 # ==================================================================================================
@@ -3522,10 +3520,10 @@ class Checkpointer:
                 "first_step": marks.get("first_step"), "at": time.time(),
                 "since_save": self.lost, "saves": self.saved_count}
 
-    def save(self, history: list, state: Optional[dict]) -> None:
-        """An epoch's end on every rank: its line, its report with rank 0's checkpoint, a stop."""
+    def save(self, state: Optional[dict]) -> None:
+        """History's last epoch ends on every rank: its line, rank 0's checkpoint, a stop."""
         self.ledger.charge("evaluation")
-        metrics, marks = history[-1], self.worker.marks
+        metrics, marks = self.history[-1], self.worker.marks
         self.watchdog.progress(f"at the end of epoch {metrics['epoch']}")
         self.ledger.seconds["training steps"] -= metrics["data_seconds"]
         self.ledger.charge("waits for data", metrics["data_seconds"])
@@ -3537,7 +3535,7 @@ class Checkpointer:
         self.console.say(format_epoch(metrics, self.cfg.epochs))
         if not self.replicas_agree("epoch", f"at the end of epoch {metrics['epoch']}"):
             return
-        best = best_epoch(history, self.cfg.best_by) is metrics
+        best = best_epoch(self.history, self.cfg.best_by) is metrics
         self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"]), "best": best,
                               "node": node_name()}, state, metrics["epoch"])
         self.saved()
@@ -3545,11 +3543,11 @@ class Checkpointer:
             self.stopped = {"epoch": metrics["epoch"] + 1, "step": 0, "steps": None,
                             "by": sorted(self.stop_votes)}
 
-    def result(self, history: list) -> dict:
+    def result(self) -> dict:
         """What the loop returns (rank 0's is the Result's); a worker's SIGTERM under Ray with
         --max-failures is an error, for Ray to restart the workers from the checkpoint."""
         marks = self.worker.marks
-        out = {"history": history, "world_size": self.worker.world,
+        out = {"history": self.history, "world_size": self.worker.world,
                "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
                "first_step_at": marks.get("first_step"), "startup": marks,
                "node_ranks": node_ranks(self.worker), "stopped": self.stopped,
