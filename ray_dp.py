@@ -2815,11 +2815,9 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
         if state and (differ := uncertified(state)):
             raise ConfigError(f"its checkpoint {latest} holds another {' and '.join(differ)} than "
                               f"it certifies (it was altered since it was saved)")
-    except BrokenSnapshot as exc:
-        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}") from None
     except ConfigError as exc:
-        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start "
-                          f"over, or --eval-only an earlier checkpoint_epoch_* directory") from None
+        ways = "" if isinstance(exc, BrokenSnapshot) else f"; {SNAPSHOT_WAYS_ON}"
+        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}{ways}") from None
     highest = (epoch_checkpoints(cfg.run_dir) or [None])[-1] if listed else latest
     if highest != latest:  # Ray's latest loaded: it is one of the run's checkpoints
         start = Path(latest).parent.name if latest else "the start"
@@ -2976,8 +2974,7 @@ def write_csv(path: str, rows: list) -> None:
 
 
 def write_stored(path: str, data: bytes) -> None:
-    """One object; on a disk written beside, flushed, renamed over, folders flushed: a failure
-    leaves the old file."""
+    """One object; on a disk written beside, flushed, renamed over (a failure leaves the old)."""
     storage, path = files_at(path)
     if storage.type_name != "local":
         with storage.open_output_stream(path) as f:
@@ -3402,9 +3399,8 @@ class Checkpointer:
         logged = done % self.cfg.log_every == 0
         due = bool(self.every_steps) and (step + 1) % self.every_steps == 0 and not last
         check = self.check_every and self.steps_done - self.last_check >= self.check_every
-        votes = (self.agree(losses, done if logged else 0, last, check, where)
-                 if logged or due or last or check or self.steps_done >= self.next_agreement
-                 else set())
+        agreeing = logged or due or last or check or self.steps_done >= self.next_agreement
+        votes = self.agree(losses, done if logged else 0, last, check, where) if agreeing else set()
         self.lost += self.ledger.charge("training steps")
         rate = (step + 1 - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
         loss = losses.logged[-1][1] if losses.logged else None
