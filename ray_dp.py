@@ -2994,12 +2994,10 @@ def write_stored(path: str, data: bytes) -> None:
             os.unlink(path + ".tmp")
         raise
     for part in [folder, *(os.path.dirname(str(new)) for new in made)]:
-        with contextlib.suppress(OSError):  # a directory this process may not read
+        with contextlib.suppress(OSError), contextlib.ExitStack() as opened:  # may be unreadable
             descriptor = os.open(part, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
+            opened.callback(os.close, descriptor)
+            os.fsync(descriptor)
 
 
 def read_stored(path: str) -> bytes:
