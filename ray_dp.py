@@ -3620,7 +3620,11 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
 
     def stopped() -> None:
         with ending:  # once, from the watch or from the main thread
-            ours = [p for p in me.children(recursive=True) if named_train(p)]
+            ours = []  # Ray Train's processes (its controller, its workers) that have not gone
+            for process in me.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if "Train" in process.name():
+                        ours.append(process)
             psutil.wait_procs(ours, timeout=10)
             latest, place = last_saved(cfg)
             with contextlib.suppress(Exception):  # its time counted, as "other": the
@@ -3646,13 +3650,6 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
         raise
     finally:
         done.set()
-
-
-def named_train(process) -> bool:
-    """A process of Ray Train's (its controller, its workers), or False when it has gone."""
-    with contextlib.suppress(psutil.Error):
-        return "Train" in process.name()
-    return False
 
 
 @contextlib.contextmanager
