@@ -3237,8 +3237,7 @@ def recovery_summary(record_path: str) -> dict:
 
 
 class FailureLog(ray.train.UserCallback):
-    """A line for each failure and restart of the workers, recovery.json, Ray's full errors in
-    ray.log: in Ray Train's controller, from its public callbacks."""
+    """In Ray Train's controller: a line per failure and restart, recovery.json, ray.log."""
 
     def __init__(self, cfg: Config, logs: str, board=None, done: int = 0):
         self.cfg, self.logs, self.board, self.done = cfg, logs, board, done
