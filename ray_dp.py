@@ -3633,9 +3633,10 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
             os._exit(143)  # 128 + SIGTERM, as a shell reports one
 
     def watch(until: float = math.inf) -> None:
-        while not done.wait(0.5) and time.monotonic() < until:
+        while not done.is_set() and time.monotonic() < until:
             if stop.heard and not gcs_answers():
                 stopped()
+            done.wait(0.5)
     own = RAY_STARTED.get("local")
     if own:
         asked = stop.on_ask  # the Board gone with its Ray: the workers had the signal too
