@@ -1168,11 +1168,10 @@ def scratch_loop_per_worker(config: dict) -> dict:
                 break
             scores = evaluate(lambda X: lenet(X, params), test_set, worker.device)
             history.append({"epoch": epoch + 1, **trained, **scores})
-            checkpointer.save(history, checkpoint_of(epoch + 1, history) if worker.is_main
-                              else None)
+            checkpointer.save(checkpoint_of(epoch + 1, history) if worker.is_main else None)
             if checkpointer.stopped:
                 break
-    return checkpointer.result(history)
+    return checkpointer.result()
 
 
 # ==================================================================================================
@@ -1250,11 +1249,10 @@ def train_loop_per_worker(config: dict) -> dict:
             scores = evaluate_as_saved(model, test_set, cfg, worker.device, len(classes))
             history.append({"epoch": epoch + 1, **trained, **scores})
             # 9. every rank reports; rank 0 alone hands its checkpoint over, to be saved once
-            checkpointer.save(history, checkpoint_of(epoch + 1, history) if worker.is_main
-                              else None)
+            checkpointer.save(checkpoint_of(epoch + 1, history) if worker.is_main else None)
             if checkpointer.stopped:
                 break
-    return checkpointer.result(history)
+    return checkpointer.result()
 
 
 # ==================================================================================================
@@ -2768,11 +2766,9 @@ def check_run_dir(cfg: Config, typed: Optional[set] = None) -> tuple[Config, Res
         if state and (differ := uncertified(state)):
             raise ConfigError(f"its checkpoint {latest} holds another {' and '.join(differ)} than "
                               f"it certifies (it was altered since it was saved)")
-    except BrokenSnapshot as exc:
-        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}") from None
     except ConfigError as exc:
-        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}; rerun with --fresh to start "
-                          f"over, or --eval-only an earlier checkpoint_epoch_* directory") from None
+        ways = "" if isinstance(exc, BrokenSnapshot) else f"; {SNAPSHOT_WAYS_ON}"
+        raise ConfigError(f"run '{cfg.name}' cannot resume: {exc}{ways}") from None
     highest = (epoch_checkpoints(cfg.run_dir) or [None])[-1] if listed else latest
     if highest != latest:  # Ray's latest loaded: it is one of the run's checkpoints
         start = Path(latest).parent.name if latest else "the start"
@@ -2929,8 +2925,7 @@ def write_csv(path: str, rows: list) -> None:
 
 
 def write_stored(path: str, data: bytes) -> None:
-    """One object; on a disk written beside, flushed, renamed over, folders flushed: a failure
-    leaves the old file."""
+    """One object; on a disk written beside, flushed, renamed over (a failure leaves the old)."""
     storage, path = files_at(path)
     if storage.type_name != "local":
         with storage.open_output_stream(path) as f:
@@ -2950,12 +2945,10 @@ def write_stored(path: str, data: bytes) -> None:
             os.unlink(path + ".tmp")
         raise
     for part in [folder, *(os.path.dirname(str(new)) for new in made)]:
-        with contextlib.suppress(OSError):  # a directory this process may not read
+        with contextlib.suppress(OSError), contextlib.ExitStack() as opened:  # may be unreadable
             descriptor = os.open(part, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
+            opened.callback(os.close, descriptor)
+            os.fsync(descriptor)
 
 
 def read_stored(path: str) -> bytes:
@@ -2995,8 +2988,6 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     ledger = record_ledger(cfg, out, board)
     write_ledger_events(cfg, ledger, last)
     checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(last), CHECKPOINT_FILE)
-    if not (is_uri(checkpoint) or os.path.isfile(checkpoint)):
-        checkpoint = latest_committed(cfg.run_dir) or checkpoint
     best = best_epoch(history, cfg.best_by)
     summary = run_record(
         cfg, history[-1], out, checkpoint, epochs=history, best={
@@ -3053,7 +3044,7 @@ def wrote_run(cfg: Config, summary: dict) -> str:
 
 
 class RunStopped(RuntimeError):
-    """A graceful stop (SIGTERM): where, and how to go on."""
+    """A graceful stop (SIGTERM): where, and how to go on (a worker's: for Ray to restart it)."""
 
 
 class RunFailed(RuntimeError):
@@ -3197,8 +3188,7 @@ def recovery_summary(record_path: str) -> dict:
 
 
 class FailureLog(ray.train.UserCallback):
-    """A line for each failure and restart of the workers, recovery.json, Ray's full errors in
-    ray.log: in Ray Train's controller, from its public callbacks."""
+    """In Ray Train's controller: a line per failure and restart, recovery.json, ray.log."""
 
     def __init__(self, cfg: Config, logs: str, board=None, done: int = 0):
         self.cfg, self.logs, self.board, self.done = cfg, logs, board, done
@@ -3259,7 +3249,6 @@ class FailureLog(ray.train.UserCallback):
 
 SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE = "sigterm", "driver", "due"
 VOTES = (SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE)
-STOP_VOTES = {SIGTERM_VOTE, DRIVER_VOTE}
 SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
@@ -3358,14 +3347,13 @@ class Checkpointer:
         logged = done % self.cfg.log_every == 0
         due = bool(self.every_steps) and (step + 1) % self.every_steps == 0 and not last
         check = self.check_every and self.steps_done - self.last_check >= self.check_every
-        votes = (self.agree(losses, done if logged else 0, last, check, where)
-                 if logged or due or last or check or self.steps_done >= self.next_agreement
-                 else set())
+        agreeing = logged or due or last or check or self.steps_done >= self.next_agreement
+        votes = self.agree(losses, done if logged else 0, last, check, where) if agreeing else set()
         self.lost += self.ledger.charge("training steps")
         rate = (step + 1 - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
         loss = losses.logged[-1][1] if losses.logged else None
         self.console.progress((epoch, step + 1, steps, loss, rate, self.cfg.epochs))
-        stop = votes & STOP_VOTES
+        stop = votes - {DUE_VOTE}
         if stop:
             self.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
         if self.stopped is None and (due or votes) and not last and self.checkpoint_of:
@@ -3476,10 +3464,10 @@ class Checkpointer:
                 "first_step": marks.get("first_step"), "at": time.time(),
                 "since_save": self.lost, "saves": self.saved_count}
 
-    def save(self, history: list, state: Optional[dict]) -> None:
-        """An epoch's end on every rank: its line, its report with rank 0's checkpoint, a stop."""
+    def save(self, state: Optional[dict]) -> None:
+        """History's last epoch ends on every rank: its line, rank 0's checkpoint, a stop."""
         self.ledger.charge("evaluation")
-        metrics, marks = history[-1], self.worker.marks
+        metrics, marks = self.history[-1], self.worker.marks
         self.watchdog.progress(f"at the end of epoch {metrics['epoch']}")
         self.ledger.seconds["training steps"] -= metrics["data_seconds"]
         self.ledger.charge("waits for data", metrics["data_seconds"])
@@ -3491,7 +3479,7 @@ class Checkpointer:
         self.console.say(format_epoch(metrics, self.cfg.epochs))
         if not self.replicas_agree("epoch", f"at the end of epoch {metrics['epoch']}"):
             return
-        best = best_epoch(history, self.cfg.best_by) is metrics
+        best = best_epoch(self.history, self.cfg.best_by) is metrics
         self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"]), "best": best,
                               "node": node_name()}, state, metrics["epoch"])
         self.saved()
@@ -3499,11 +3487,11 @@ class Checkpointer:
             self.stopped = {"epoch": metrics["epoch"] + 1, "step": 0, "steps": None,
                             "by": sorted(self.stop_votes)}
 
-    def result(self, history: list) -> dict:
+    def result(self) -> dict:
         """What the loop returns (rank 0's is the Result's); a worker's SIGTERM under Ray with
         --max-failures is an error, for Ray to restart the workers from the checkpoint."""
         marks = self.worker.marks
-        out = {"history": history, "world_size": self.worker.world,
+        out = {"history": self.history, "world_size": self.worker.world,
                "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
                "first_step_at": marks.get("first_step"), "startup": marks,
                "node_ranks": node_ranks(self.worker), "stopped": self.stopped,
@@ -3511,13 +3499,8 @@ class Checkpointer:
         self.console.flush()
         if (self.stopped and self.stopped["by"] == [SIGTERM_VOTE] and not self.torchrun
                 and self.cfg.max_failures):
-            raise StoppedBySigtermError(f"{SIGTERM_STOPPED}; saved {position_of(self.stopped)} "
-                                        f"and stopped")
+            raise RunStopped(f"{SIGTERM_STOPPED}; saved {position_of(self.stopped)} and stopped")
         return out
-
-
-class StoppedBySigtermError(RuntimeError):
-    """Every rank's end after a worker's SIGTERM and the checkpoint it led to."""
 
 
 def position_of(stopped: dict) -> str:
@@ -3587,7 +3570,11 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
 
     def stopped() -> None:
         with ending:  # once, from the watch or from the main thread
-            ours = [p for p in me.children(recursive=True) if named_train(p)]
+            ours = []  # Ray Train's processes (its controller, its workers) that have not gone
+            for process in me.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if "Train" in process.name():
+                        ours.append(process)
             psutil.wait_procs(ours, timeout=10)
             latest, place = last_saved(cfg)
             with contextlib.suppress(Exception):  # its time counted, as "other": the
@@ -3596,10 +3583,11 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
                   f"command resumes from {latest}", file=sys.stderr, flush=True)
             os._exit(143)  # 128 + SIGTERM, as a shell reports one
 
-    def watch() -> None:
-        while not done.wait(0.5):
+    def watch(until: float = math.inf) -> None:
+        while not done.is_set() and time.monotonic() < until:
             if stop.heard and not gcs_answers():
                 stopped()
+            done.wait(0.5)
     own = RAY_STARTED.get("local")
     if own:
         asked = stop.on_ask  # the Board gone with its Ray: the workers had the signal too
@@ -3609,21 +3597,10 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
         yield
     except BaseException:  # fit() raised: its controller may have gone before the GCS did
         if own and stop.heard:
-            until = time.monotonic() + 5
-            while gcs_answers() and time.monotonic() < until:
-                time.sleep(0.25)
-            if not gcs_answers():
-                stopped()
+            watch(time.monotonic() + 5)
         raise
     finally:
         done.set()
-
-
-def named_train(process) -> bool:
-    """A process of Ray Train's (its controller, its workers), or False when it has gone."""
-    with contextlib.suppress(psutil.Error):
-        return "Train" in process.name()
-    return False
 
 
 @contextlib.contextmanager

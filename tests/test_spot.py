@@ -260,7 +260,7 @@ def sigterm_at(cfg, micro_batches, torchrun, loaders_too=False, agree_s=ray_dp.C
     ray_dp.resized = signalling
     try:
         out = run(cfg, stopped, dist.get_world_size(), torchrun)
-    except ray_dp.StoppedBySigtermError as exc:
+    except ray_dp.RunStopped as exc:
         out = {"stopped": str(exc)}
     finally:
         ray_dp.resized = resized
