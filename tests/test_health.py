@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import ray_dp
 from helpers import here, run_distributed, save_run, train_worker
