@@ -367,4 +367,4 @@ def test_replicas_that_differ_stop_the_run_before_any_save_from_them_and_the_sam
         assert steps[-1] == saved < nudged_at  # none from the replicas that differ
         if attempt:  # the rerun began from the last good checkpoint, certified
             assert ("resuming at epoch 1 of 1, step 17 of 50, with 2 workers, from the checkpoint at epoch 1, step "
-                    f"16: the same model, optimizer, data position and random streams as saved") in out
+                    "16: the same model, optimizer, data position and random streams as saved") in out
