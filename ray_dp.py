@@ -2054,14 +2054,10 @@ def check_batch_split(cfg: Config) -> None:
     near = f"e.g. {lower} or {upper}" if lower else f"e.g. {upper}"
     if upper > 16 * cfg.batch_size:
         near = f"narrow the range: no batch near {cfg.batch_size} divides by all of them"
-    if len(sizes) == 1:
-        raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = "
-                          f"{step} (the global batch is split evenly into per-worker "
-                          f"micro-batches; {near})")
-    each = ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
-    raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps at "
-                      f"every size --workers {sizes[0]}:{sizes[-1]} may take ({each} workers x "
-                      f"{cfg.accum_steps}: a multiple of {step}; {near})")
+    every = f" at every size --workers {sizes[0]}:{sizes[-1]} may take" if len(sizes) > 1 else ""
+    raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps{every} "
+                      f"= {step} (the global batch is split evenly into per-worker micro-batches; "
+                      f"{near})")
 
 
 def check_run_name(cfg: Config) -> None:
@@ -2142,17 +2138,14 @@ class SharedTensors(TensorDataset):
     """Tensors that travel as numpy arrays, which Ray's workers read in place in its object store:
     one copy a node, not a copy (and a buffer) a worker (bench/data_memory.md)."""
 
-    def __reduce__(self):
-        return shared_tensors, (tuple(t.numpy(force=True) for t in self.tensors),
-                                {k: v for k, v in vars(self).items() if k != "tensors"})
+    def __init__(self, *arrays):
+        import warnings
+        with warnings.catch_warnings(action="ignore", category=UserWarning):  # read-only arrays
+            super().__init__(*map(torch.as_tensor, arrays))
 
-
-def shared_tensors(tensors: tuple, attributes: dict) -> SharedTensors:
-    import warnings
-    with warnings.catch_warnings(action="ignore", category=UserWarning):  # read-only arrays
-        data = SharedTensors(*map(torch.as_tensor, tensors))
-    data.__dict__.update(attributes)
-    return data
+    def __reduce__(self):  # made of the arrays, then given the other attributes (`classes`)
+        return (SharedTensors, tuple(t.numpy(force=True) for t in self.tensors),
+                {k: v for k, v in vars(self).items() if k != "tensors"})
 
 
 def shared(data):
@@ -2160,7 +2153,9 @@ def shared(data):
     if type(data) not in (TensorDataset, NamedTensors) or any(t.dtype == torch.bfloat16
                                                                 for t in data.tensors):
         return data
-    return shared_tensors(data.tensors, vars(data))
+    made = SharedTensors(*data.tensors)
+    vars(made).update(vars(data))
+    return made
 
 
 def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
@@ -2239,14 +2234,11 @@ def check_model_fits(cfg: Config, data: DataInfo) -> None:
     if problem is None:  # a built-in model on built-in images: its outline, no sample read
         return check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),
                                          torch.zeros(1, *shape))
-    side = shape[-1]
-    size = smallest_image_size(cfg.model, shape[0], data.outputs, side)
-    what = f"{cfg.dataset}'s images as given ({side} x {side} px)"
-    if size is None:
-        raise ConfigError(f"--model {cfg.model} cannot take {what} nor any size up to 512 px: "
-                          f"{problem}")
-    raise ConfigError(f"--model {cfg.model} cannot take {what}: {problem}; the smallest size it "
-                      f"takes is {size} x {size} px: add --image-size {size}")
+    side, size = shape[-1], smallest_image_size(cfg.model, shape[0], data.outputs, shape[-1])
+    takes = (f"the smallest size it takes is {size} x {size} px: add --image-size {size}" if size
+             else "nor does any size up to 512 px")
+    raise ConfigError(f"--model {cfg.model} cannot take {cfg.dataset}'s images as given ({side} x "
+                      f"{side} px): {problem}; {takes}")
 
 
 def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
@@ -2392,9 +2384,6 @@ def load_module(where: str):
     sys.path.insert(0, folder)
     try:
         loader.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
     finally:
         sys.path.remove(folder)
     for imported in {name} | set(sys.modules) - before:  # and what it imported, not installed
@@ -2582,11 +2571,9 @@ def with_data_statistics(cfg: Config, train_set) -> Config:
     if cfg.weights:
         return replace(cfg, normalize=IMAGENET_STATISTICS)
     picked = torch.linspace(0, len(train_set) - 1, 500).long().unique().tolist()
-    if hasattr(train_set, "prefetch"):
-        train_set.prefetch(picked)
     with torch.random.fork_rng():  # the augmentation's crops: the same statistics on every run
-        torch.manual_seed(cfg.seed)
-        sample = torch.stack([train_set[i][0] for i in picked])
+        torch.manual_seed(cfg.seed)  # one batch (object storage: its images fetched at once)
+        sample = next(iter(DataLoader(train_set, batch_size=len(picked), sampler=picked)))[0]
     mean, std = sample.mean((0, 2, 3)), sample.std((0, 2, 3)).clamp_min(1e-3)
     return replace(cfg, normalize=tuple([round(v, 4) for v in t.tolist()] for t in (mean, std)))
 
@@ -2608,9 +2595,6 @@ class SampleStreams(torch.utils.data.Dataset):
 
     def __init__(self, data, seed: int):
         self.data, self.seed = data, seed
-
-    def __len__(self) -> int:
-        return len(self.data)
 
     def __getitems__(self, keys: list) -> list:
         if hasattr(self.data, "prefetch"):
