@@ -2135,8 +2135,7 @@ def check_sendable(cfg: Config, data: tuple) -> None:
 
 
 class SharedTensors(TensorDataset):
-    """Tensors that travel as numpy arrays, which Ray's workers read in place in its object store:
-    one copy a node, not a copy (and a buffer) a worker (bench/data_memory.md)."""
+    """Tensors sent as numpy arrays, which Ray's workers read in place (bench/data_memory.md)."""
 
     def __init__(self, *arrays):
         import warnings
@@ -2226,24 +2225,21 @@ def check_model_fits(cfg: Config, data: DataInfo) -> None:
     if cfg.sync_bn and is_code(cfg.model) and not has_batchnorm(cfg.model, shape, data.outputs):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
-    if is_code(cfg.model) or not is_image(shape):
+    built_in = not is_code(cfg.model) and is_image(shape)
+    if built_in and (problem := image_size_problem(cfg.model, shape, data.outputs)):
+        side, size = shape[-1], smallest_image_size(cfg.model, shape[0], data.outputs, shape[-1])
+        takes = (f"the smallest size it takes is {size} x {size} px: add --image-size {size}"
+                 if size else "nor does any size up to 512 px")
+        raise ConfigError(f"--model {cfg.model} cannot take {cfg.dataset}'s images as given "
+                          f"({side} x {side} px): {problem}; {takes}")
+    if not built_in or cfg.loss != "cross_entropy" or is_code(cfg.dataset):
         return check_on_a_sample(cfg, data)
-    problem = image_size_problem(cfg.model, shape, data.outputs)
-    if problem is None and (cfg.loss != "cross_entropy" or is_code(cfg.dataset)):
-        return check_on_a_sample(cfg, data)
-    if problem is None:  # a built-in model on built-in images: its outline, no sample read
-        return check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),
-                                         torch.zeros(1, *shape))
-    side, size = shape[-1], smallest_image_size(cfg.model, shape[0], data.outputs, shape[-1])
-    takes = (f"the smallest size it takes is {size} x {size} px: add --image-size {size}" if size
-             else "nor does any size up to 512 px")
-    raise ConfigError(f"--model {cfg.model} cannot take {cfg.dataset}'s images as given ({side} x "
-                      f"{side} px): {problem}; {takes}")
+    check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),  # no sample read
+                              torch.zeros(1, *shape))
 
 
 def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
-    """Your model on 16 samples spread over the data, the loss on its outputs: a mean over the
-    samples (what N workers add up exactly); a step on one sample; parameters without gradient."""
+    """Your model and loss on 16 samples: a tensor, a mean over samples, every parameter trained."""
     split = data.datasets[0]
     picked = [split[i * (len(split) - 1) // 15] for i in range(16)]
     x, y = (torch.stack([torch.as_tensor(sample[j]) for sample in picked]) for j in (0, 1))
@@ -2392,8 +2388,7 @@ def load_module(where: str):
 
 
 def travels(module):
-    """Your module's code goes to the workers by value (their nodes need no copy); an installed
-    package's, and __main__'s (which cloudpickle ships anyway), by name. The module (None: none)."""
+    """Your module (not an installed one, nor __main__) pickled by value: its nodes need no copy."""
     import site
     import sysconfig
     installed = {os.path.realpath(path) for path in (
@@ -2450,8 +2445,7 @@ def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
 
 
 def own_schedule(cfg: Config, optimizer, steps_per_epoch: int):
-    """--lr-schedule FILE.py:NAME (optimizer, cfg, steps_per_epoch) -> an LRScheduler, stepped
-    after every optimizer step; None for ray_dp's own (set per epoch)."""
+    """--lr-schedule FILE.py:NAME (optimizer, cfg, steps_per_epoch) -> LRScheduler; else None."""
     if not is_code(cfg.lr_schedule):
         return None
     schedule = user_code(cfg.lr_schedule, "lr_schedule")(optimizer, cfg, steps_per_epoch)
@@ -2474,8 +2468,7 @@ def code_file(spec: str) -> Optional[dict]:
 
 
 def source_text(value) -> bytes:
-    """A class's or a function's compiled code, defaults and class attributes, as every process
-    that unpickles it has them (its source is where it was defined alone)."""
+    """A class's or function's code, defaults and attributes, as every process that unpickles it."""
     def made(part):
         part = getattr(part, "__wrapped__", getattr(part, "__func__", part))
         if isinstance(part, functools.cached_property):
@@ -2553,8 +2546,7 @@ IMAGENET_STATISTICS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
 
 def image_transforms(cfg: Config) -> tuple:
-    """(train, eval) transforms at --image-size: random resized crop + flip with --augment, else
-    resize + center crop; normalised with cfg.normalize once it is known."""
+    """(train, eval) transforms at --image-size: crop + flip with --augment, else resize + crop."""
     from torchvision import transforms as T
     size = cfg.image_size or MODEL_IMAGE_SIZE.get(cfg.model, 224)
     fixed = [T.Resize(size), T.CenterCrop(size)]
@@ -2564,8 +2556,7 @@ def image_transforms(cfg: Config) -> tuple:
 
 
 def with_data_statistics(cfg: Config, train_set) -> Config:
-    """A per-sample data set's normalisation, decided once on the driver and kept in the config:
-    ImageNet's with --weights, else the data's own from up to 500 training images."""
+    """--dataset folder's normalisation for the config: ImageNet's with --weights, else its own."""
     if cfg.normalize:
         return cfg
     if cfg.weights:
@@ -2590,8 +2581,7 @@ class EpochKeys(ResumableSampler):
 
 
 class SampleStreams(torch.utils.data.Dataset):
-    """Sample i's augmentation in epoch e drawn from its own stream (--seed, e, i), whichever rank
-    or loader process reads it: N workers see the crops one process would, a resume the same."""
+    """Sample i's augmentation in epoch e from its own stream (--seed, e, i), whoever reads it."""
 
     def __init__(self, data, seed: int):
         self.data, self.seed = data, seed
