@@ -1587,7 +1587,7 @@ def settings_as_flags(settings: dict) -> list:
             raise ConfigError(f"ray_dp.train() has no setting {name!r}; did you mean {close}? (its "
                               f"settings are the flags of ray_dp.py --help, with _ for -)")
         flag = "--" + name.replace("_", "-")
-        if name in CODE_FLAGS and value is not None:
+        if name in CODE_FLAGS and not isinstance(value, (str, type(None))):
             value = as_spec(value, name)
         if name == "gpu":
             flags += [] if value is None else ["--gpu" if value else "--cpu"]
@@ -2331,8 +2331,7 @@ def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
 
 
 # ==================================================================================================
-# Your own model, data and loss: --model, --dataset and --loss take FILE.py:NAME or module:NAME;
-# ray_dp.train() takes the objects. The driver sends them to the workers by value (no file there).
+# Your own model, data and loss: FILE.py:NAME, module:NAME or train()'s objects, sent by value.
 # ==================================================================================================
 
 CODE: dict = {}
@@ -2403,8 +2402,6 @@ def travels(module):
 
 def as_spec(value, flag: str) -> str:
     """ray_dp.train()'s object as module:NAME, the object itself kept under that name."""
-    if isinstance(value, str):
-        return value
     if not hasattr(value, "__qualname__"):
         raise ConfigError(f"{flag}= takes a class or a function, not an instance of "
                           f"{type(value).__name__}, which a rerun could not make again")
@@ -2417,19 +2414,18 @@ def as_spec(value, flag: str) -> str:
 
 
 def your_data(spec: str, flag: str, cfg: Config):
-    """Your data function's return, given the config if it takes it; one line if it raises."""
+    """Your data function's return, given cfg if its first argument has no default (or is cfg)."""
     load = user_code(spec, flag)
     with failing(DataError, lambda why: f"--{flag} {spec} failed: {why}"):
-        return load(cfg) if takes_arguments(load) else load()
+        first = next(iter(inspect.signature(load).parameters.values()), None)
+        given = first and (first.name == "cfg" or first.default is first.empty
+                           and first.kind <= first.POSITIONAL_OR_KEYWORD)
+        return load(cfg) if given else load()
 
 
-def takes_arguments(function, name: Optional[str] = None) -> bool:
-    """It takes `name`; without a name, a first argument without a default (or named cfg)."""
-    kinds = list(inspect.signature(function).parameters.values())
-    if name is None:
-        return bool(kinds) and (kinds[0].name == "cfg" or kinds[0].default is kinds[0].empty
-                                and kinds[0].kind <= kinds[0].POSITIONAL_OR_KEYWORD)
-    return any(p.kind == p.VAR_KEYWORD or p.name == name for p in kinds)
+def takes_arguments(function, name: str) -> bool:
+    return any(p.kind == p.VAR_KEYWORD or p.name == name
+               for p in inspect.signature(function).parameters.values())
 
 
 def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
@@ -2515,13 +2511,11 @@ def load_folder(cfg: Config) -> tuple:
         if stored_type(f"{root}/{split}") != "directory":
             raise DataError(f"--dataset folder needs {root}/{split}/<class>/<images> (and "
                             f"{root}/{other}/ beside it)")
-    train_transform, eval_transform = image_transforms(cfg)
     folder = (functools.partial(StoredImageFolder, data_dir=root) if is_uri(root) else
               functools.partial(ImageFolder, loader=functools.partial(read_image, data_dir=root)))
-    try:
-        train, val = folder(f"{root}/train", train_transform), folder(f"{root}/val", eval_transform)
-    except FileNotFoundError as exc:
-        raise DataError(f"--data-dir {root}: {exc}") from None
+    with failing(DataError, lambda why: f"--data-dir {root}: {why}"):
+        train, val = (folder(f"{root}/{split}", transform)
+                      for split, transform in zip(("train", "val"), image_transforms(cfg)))
     if train.classes != val.classes:
         only_train = sorted(set(train.classes) - set(val.classes)) or "none"
         only_val = sorted(set(val.classes) - set(train.classes)) or "none"
