@@ -1936,8 +1936,7 @@ def failing(error: type, said, caught=Exception):
 
 
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
-    """The first thing wrong with the final configuration, in one line. The doctor trains nothing;
-    a run that resumes starts from its checkpoint, not from --weights."""
+    """The final configuration's first fault in one line (a resumed run reads no --weights)."""
     check_declared(cfg)
     checks = [
         (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
@@ -2198,7 +2197,7 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
     if cfg.best_by == "test_acc" and not data.classes:
         raise ConfigError(f"--best-by test_acc: {cfg.dataset} is a regression, whose epochs have "
                           f"no accuracy; choose test_loss")
-    if cfg.eval_only or not (is_code(cfg.optimizer) or is_code(cfg.lr_schedule)):
+    if not (is_code(cfg.optimizer) or is_code(cfg.lr_schedule)):
         return
     net, flag = build_model(cfg.model, data.sample_shape, data.outputs), "optimizer"
     with failing(ConfigError, lambda why: f"--{flag.replace('_', '-')} {getattr(cfg, flag)} "
@@ -2243,7 +2242,7 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
     split = data.datasets[0]
     picked = [split[i * (len(split) - 1) // 15] for i in range(16)]
     x, y = (torch.stack([torch.as_tensor(sample[j]) for sample in picked]) for j in (0, 1))
-    x = resized(x, cfg.image_size) if cfg.image_size else x
+    x = resized(x, cfg.image_size)
     wrong = x.is_floating_point() and x.dtype != torch.get_default_dtype()
     hint = f" (inputs must be {torch.get_default_dtype()}, not {x.dtype})" if wrong else ""
     with failing(ConfigError, lambda why: f"--model {cfg.model} fails on {len(x)} samples of "
@@ -2551,10 +2550,8 @@ def image_transforms(cfg: Config) -> tuple:
 
 def with_data_statistics(cfg: Config, train_set) -> Config:
     """--dataset folder's normalisation for the config: ImageNet's with --weights, else its own."""
-    if cfg.normalize:
-        return cfg
-    if cfg.weights:
-        return replace(cfg, normalize=IMAGENET_STATISTICS)
+    if cfg.normalize or cfg.weights:  # decided already (a rerun's), or ImageNet's for its weights
+        return replace(cfg, normalize=cfg.normalize or IMAGENET_STATISTICS)
     picked = torch.linspace(0, len(train_set) - 1, 500).long().unique().tolist()
     with torch.random.fork_rng():  # the augmentation's crops: the same statistics on every run
         torch.manual_seed(cfg.seed)  # one batch (object storage: its images fetched at once)
