@@ -1549,7 +1549,7 @@ def settings_as_flags(settings: dict) -> list:
             raise ConfigError(f"ray_dp.train() has no setting {name!r}; did you mean {close}? (its "
                               f"settings are the flags of ray_dp.py --help, with _ for -)")
         flag = "--" + name.replace("_", "-")
-        if name in CODE_FLAGS and value is not None:
+        if name in CODE_FLAGS and not isinstance(value, (str, type(None))):
             value = as_spec(value, name)
         if name == "gpu":
             flags += [] if value is None else ["--gpu" if value else "--cpu"]
@@ -1885,8 +1885,7 @@ def failing(error: type, said, caught=Exception):
 
 
 def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
-    """The first thing wrong with the final configuration, in one line. The doctor trains nothing;
-    a run that resumes starts from its checkpoint, not from --weights."""
+    """The final configuration's first fault in one line (a resumed run reads no --weights)."""
     check_declared(cfg)
     checks = [
         (cfg.min_workers == 0 or 1 <= cfg.min_workers <= cfg.workers,
@@ -2003,14 +2002,10 @@ def check_batch_split(cfg: Config) -> None:
     near = f"e.g. {lower} or {upper}" if lower else f"e.g. {upper}"
     if upper > 16 * cfg.batch_size:
         near = f"narrow the range: no batch near {cfg.batch_size} divides by all of them"
-    if len(sizes) == 1:
-        raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps = "
-                          f"{step} (the global batch is split evenly into per-worker "
-                          f"micro-batches; {near})")
-    each = ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
-    raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps at "
-                      f"every size --workers {sizes[0]}:{sizes[-1]} may take ({each} workers x "
-                      f"{cfg.accum_steps}: a multiple of {step}; {near})")
+    every = f" at every size --workers {sizes[0]}:{sizes[-1]} may take" if len(sizes) > 1 else ""
+    raise ConfigError(f"--batch-size {cfg.batch_size} must divide by workers x accum-steps{every} "
+                      f"= {step} (the global batch is split evenly into per-worker micro-batches; "
+                      f"{near})")
 
 
 def check_run_name(cfg: Config) -> None:
@@ -2088,20 +2083,16 @@ def check_sendable(cfg: Config, data: tuple) -> None:
 
 
 class SharedTensors(TensorDataset):
-    """Tensors that travel as numpy arrays, which Ray's workers read in place in its object store:
-    one copy a node, not a copy (and a buffer) a worker (bench/data_memory.md)."""
+    """Tensors sent as numpy arrays, which Ray's workers read in place (bench/data_memory.md)."""
 
-    def __reduce__(self):
-        return shared_tensors, (tuple(t.numpy(force=True) for t in self.tensors),
-                                {k: v for k, v in vars(self).items() if k != "tensors"})
+    def __init__(self, *arrays):
+        import warnings
+        with warnings.catch_warnings(action="ignore", category=UserWarning):  # read-only arrays
+            super().__init__(*map(torch.as_tensor, arrays))
 
-
-def shared_tensors(tensors: tuple, attributes: dict) -> SharedTensors:
-    import warnings
-    with warnings.catch_warnings(action="ignore", category=UserWarning):  # read-only arrays
-        data = SharedTensors(*map(torch.as_tensor, tensors))
-    data.__dict__.update(attributes)
-    return data
+    def __reduce__(self):  # made of the arrays, then given the other attributes (`classes`)
+        return (SharedTensors, tuple(t.numpy(force=True) for t in self.tensors),
+                {k: v for k, v in vars(self).items() if k != "tensors"})
 
 
 def shared(data):
@@ -2109,7 +2100,9 @@ def shared(data):
     if type(data) not in (TensorDataset, NamedTensors) or any(t.dtype == torch.bfloat16
                                                                 for t in data.tensors):
         return data
-    return shared_tensors(data.tensors, vars(data))
+    made = SharedTensors(*data.tensors)
+    vars(made).update(vars(data))
+    return made
 
 
 def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
@@ -2153,7 +2146,7 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
     if cfg.best_by == "test_acc" and not data.classes:
         raise ConfigError(f"--best-by test_acc: {cfg.dataset} is a regression, whose epochs have "
                           f"no accuracy; choose test_loss")
-    if cfg.eval_only or not (is_code(cfg.optimizer) or is_code(cfg.lr_schedule)):
+    if not (is_code(cfg.optimizer) or is_code(cfg.lr_schedule)):
         return
     net, flag = build_model(cfg.model, data.sample_shape, data.outputs), "optimizer"
     with failing(ConfigError, lambda why: f"--{flag.replace('_', '-')} {getattr(cfg, flag)} "
@@ -2180,31 +2173,25 @@ def check_model_fits(cfg: Config, data: DataInfo) -> None:
     if cfg.sync_bn and is_code(cfg.model) and not has_batchnorm(cfg.model, shape, data.outputs):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
                           f"{cfg.model} has none")
-    if is_code(cfg.model) or not is_image(shape):
+    built_in = not is_code(cfg.model) and is_image(shape)
+    if built_in and (problem := image_size_problem(cfg.model, shape, data.outputs)):
+        side, size = shape[-1], smallest_image_size(cfg.model, shape[0], data.outputs, shape[-1])
+        takes = (f"the smallest size it takes is {size} x {size} px: add --image-size {size}"
+                 if size else "nor does any size up to 512 px")
+        raise ConfigError(f"--model {cfg.model} cannot take {cfg.dataset}'s images as given "
+                          f"({side} x {side} px): {problem}; {takes}")
+    if not built_in or cfg.loss != "cross_entropy" or is_code(cfg.dataset):
         return check_on_a_sample(cfg, data)
-    problem = image_size_problem(cfg.model, shape, data.outputs)
-    if problem is None and (cfg.loss != "cross_entropy" or is_code(cfg.dataset)):
-        return check_on_a_sample(cfg, data)
-    if problem is None:  # a built-in model on built-in images: its outline, no sample read
-        return check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),
-                                         torch.zeros(1, *shape))
-    side = shape[-1]
-    size = smallest_image_size(cfg.model, shape[0], data.outputs, side)
-    what = f"{cfg.dataset}'s images as given ({side} x {side} px)"
-    if size is None:
-        raise ConfigError(f"--model {cfg.model} cannot take {what} nor any size up to 512 px: "
-                          f"{problem}")
-    raise ConfigError(f"--model {cfg.model} cannot take {what}: {problem}; the smallest size it "
-                      f"takes is {size} x {size} px: add --image-size {size}")
+    check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),  # no sample read
+                              torch.zeros(1, *shape))
 
 
 def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
-    """Your model on 16 samples spread over the data, the loss on its outputs: a mean over the
-    samples (what N workers add up exactly); a step on one sample; parameters without gradient."""
+    """Your model and loss on 16 samples: a tensor, a mean over samples, every parameter trained."""
     split = data.datasets[0]
     picked = [split[i * (len(split) - 1) // 15] for i in range(16)]
     x, y = (torch.stack([torch.as_tensor(sample[j]) for sample in picked]) for j in (0, 1))
-    x = resized(x, cfg.image_size) if cfg.image_size else x
+    x = resized(x, cfg.image_size)
     wrong = x.is_floating_point() and x.dtype != torch.get_default_dtype()
     hint = f" (inputs must be {torch.get_default_dtype()}, not {x.dtype})" if wrong else ""
     with failing(ConfigError, lambda why: f"--model {cfg.model} fails on {len(x)} samples of "
@@ -2292,8 +2279,7 @@ def check_weights(cfg: Config, info: DataInfo) -> Optional[str]:
 
 
 # ==================================================================================================
-# Your own model, data and loss: --model, --dataset and --loss take FILE.py:NAME or module:NAME;
-# ray_dp.train() takes the objects. The driver sends them to the workers by value (no file there).
+# Your own model, data and loss: FILE.py:NAME, module:NAME or train()'s objects, sent by value.
 # ==================================================================================================
 
 CODE: dict = {}
@@ -2341,9 +2327,6 @@ def load_module(where: str):
     sys.path.insert(0, folder)
     try:
         loader.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
     finally:
         sys.path.remove(folder)
     for imported in {name} | set(sys.modules) - before:  # and what it imported, not installed
@@ -2352,8 +2335,7 @@ def load_module(where: str):
 
 
 def travels(module):
-    """Your module's code goes to the workers by value (their nodes need no copy); an installed
-    package's, and __main__'s (which cloudpickle ships anyway), by name. The module (None: none)."""
+    """Your module (not an installed one, nor __main__) pickled by value: its nodes need no copy."""
     import site
     import sysconfig
     installed = {os.path.realpath(path) for path in (
@@ -2368,8 +2350,6 @@ def travels(module):
 
 def as_spec(value, flag: str) -> str:
     """ray_dp.train()'s object as module:NAME, the object itself kept under that name."""
-    if isinstance(value, str):
-        return value
     if not hasattr(value, "__qualname__"):
         raise ConfigError(f"{flag}= takes a class or a function, not an instance of "
                           f"{type(value).__name__}, which a rerun could not make again")
@@ -2382,19 +2362,18 @@ def as_spec(value, flag: str) -> str:
 
 
 def your_data(spec: str, flag: str, cfg: Config):
-    """Your data function's return, given the config if it takes it; one line if it raises."""
+    """Your data function's return, given cfg if its first argument has no default (or is cfg)."""
     load = user_code(spec, flag)
     with failing(DataError, lambda why: f"--{flag} {spec} failed: {why}"):
-        return load(cfg) if takes_arguments(load) else load()
+        first = next(iter(inspect.signature(load).parameters.values()), None)
+        given = first and (first.name == "cfg" or first.default is first.empty
+                           and first.kind <= first.POSITIONAL_OR_KEYWORD)
+        return load(cfg) if given else load()
 
 
-def takes_arguments(function, name: Optional[str] = None) -> bool:
-    """It takes `name`; without a name, a first argument without a default (or named cfg)."""
-    kinds = list(inspect.signature(function).parameters.values())
-    if name is None:
-        return bool(kinds) and (kinds[0].name == "cfg" or kinds[0].default is kinds[0].empty
-                                and kinds[0].kind <= kinds[0].POSITIONAL_OR_KEYWORD)
-    return any(p.kind == p.VAR_KEYWORD or p.name == name for p in kinds)
+def takes_arguments(function, name: str) -> bool:
+    return any(p.kind == p.VAR_KEYWORD or p.name == name
+               for p in inspect.signature(function).parameters.values())
 
 
 def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
@@ -2410,8 +2389,7 @@ def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
 
 
 def own_schedule(cfg: Config, optimizer, steps_per_epoch: int):
-    """--lr-schedule FILE.py:NAME (optimizer, cfg, steps_per_epoch) -> an LRScheduler, stepped
-    after every optimizer step; None for ray_dp's own (set per epoch)."""
+    """--lr-schedule FILE.py:NAME (optimizer, cfg, steps_per_epoch) -> LRScheduler; else None."""
     if not is_code(cfg.lr_schedule):
         return None
     schedule = user_code(cfg.lr_schedule, "lr_schedule")(optimizer, cfg, steps_per_epoch)
@@ -2434,8 +2412,7 @@ def code_file(spec: str) -> Optional[dict]:
 
 
 def source_text(value) -> bytes:
-    """A class's or a function's compiled code, defaults and class attributes, as every process
-    that unpickles it has them (its source is where it was defined alone)."""
+    """A class's or function's code, defaults and attributes, as every process that unpickles it."""
     def made(part):
         part = getattr(part, "__wrapped__", getattr(part, "__func__", part))
         if isinstance(part, functools.cached_property):
@@ -2482,13 +2459,11 @@ def load_folder(cfg: Config) -> tuple:
         if stored_type(f"{root}/{split}") != "directory":
             raise DataError(f"--dataset folder needs {root}/{split}/<class>/<images> (and "
                             f"{root}/{other}/ beside it)")
-    train_transform, eval_transform = image_transforms(cfg)
     folder = (functools.partial(StoredImageFolder, data_dir=root) if is_uri(root) else
               functools.partial(ImageFolder, loader=functools.partial(read_image, data_dir=root)))
-    try:
-        train, val = folder(f"{root}/train", train_transform), folder(f"{root}/val", eval_transform)
-    except FileNotFoundError as exc:
-        raise DataError(f"--data-dir {root}: {exc}") from None
+    with failing(DataError, lambda why: f"--data-dir {root}: {why}"):
+        train, val = (folder(f"{root}/{split}", transform)
+                      for split, transform in zip(("train", "val"), image_transforms(cfg)))
     if train.classes != val.classes:
         only_train = sorted(set(train.classes) - set(val.classes)) or "none"
         only_val = sorted(set(val.classes) - set(train.classes)) or "none"
@@ -2513,8 +2488,7 @@ IMAGENET_STATISTICS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
 
 def image_transforms(cfg: Config) -> tuple:
-    """(train, eval) transforms at --image-size: random resized crop + flip with --augment, else
-    resize + center crop; normalised with cfg.normalize once it is known."""
+    """(train, eval) transforms at --image-size: crop + flip with --augment, else resize + crop."""
     from torchvision import transforms as T
     size = cfg.image_size or MODEL_IMAGE_SIZE.get(cfg.model, 224)
     fixed = [T.Resize(size), T.CenterCrop(size)]
@@ -2524,18 +2498,13 @@ def image_transforms(cfg: Config) -> tuple:
 
 
 def with_data_statistics(cfg: Config, train_set) -> Config:
-    """A per-sample data set's normalisation, decided once on the driver and kept in the config:
-    ImageNet's with --weights, else the data's own from up to 500 training images."""
-    if cfg.normalize:
-        return cfg
-    if cfg.weights:
-        return replace(cfg, normalize=IMAGENET_STATISTICS)
+    """--dataset folder's normalisation for the config: ImageNet's with --weights, else its own."""
+    if cfg.normalize or cfg.weights:  # decided already (a rerun's), or ImageNet's for its weights
+        return replace(cfg, normalize=cfg.normalize or IMAGENET_STATISTICS)
     picked = torch.linspace(0, len(train_set) - 1, 500).long().unique().tolist()
-    if hasattr(train_set, "prefetch"):
-        train_set.prefetch(picked)
     with torch.random.fork_rng():  # the augmentation's crops: the same statistics on every run
-        torch.manual_seed(cfg.seed)
-        sample = torch.stack([train_set[i][0] for i in picked])
+        torch.manual_seed(cfg.seed)  # one batch (object storage: its images fetched at once)
+        sample = next(iter(DataLoader(train_set, batch_size=len(picked), sampler=picked)))[0]
     mean, std = sample.mean((0, 2, 3)), sample.std((0, 2, 3)).clamp_min(1e-3)
     return replace(cfg, normalize=tuple([round(v, 4) for v in t.tolist()] for t in (mean, std)))
 
@@ -2552,14 +2521,10 @@ class EpochKeys(ResumableSampler):
 
 
 class SampleStreams(torch.utils.data.Dataset):
-    """Sample i's augmentation in epoch e drawn from its own stream (--seed, e, i), whichever rank
-    or loader process reads it: N workers see the crops one process would, a resume the same."""
+    """Sample i's augmentation in epoch e from its own stream (--seed, e, i), whoever reads it."""
 
     def __init__(self, data, seed: int):
         self.data, self.seed = data, seed
-
-    def __len__(self) -> int:
-        return len(self.data)
 
     def __getitems__(self, keys: list) -> list:
         if hasattr(self.data, "prefetch"):
