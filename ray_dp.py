@@ -320,9 +320,9 @@ def load_dataset(cfg: Config) -> tuple:
 
 class NamedTensors(TensorDataset):
 
-    def __init__(self, *tensors, classes: list):
+    def __init__(self, *tensors, classes: Optional[list] = None):
         super().__init__(*tensors)
-        self.classes = classes
+        self.classes = classes or [str(c) for c in range(NUM_CLASSES)]
 
 
 @dataset("fashion-mnist")
@@ -337,17 +337,13 @@ def load_cifar10(cfg: Config) -> tuple:
     return load_torchvision(CIFAR10, cfg.data_dir, cfg.download)
 
 
-@dataset("digits")
-def load_digits_set(cfg: Config) -> tuple:
-    return load_digits()
-
-
 @dataset("synthetic")
 def load_synthetic(cfg: Config) -> tuple:
     return make_synthetic(cfg.seed, cfg.synthetic_size)
 
 
-def load_digits(test_size: int = 360) -> tuple[TensorDataset, TensorDataset]:
+@dataset("digits")
+def load_digits(cfg: Optional[Config] = None) -> tuple[TensorDataset, TensorDataset]:
     """scikit-learn's 1,797 real 8x8 digits (in its wheel), resized to 28x28 like MNIST; a fixed
     split, whatever --seed, so every run is scored on the same digits."""
     pixels, target = sklearn_digits_file()
@@ -355,10 +351,8 @@ def load_digits(test_size: int = 360) -> tuple[TensorDataset, TensorDataset]:
     images = F.interpolate(images, size=(28, 28), mode="bilinear", align_corners=False)
     labels = torch.tensor(target, dtype=torch.int64)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    test, train = order[:test_size], order[test_size:]
-    classes = [str(c) for c in range(10)]
-    return (NamedTensors(images[train], labels[train], classes=classes),
-            NamedTensors(images[test], labels[test], classes=classes))
+    test, train = order[:360], order[360:]
+    return NamedTensors(images[train], labels[train]), NamedTensors(images[test], labels[test])
 
 
 def sklearn_digits_file() -> tuple:
@@ -378,9 +372,7 @@ def make_synthetic(seed: int, n_train: int = 512, n_test: int = 100) -> tuple:
     gen = torch.Generator().manual_seed(seed)
     x = torch.rand(n_train + n_test, 1, 28, 28, generator=gen)
     y = torch.randint(0, NUM_CLASSES, (n_train + n_test,), generator=gen)
-    classes = [str(c) for c in range(NUM_CLASSES)]
-    return (NamedTensors(x[:n_train], y[:n_train], classes=classes),
-            NamedTensors(x[n_train:], y[n_train:], classes=classes))
+    return NamedTensors(x[:n_train], y[:n_train]), NamedTensors(x[n_train:], y[n_train:])
 
 
 def load_torchvision(dataset_class, root: str, download: bool) -> tuple:
@@ -532,8 +524,7 @@ def build_mlp(sample_shape: tuple, num_classes: int) -> nn.Module:
 
 
 def build_model(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) -> nn.Module:
-    """A built-in, your own (called with those of num_classes and sample_shape it takes), or
-    torchvision's model."""
+    """A built-in, yours (given those of num_classes and sample_shape it takes), torchvision's."""
     if name in MODELS:
         return MODELS[name](tuple(sample_shape), num_classes)
     if is_code(name):
@@ -693,8 +684,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def no_sync(model: nn.Module, skip: bool):
-    """DDP's model.no_sync() where `skip`: this micro-batch's gradients stay local (one worker, or
-    the last micro-batch of a step: a context that does nothing)."""
+    """DDP's model.no_sync() where `skip`: this micro-batch's gradients stay local."""
     ddp = getattr(model, "_orig_mod", model)
     return ddp.no_sync() if isinstance(ddp, DDP) and skip else contextlib.nullcontext()
 
@@ -733,8 +723,7 @@ def train_sampler(data, rank: int, world: int, seed: int) -> ResumableSampler:
 
 
 class InMemoryBatches:
-    """The fast path for data in memory: the tensors (on the worker's device) indexed by the
-    sampler's micro-batches, no loader processes. Iterates like a DataLoader."""
+    """Data in memory indexed on the worker's device by the sampler's micro-batches, no loader."""
 
     def __init__(self, data: TensorDataset, sampler: ResumableSampler, micro_batch: int):
         self.data, self.sampler = data, sampler
@@ -797,8 +786,7 @@ def autocast(cfg: Config, device: torch.device):
 
 
 def learning_rate(cfg: Config, epoch: int, lr: Optional[float] = None) -> float:
-    """A pure function of the epoch: a resumed run continues on the same schedule. `lr`: the
-    peak, --lr unless your optimizer's group set its own."""
+    """A pure function of the epoch, which a resume continues; `lr`: a group's own peak, or --lr."""
     lr = cfg.lr if lr is None else lr
     if epoch < cfg.warmup_epochs:
         return lr * (epoch + 1) / (cfg.warmup_epochs + 1)
@@ -846,8 +834,7 @@ def loss_function(cfg: Config, training: bool = True):
 
 def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: int,
                 checkpointer: "Checkpointer", schedule=None) -> dict:
-    """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint); its
-    metrics, the train loss averaged over every worker's samples. `schedule`: yours, per step."""
+    """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint)."""
     criterion, tic = loss_function(cfg), time.perf_counter()
     model.train()
     for group in optimizer.param_groups if schedule is None else ():
@@ -909,8 +896,7 @@ class EpochLoss:
         self.window = torch.tensor(window if main else [0, 0], dtype=torch.float64, device=device)
 
     def add(self, loss_sum: torch.Tensor, samples: int) -> None:
-        added = torch.stack([loss_sum.double(), torch.tensor(
-            samples, dtype=torch.float64, device=loss_sum.device)])
+        added = torch.stack([loss_sum.double(), self.sums.new_tensor(samples)])
         self.sums += added
         self.window += added
 
@@ -931,8 +917,7 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
                                     workers):
         x, y = resized(x.to(device), image_size), y.to(device)
         output = net(x)
-        sums += torch.stack([criterion(output, y).double() * len(y),
-                             torch.tensor(len(y), dtype=torch.float64, device=device)])
+        sums += torch.stack([criterion(output, y).double() * len(y), sums.new_tensor(len(y))])
         if num_classes:
             probability, predicted = output.softmax(1).max(1)
             confusion.index_put_((y.long(), predicted), torch.ones_like(y, dtype=torch.float64),
@@ -1057,8 +1042,7 @@ ALLREDUCE = {"naive": allreduce_naive, "ring": allreduce_ring, "library": dist.a
 
 
 def allreduce(grads: list, algorithm: str) -> int:
-    """Sum every worker's gradients in place, flattened into one buffer (one message a step);
-    returns the bytes reduced."""
+    """Sum every worker's gradients in place through one flat buffer; returns the bytes reduced."""
     if rank_and_world()[1] == 1:
         return 0
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -1145,8 +1129,7 @@ def state_dict_to_params(state: dict) -> list:
 
 
 def scratch_loop_per_worker(config: dict) -> dict:
-    """--mode scratch on every worker: the functional LeNet, hand-written all-reduce and SGD,
-    exact evaluation, a checkpoint at each epoch's end."""
+    """--mode scratch on every worker: the functional LeNet, hand-written all-reduce and SGD."""
     cfg, worker, launcher, options = worker_setup(config)
     if isinstance(data := worker_data(cfg, options, worker), DataError):
         return {"data_error": str(data)}
@@ -1274,8 +1257,7 @@ def run(cfg: Config, resume: "Resume", data: Optional["DataInfo"] = None,
 def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.Result:
     """Run `loop` on the run's workers (Ray's, or under torchrun this very process) and wait."""
     with launched(cfg, loop, options, done) as (options, scaling, run_config):
-        # the launch: Ray Train starts the worker processes and their process group (its
-        # init_process_group, with TorchConfig's backend), then runs `loop` in each
+        # Ray Train starts the workers, their init_process_group (TorchConfig's backend), `loop`
         trainer = TorchTrainer(loop, train_loop_config={"config": cfg, "options": options},
                                scaling_config=scaling, run_config=run_config,
                                torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
