@@ -1196,7 +1196,8 @@ def train_loop_per_worker(config: dict) -> dict:
     model = build_model(cfg.model, input_shape(cfg, train_set), width)
     state = launcher.latest_checkpoint()  # one checkpoint, the same on every rank
     if state is None and cfg.weights:
-        load_weights(model, starting_weights(cfg, options))
+        load_weights(model, read_weights(cfg.weights) if options.weights is None
+                     else ray.get(options.weights))
     if cfg.sync_bn:  # 2. SyncBatchNorm: converted before DDP sees the modules
         model = convert_sync_bn(model, worker.device)
     if worker.device.type == "cuda":
@@ -1553,8 +1554,7 @@ def list_models(cfg: None) -> None:
 # ==================================================================================================
 
 def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -> tuple:
-    """(cfg, LoopOptions) of a run: rank 0 checks the data, starts Ray, --fresh, the header; the
-    workers get --weights, the data, a checkpoint Ray never listed through Ray's object store."""
+    """(cfg, LoopOptions) of a run: rank 0 checks the data, starts Ray, --fresh, the header."""
     torchrun = under_torchrun()
     if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts here
         CLOCK.clear()
@@ -1590,8 +1590,7 @@ def failures_said(cfg: Config, options: "LoopOptions"):
 
 @contextlib.contextmanager
 def launched(cfg: Config, loop, options: "LoopOptions", done: int):
-    """What fit hands Ray Train besides the loop: the workers' options (Ray's Board, your code),
-    the scaling and run configurations; around the fit: the console, SIGTERM, SIGUSR1."""
+    """What fit hands Ray Train besides the loop; around the fit: the console, SIGTERM, SIGUSR1."""
     follower, training = torchrun_follower(), loop is not eval_loop_per_worker
     set_ray_train_knobs(cfg)
     if options.torchrun:  # Ray Train's local mode logs each report at INFO
@@ -1612,8 +1611,7 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
                    *([] if follower else [FailureLog(cfg, local_run_dir(cfg), board, done)])],
         failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         worker_runtime_env=worker_env(cfg))
-    # SIGTERM to the driver: rank 0 hears of it at its next beat
-    stop = graceful_stop() if training and board else None
+    stop = graceful_stop() if training and board else None  # rank 0 hears it at its next beat
     if stop is not None:
         stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
     contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
@@ -1776,10 +1774,6 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
     return data
 
 
-def starting_weights(cfg: Config, options: LoopOptions) -> dict:
-    return read_weights(cfg.weights) if options.weights is None else ray.get(options.weights)
-
-
 def node_ranks(worker: Worker) -> list:
     ranks = torch.zeros(worker.world, dtype=torch.int64, device=worker.device)
     ranks[worker.rank] = worker.node_rank
@@ -1808,12 +1802,10 @@ class NamingDDP(DDP):
 def cuda_fast_paths(cfg: Config, data: tuple, device: torch.device) -> tuple:
     """cuDNN's fastest kernels for fixed shapes; in-memory data on the GPU once."""
     importlib.import_module("torch.backends.cudnn").benchmark = True  # by name: ships by value
-
-    def placed(split, keep_on_host: bool):
-        if not isinstance(split, TensorDataset) or keep_on_host:
-            return split
-        return TensorDataset(*(t.to(device) for t in split.tensors))
-    return placed(data[0], bool(loader_workers(cfg, data[0]))), placed(data[1], False)
+    moved = [isinstance(split, TensorDataset) for split in data]
+    moved[0] = moved[0] and not loader_workers(cfg, data[0])  # loader processes read from the host
+    return tuple(TensorDataset(*(t.to(device) for t in split.tensors)) if move else split
+                 for split, move in zip(data, moved))
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEPT_FREED_BYTES = -1, -3, 1 << 30
@@ -1936,7 +1928,6 @@ def check_declared(cfg: Config) -> None:
 
 
 def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None:
-    """The model, the data set, the loss, the storage and the directories the config names."""
     for flag, ours in (("model", MODELS), ("dataset", DATASETS), ("loss", LOSSES),
                        ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES)):
         if is_code(spec := getattr(cfg, flag)):
@@ -2078,7 +2069,6 @@ class SharedTensors(TensorDataset):
 
 
 def shared(data):
-    """A plain TensorDataset (`classes` or not) as SharedTensors; any other data set as it is."""
     if type(data) not in (TensorDataset, NamedTensors) or any(t.dtype == torch.bfloat16
                                                                 for t in data.tensors):
         return data
@@ -2088,7 +2078,6 @@ def shared(data):
 
 
 def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
-    """Flags for images, typed for data that are none."""
     if "image_size" in typed and not is_image(data.sample_shape):
         raise ConfigError(f"--image-size is for images; {cfg.dataset}'s inputs have the shape "
                           f"{tuple(data.sample_shape)}: not applicable (drop it)")
