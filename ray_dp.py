@@ -2559,19 +2559,18 @@ def torchvision_names() -> list:
 
 def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
     """A torchvision model's first convolution made anew for `channels` (it takes 3)."""
-    if channels == 3:
-        return net
-    for module in net.modules():
-        for name, child in module.named_children():
-            if isinstance(child, nn.Conv2d) and child.in_channels == 3:
-                setattr(module, name, nn.Conv2d(channels, child.out_channels, child.kernel_size,
-                                                child.stride, child.padding, child.dilation,
-                                                child.groups, child.bias is not None))
-                return net
+    convs = [(module, name, child) for module in net.modules()
+             for name, child in module.named_children()
+             if isinstance(child, nn.Conv2d) and child.in_channels == 3]
+    if channels != 3 and convs:
+        module, name, child = convs[0]
+        setattr(module, name, nn.Conv2d(channels, child.out_channels, child.kernel_size,
+                                        child.stride, child.padding, child.dilation,
+                                        child.groups, child.bias is not None))
     return net
 
 
-def model_outline(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) -> nn.Module:
+def model_outline(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
     """The model without its memory (meta device), for questions about its shape."""
     try:
         with torch.device("meta"):
@@ -3156,9 +3155,8 @@ class FailureLog(ray.train.UserCallback):
     """In Ray Train's controller: a line per failure and restart, recovery.json, ray.log."""
 
     def __init__(self, cfg: Config, logs: str, board=None, done: int = 0):
-        self.cfg, self.logs, self.board, self.done = cfg, logs, board, done
+        self.cfg, self.logs, self.board, self.done, self.save_failed = cfg, logs, board, done, False
         self.events, self.failures, self.node_ips, self.seen = [], 0, {}, None
-        self.save_failed = False
 
     def __setstate__(self, state: dict) -> None:  # unpickled in Ray Train's controller
         self.__dict__.update(state)
@@ -3218,8 +3216,7 @@ SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
 class Checkpointer:
-    """What the loop asks after each step: save now? stop now? The ranks agree in one all-reduce
-    about once a second of training, on which ride the logged loss and the replicas' digests."""
+    """What the loop asks after each step: save now? stop now? The ranks agree (in agree())."""
 
     AGREE_S = 1.0  # seconds of training between two agreements (each step, if steps are slower)
 
@@ -3227,7 +3224,7 @@ class Checkpointer:
                  options: Optional[LoopOptions] = None, checkpoint_of=None, model=None,
                  optimizer=None):
         options = options or LoopOptions()
-        self.cfg, self.worker, self.launcher = cfg, worker, launcher
+        self.cfg, self.worker, self.launcher, self.optimizer = cfg, worker, launcher, optimizer
         self.checkpoint_of, self.torchrun = checkpoint_of, options.torchrun
         self.console = Console(options, worker)
         self.every_steps, self.every_seconds = (checkpoint_interval(cfg.checkpoint_every)
@@ -3236,7 +3233,6 @@ class Checkpointer:
         self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
         self.watchdog, self.contexts = Watchdog(cfg, worker, options.board), contextlib.ExitStack()
         self.model = unwrap(model) if isinstance(model, nn.Module) else model
-        self.optimizer = optimizer
         self.forward = (ForwardClock(self.model, worker.device)
                         if isinstance(self.model, nn.Module) and not cfg.compile else None)
         replicas = {"off": "0", "auto": "1"}.get(cfg.check_replicas, cfg.check_replicas)
@@ -3245,9 +3241,7 @@ class Checkpointer:
         self.first_epoch, self.resumed_at, self.history, self.resume_record = 0, {}, [], None
         self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
         self.steps_done, self.next_agreement, self.agreed_steps, self.since_save = 0, 1, 0, 0
-        self.tic, self.agreed_at, self.last_save = time.perf_counter(), 0.0, time.monotonic()
-        self.first_step, self.saves, self.save_seconds, self.lost = 0, 0, 0.0, 0.0
-        self.saved_count = 0
+        self.agreed_at, self.last_save, self.lost, self.saved_count = 0.0, time.monotonic(), 0.0, 0
         marks = worker.marks
         marks["model"] = time.time()
         restored = getattr(launcher, "restore_seconds", 0.0)  # a test's launcher may not time it
@@ -3264,8 +3258,7 @@ class Checkpointer:
         self.contexts.close()
 
     def resumed(self, state: Optional[dict]) -> list:
-        """The run's history so far (the loop appends to it): the checkpoint's, whose weights the
-        loop has loaded, checked against its certificate, and where the run goes on."""
+        """The run's history so far (the loop appends to it): the checkpoint's, certified."""
         if state is not None:
             self.first_epoch, self.resumed_at = state["epoch"], state.get("partial") or {}
             self.history = list(state["history"])
@@ -3333,8 +3326,7 @@ class Checkpointer:
 
     def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool, check: bool,
               where: str) -> set:
-        """One all-reduce: each rank's votes (stop, save), rank 0's steps to the next agreement
-        and check, the losses, each rank's forward seconds and, at a check, its replicas' digest."""
+        """One all-reduce: votes, rank 0's pace, losses, forward seconds, a check's digests."""
         mine = {SIGTERM_VOTE} if self.stop is not None and self.stop.asked else set()
         main, world, device = self.worker.is_main, self.worker.world, self.worker.device
         if check:  # the step's own GPU work is not the check's
