@@ -3445,8 +3445,7 @@ class Checkpointer:
                             "by": sorted(self.stop_votes)}
 
     def result(self) -> dict:
-        """What the loop returns (rank 0's is the Result's); a worker's SIGTERM under Ray with
-        --max-failures is an error, for Ray to restart the workers from the checkpoint."""
+        """What the loop returns (rank 0's is the Result's), or RunStopped for Ray to restart it."""
         marks = self.worker.marks
         out = {"history": self.history, "world_size": self.worker.world,
                "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
@@ -3472,8 +3471,7 @@ def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
 
 
 class GracefulStop:
-    """SIGTERM while this process trains (a reclaimed spot node's, a drained one's): the run saves
-    within seconds of training and stops. Otherwise, or at a second SIGTERM, what it did before."""
+    """SIGTERM while training (a spot node reclaimed): save within seconds, stop; else as before."""
 
     def __init__(self, before):
         self.before, self.asked, self.training, self.heard = before, False, False, False
