@@ -3366,22 +3366,20 @@ class Checkpointer:
         self.agreed_at = trained
         return {vote for vote, count in zip(VOTES, totals) if count}
 
-    def compared(self, named: list, hashes: torch.Tensor, slots: list, where: str) -> bool:
-        """Whether every rank's digest is the same; else the run stops here, nothing saved."""
+    def compared(self, named: list, hashes: torch.Tensor, slots: list, where: str) -> None:
+        """Every rank's digest is the same, or the run stops here, nothing saved."""
         try:
             compare_replicas(named, hashes, slots, self.worker, where)
         except RunFailed as exc:
             self.stopped = {"by": ["replicas"], "error": str(exc)}
-            return False
-        return True
 
     def replicas_agree(self, stage: str, where: str) -> bool:
-        """At a save, before rank 0 writes: every rank's replicas, their optimizer's state too."""
-        if not self.check_every:
-            return True
-        named = replica_state(self.model, self.optimizer, stage)
-        hashes, slots = replicas_digest(named, self.worker)
-        return self.compared(named, hashes, all_reduce_sum(slots).tolist(), where)
+        """At a save (none stopped), before rank 0 writes: every rank's replicas and optimizer."""
+        if self.check_every:
+            named = replica_state(self.model, self.optimizer, stage)
+            hashes, slots = replicas_digest(named, self.worker)
+            self.compared(named, hashes, all_reduce_sum(slots).tolist(), where)
+        return self.stopped is None
 
     def note_stragglers(self, forward: list) -> None:
         if not self.forward or self.noted or self.worker.world == 1 or not all(forward):
