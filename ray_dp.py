@@ -2530,19 +2530,18 @@ def torchvision_names() -> list:
 
 def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
     """A torchvision model's first convolution made anew for `channels` (it takes 3)."""
-    if channels == 3:
-        return net
-    for module in net.modules():
-        for name, child in module.named_children():
-            if isinstance(child, nn.Conv2d) and child.in_channels == 3:
-                setattr(module, name, nn.Conv2d(channels, child.out_channels, child.kernel_size,
-                                                child.stride, child.padding, child.dilation,
-                                                child.groups, child.bias is not None))
-                return net
+    convs = [(module, name, child) for module in net.modules()
+             for name, child in module.named_children()
+             if isinstance(child, nn.Conv2d) and child.in_channels == 3]
+    if channels != 3 and convs:
+        module, name, child = convs[0]
+        setattr(module, name, nn.Conv2d(channels, child.out_channels, child.kernel_size,
+                                        child.stride, child.padding, child.dilation,
+                                        child.groups, child.bias is not None))
     return net
 
 
-def model_outline(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) -> nn.Module:
+def model_outline(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
     """The model without its memory (meta device), for questions about its shape."""
     try:
         with torch.device("meta"):
@@ -3127,9 +3126,8 @@ class FailureLog(ray.train.UserCallback):
     """In Ray Train's controller: a line per failure and restart, recovery.json, ray.log."""
 
     def __init__(self, cfg: Config, logs: str, board=None, done: int = 0):
-        self.cfg, self.logs, self.board, self.done = cfg, logs, board, done
+        self.cfg, self.logs, self.board, self.done, self.save_failed = cfg, logs, board, done, False
         self.events, self.failures, self.node_ips, self.seen = [], 0, {}, None
-        self.save_failed = False
 
     def __setstate__(self, state: dict) -> None:  # unpickled in Ray Train's controller
         self.__dict__.update(state)
@@ -3189,8 +3187,7 @@ SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
 class Checkpointer:
-    """What the loop asks after each step: save now? stop now? The ranks agree in one all-reduce
-    about once a second of training, on which ride the logged loss and the replicas' digests."""
+    """What the loop asks after each step: save now? stop now? The ranks agree (in agree())."""
 
     AGREE_S = 1.0  # seconds of training between two agreements (each step, if steps are slower)
 
@@ -3198,7 +3195,7 @@ class Checkpointer:
                  options: Optional[LoopOptions] = None, checkpoint_of=None, model=None,
                  optimizer=None):
         options = options or LoopOptions()
-        self.cfg, self.worker, self.launcher = cfg, worker, launcher
+        self.cfg, self.worker, self.launcher, self.optimizer = cfg, worker, launcher, optimizer
         self.checkpoint_of, self.torchrun = checkpoint_of, options.torchrun
         self.console = Console(options, worker)
         self.every_steps, self.every_seconds = (checkpoint_interval(cfg.checkpoint_every)
@@ -3207,7 +3204,6 @@ class Checkpointer:
         self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
         self.watchdog, self.contexts = Watchdog(cfg, worker, options.board), contextlib.ExitStack()
         self.model = unwrap(model) if isinstance(model, nn.Module) else model
-        self.optimizer = optimizer
         self.forward = (ForwardClock(self.model, worker.device)
                         if isinstance(self.model, nn.Module) and not cfg.compile else None)
         replicas = {"off": "0", "auto": "1"}.get(cfg.check_replicas, cfg.check_replicas)
@@ -3216,9 +3212,7 @@ class Checkpointer:
         self.first_epoch, self.resumed_at, self.history, self.resume_record = 0, {}, [], None
         self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
         self.steps_done, self.next_agreement, self.agreed_steps, self.since_save = 0, 1, 0, 0
-        self.tic, self.agreed_at, self.last_save = time.perf_counter(), 0.0, time.monotonic()
-        self.first_step, self.saves, self.save_seconds, self.lost = 0, 0, 0.0, 0.0
-        self.saved_count = 0
+        self.agreed_at, self.last_save, self.lost, self.saved_count = 0.0, time.monotonic(), 0.0, 0
         marks = worker.marks
         marks["model"] = time.time()
         restored = getattr(launcher, "restore_seconds", 0.0)  # a test's launcher may not time it
@@ -3235,8 +3229,7 @@ class Checkpointer:
         self.contexts.close()
 
     def resumed(self, state: Optional[dict]) -> list:
-        """The run's history so far (the loop appends to it): the checkpoint's, whose weights the
-        loop has loaded, checked against its certificate, and where the run goes on."""
+        """The run's history so far (the loop appends to it): the checkpoint's, certified."""
         if state is not None:
             self.first_epoch, self.resumed_at = state["epoch"], state.get("partial") or {}
             self.history = list(state["history"])
@@ -3304,8 +3297,7 @@ class Checkpointer:
 
     def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool, check: bool,
               where: str) -> set:
-        """One all-reduce: each rank's votes (stop, save), rank 0's steps to the next agreement
-        and check, the losses, each rank's forward seconds and, at a check, its replicas' digest."""
+        """One all-reduce: votes, rank 0's pace, losses, forward seconds, a check's digests."""
         mine = {SIGTERM_VOTE} if self.stop is not None and self.stop.asked else set()
         main, world, device = self.worker.is_main, self.worker.world, self.worker.device
         if check:  # the step's own GPU work is not the check's
@@ -3345,22 +3337,20 @@ class Checkpointer:
         self.agreed_at = trained
         return {vote for vote, count in zip(VOTES, totals) if count}
 
-    def compared(self, named: list, hashes: torch.Tensor, slots: list, where: str) -> bool:
-        """Whether every rank's digest is the same; else the run stops here, nothing saved."""
+    def compared(self, named: list, hashes: torch.Tensor, slots: list, where: str) -> None:
+        """Every rank's digest is the same, or the run stops here, nothing saved."""
         try:
             compare_replicas(named, hashes, slots, self.worker, where)
         except RunFailed as exc:
             self.stopped = {"by": ["replicas"], "error": str(exc)}
-            return False
-        return True
 
     def replicas_agree(self, stage: str, where: str) -> bool:
-        """At a save, before rank 0 writes: every rank's replicas, their optimizer's state too."""
-        if not self.check_every:
-            return True
-        named = replica_state(self.model, self.optimizer, stage)
-        hashes, slots = replicas_digest(named, self.worker)
-        return self.compared(named, hashes, all_reduce_sum(slots).tolist(), where)
+        """At a save (none stopped), before rank 0 writes: every rank's replicas and optimizer."""
+        if self.check_every:
+            named = replica_state(self.model, self.optimizer, stage)
+            hashes, slots = replicas_digest(named, self.worker)
+            self.compared(named, hashes, all_reduce_sum(slots).tolist(), where)
+        return self.stopped is None
 
     def note_stragglers(self, forward: list) -> None:
         if not self.forward or self.noted or self.worker.world == 1 or not all(forward):
@@ -3424,8 +3414,7 @@ class Checkpointer:
                             "by": sorted(self.stop_votes)}
 
     def result(self) -> dict:
-        """What the loop returns (rank 0's is the Result's); a worker's SIGTERM under Ray with
-        --max-failures is an error, for Ray to restart the workers from the checkpoint."""
+        """What the loop returns (rank 0's is the Result's), or RunStopped for Ray to restart it."""
         marks = self.worker.marks
         out = {"history": self.history, "world_size": self.worker.world,
                "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
@@ -3451,8 +3440,7 @@ def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
 
 
 class GracefulStop:
-    """SIGTERM while this process trains (a reclaimed spot node's, a drained one's): the run saves
-    within seconds of training and stops. Otherwise, or at a second SIGTERM, what it did before."""
+    """SIGTERM while training (a spot node reclaimed): save within seconds, stop; else as before."""
 
     def __init__(self, before):
         self.before, self.asked, self.training, self.heard = before, False, False, False
