@@ -3625,8 +3625,7 @@ def replicas_digest(named: list, worker: Worker) -> tuple:
 
 def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Worker,
                      where: str) -> None:
-    """Each rank's digest (the all-reduced slots) against the most common one; for ranks that
-    differ, a second all-reduce of every tensor's hashes names the first that does (RunFailed)."""
+    """RunFailed for ranks whose digest is not the most common, naming the first that differs."""
     prints = [tuple(slots[i:i + 2]) for i in range(0, len(slots), 2)]
     if len(set(prints)) == 1:
         return
@@ -3660,12 +3659,11 @@ def certificate(model_state: dict, optimizer_state: dict, seed: int, epoch: int,
 
 
 def flat_items(tree, prefix: str = "") -> list:
-    if isinstance(tree, dict):
-        return [item for key, value in tree.items()
-                for item in flat_items(value, f"{prefix}/{key}")]
     if isinstance(tree, (list, tuple)):
-        return [item for i, value in enumerate(tree) for item in flat_items(value, f"{prefix}/{i}")]
-    return [(prefix, tree)]
+        tree = dict(enumerate(tree))
+    if not isinstance(tree, dict):
+        return [(prefix, tree)]
+    return [item for key, value in tree.items() for item in flat_items(value, f"{prefix}/{key}")]
 
 
 def uncertified(state: dict) -> list:
@@ -3731,8 +3729,7 @@ class Ledger:
 
 def run_ledger(clock: dict, attempts: list, failed: int, ended: float,
                before: Optional[dict] = None) -> dict:
-    """The run's wall clock in LEDGER's categories (the rest: "other"), over every attempt and,
-    with `before`, every earlier command of the run; goodput: training steps / wall clock."""
+    """The run's wall clock in LEDGER's categories, over every attempt and earlier command."""
     begun, fitted = clock.get("started") or clock["imported"], clock.get("fitted", ended)
     seconds = dict.fromkeys(LEDGER, 0.0)
     seconds["driver"] = clock["checked"] - begun + ended - fitted
@@ -3767,8 +3764,7 @@ def format_ledger(ledger: dict) -> str:
 
 
 def checkpoint_advice(cfg: Config, summary: dict) -> Optional[str]:
-    """Young/Daly: checkpoints every sqrt(2 x save cost x mean time between failures) lose the
-    least; a note when the run's saves come more than twice as often, or half as often."""
+    """Young/Daly: checkpoints every sqrt(2 x save cost x time between failures) lose least."""
     ledger = summary["ledger"]
     if not (ledger["failed"] and ledger["saved"] and ledger["saves"]):
         return None
@@ -3818,8 +3814,7 @@ def write_ledger_events(cfg: Config, ledger: dict, epoch: int) -> None:
 
 
 class Watchdog:
-    """A thread of each rank's: no progress for --timeout / 2 s, SIGUSR1 or an agreed stop writes
-    its stacks to <run dir>/hang/rank<N>.txt and torch's flight recorder to rank<N>.json."""
+    """A thread of each rank's: stuck for --timeout / 2 s, or asked, it writes <run dir>/hang/."""
 
     def __init__(self, cfg: Config, worker: Worker, board=None):
         self.cfg, self.worker, self.board, self.asked, self.answered = cfg, worker, board, False, 0
@@ -3857,13 +3852,12 @@ class Watchdog:
             stacks.seek(0)
             text = (f"rank {self.worker.rank} of {self.worker.world} on {node_name()}, process "
                     f"{os.getpid()}: {why}; its last progress: {self.where}\n\n{stacks.read()}")
-        folder = f"{self.cfg.run_dir}/hang"
+        stem = f"{self.cfg.run_dir}/hang/rank{self.worker.rank}"
         with contextlib.suppress(OSError):
-            write_stored(f"{folder}/rank{self.worker.rank}.txt", text.encode())
+            write_stored(f"{stem}.txt", text.encode())
             c10d = importlib.import_module("torch._C._distributed_c10d")  # its flight recorder
             with contextlib.suppress(AttributeError, RuntimeError):  # (TORCH_FR_BUFFER_SIZE)
-                write_stored(f"{folder}/rank{self.worker.rank}.json",
-                             c10d._dump_fr_trace_json(True, False))
+                write_stored(f"{stem}.json", c10d._dump_fr_trace_json(True, False))
 
 
 def hang_report(cfg: Config) -> Optional[str]:
@@ -4364,8 +4358,7 @@ def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
 
 
 def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
-    """predict's inputs as a test set of stand-in targets, and each one's key: a folder's images,
-    any layout (by path, sorted), read as the run's evaluation reads its own; or your Dataset."""
+    """predict's inputs (a folder's images, sorted, or your Dataset) with stand-in targets; keys."""
     from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
     if is_code(where := cfg.dataset):
         data = your_data(where, "inputs", cfg)
@@ -4634,7 +4627,6 @@ def stored_image(uri: str, data_dir: str) -> bytes:
 
 
 def remove_stored(path: str) -> None:
-    """A directory or file, local or in object storage, if it is there."""
     storage, where = files_at(path)
     kind = storage.get_file_info(where).type
     if kind == fs.FileType.Directory:
@@ -4858,10 +4850,8 @@ def decide_gpu(cfg: Config, cluster: Cluster) -> bool:
         return cfg.gpu
     if cfg.mode == "dp" or cluster.now.get("GPU", 0) > 0:
         return True
-    if cluster.most is not None:
-        return cluster.most.get("GPU", 0) > 0
-    if not cfg.address:
-        return False
+    if cluster.most is not None or not cfg.address:  # what the autoscaler, or this machine, has
+        return (cluster.most or {}).get("GPU", 0) > 0
     raise ConfigError(f"the cluster at {cfg.address} has no GPU now and ray_dp cannot tell "
                       f"whether it can add GPU nodes (no autoscaler configuration found): "
                       f"pass --gpu or --cpu")
@@ -5000,8 +4990,7 @@ def snapshot_shape(state) -> bool:
 
 
 def checkpoint_config(cfg: Config) -> CheckpointConfig:
-    """The latest --keep-checkpoints epochs' checkpoints (0: every epoch's, and of the mid-epoch
-    ones what room --epochs + 1 leaves): Ray keeps the best by keep_score, and the latest."""
+    """Ray keeps the best by keep_score (the latest --keep-checkpoints epochs'), and the latest."""
     committed = (ray_snapshot(cfg.run_dir) or {}).get("checkpoint_results", [])
     if not all("keep" in entry["metrics"] for entry in committed):
         if cfg.keep_checkpoints:
@@ -5057,8 +5046,7 @@ def check_reachable(address: str) -> None:
 
 
 def set_ray_train_knobs(cfg: Config) -> None:
-    """Ray Train's knobs: reports collected every 0.2 s (not 2 s), --start-timeout, prints not
-    logged too; its placement-group cleaner's waits (no dashboard: 12 s a run) cut to 1 s."""
+    """Ray Train's knobs: reports every 0.2 s (not 2 s), --start-timeout, prints not logged too."""
     if ray_internal(*SIGTERM_SETTER) is None:
         internal_note(".".join(SIGTERM_SETTER), SIGTERM_LOST)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
@@ -5069,7 +5057,7 @@ def set_ray_train_knobs(cfg: Config) -> None:
     if parameters != ["self", "check_interval_s", "get_actor_timeout_s", "stop_timeout"]:
         return internal_note("PlacementGroupCleanerCallback(check_interval_s, get_actor_timeout_s, "
                              "stop_timeout)", "each run may take seconds longer to end")
-    cleaner.__init__.__defaults__ = (1.0, 1.0, 0.1)
+    cleaner.__init__.__defaults__ = (1.0, 1.0, 0.1)  # its waits: 12 s a run without a dashboard
 
 
 def quiet_ray_train() -> None:
