@@ -1196,8 +1196,7 @@ def train_loop_per_worker(config: dict) -> dict:
     model = build_model(cfg.model, input_shape(cfg, train_set), width)
     state = launcher.latest_checkpoint()  # one checkpoint, the same on every rank
     if state is None and cfg.weights:
-        load_weights(model, read_weights(cfg.weights) if options.weights is None
-                     else ray.get(options.weights))
+        load_weights(model, starting_weights(cfg, options))
     if cfg.sync_bn:  # 2. SyncBatchNorm: converted before DDP sees the modules
         model = convert_sync_bn(model, worker.device)
     if worker.device.type == "cuda":
@@ -1772,6 +1771,10 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
         return exc
     worker.marks["data"] = time.time()
     return data
+
+
+def starting_weights(cfg: Config, options: LoopOptions) -> dict:
+    return read_weights(cfg.weights) if options.weights is None else ray.get(options.weights)
 
 
 def node_ranks(worker: Worker) -> list:
