@@ -1257,7 +1257,7 @@ def run(cfg: Config, resume: "Resume", data: Optional["DataInfo"] = None,
 def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.Result:
     """Run `loop` on the run's workers (Ray's, or under torchrun this very process) and wait."""
     with launched(cfg, loop, options, done) as (options, scaling, run_config):
-        # Ray Train starts the workers, their init_process_group (TorchConfig's backend), `loop`
+        # the launch: Ray Train starts the workers, init_process_group (TorchConfig), `loop`
         trainer = TorchTrainer(loop, train_loop_config={"config": cfg, "options": options},
                                scaling_config=scaling, run_config=run_config,
                                torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo",
