@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 
-STARTED_AT = time.time()  # the start-up breakdown counts the imports
+STARTED_AT = time.time()  # the run's ledger counts the imports
 
 import argparse
 import contextlib
@@ -322,7 +322,7 @@ class NamedTensors(TensorDataset):
 
     def __init__(self, *tensors, classes: Optional[list] = None):
         super().__init__(*tensors)
-        self.classes = classes or [str(c) for c in range(NUM_CLASSES)]
+        self.classes = [str(c) for c in range(NUM_CLASSES)] if classes is None else classes
 
 
 @dataset("fashion-mnist")
@@ -386,7 +386,8 @@ def load_torchvision(dataset_class, root: str, download: bool) -> tuple:
                           for train in (True, False)]
             except (RuntimeError, OSError) as exc:
                 for name in set(own_entries(dataset_class)) - (before or set()):
-                    remove_stored(os.path.join(root, name))
+                    with contextlib.suppress(OSError):
+                        remove_stored(os.path.join(root, name))
                 raise DataError(missing_dataset(dataset_class, root, download, exc)) from None
     except DataError:
         if before is None and os.path.isdir(root) and all(
@@ -1425,7 +1426,7 @@ def main(argv=None) -> int:
     except OSError as exc:
         if not disk_full(exc):
             raise
-        return fail(f"error: {storage_full(cfg)}", 1)
+        return fail(f"error: {storage_full(cfg, exc)}", 1)
     except KeyboardInterrupt:
         return fail(interrupted(command, cfg), 130)
     return 1 if command == "doctor" and not outcome else 0
@@ -1584,7 +1585,7 @@ def failures_said(cfg: Config, options: "LoopOptions"):
         raise RunFailed(describe_training_error(exc, {}) if torchrun_follower()
                         else record_failure(cfg, exc, options.board)) from None
     except OSError as exc:  # rank 0's own write: result.json, or a checkpoint under torchrun
-        raise RunFailed(storage_full(cfg)) if disk_full(exc) else exc from None
+        raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
 
 
 @contextlib.contextmanager
@@ -2156,8 +2157,9 @@ def check_model_fits(cfg: Config, data: DataInfo) -> None:
                           f"({side} x {side} px): {problem}; {takes}")
     if not built_in or cfg.loss != "cross_entropy" or is_code(cfg.dataset):
         return check_on_a_sample(cfg, data)
-    check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),  # no sample read
-                              torch.zeros(1, *shape))
+    if cfg.micro_batch == 1:
+        check_single_sample_steps(cfg, model_outline(cfg.model, shape, data.outputs),
+                                  torch.zeros(1, *shape))
 
 
 def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
@@ -2478,7 +2480,9 @@ def with_data_statistics(cfg: Config, train_set) -> Config:
     picked = torch.linspace(0, len(train_set) - 1, 500).long().unique().tolist()
     with torch.random.fork_rng():  # the augmentation's crops: the same statistics on every run
         torch.manual_seed(cfg.seed)  # one batch (object storage: its images fetched at once)
-        sample = next(iter(DataLoader(train_set, batch_size=len(picked), sampler=picked)))[0]
+        loader = DataLoader(train_set, batch_size=len(picked), sampler=picked,
+                            generator=torch.Generator())  # its seed not drawn from the crops'
+        sample = next(iter(loader))[0]
     mean, std = sample.mean((0, 2, 3)), sample.std((0, 2, 3)).clamp_min(1e-3)
     return replace(cfg, normalize=tuple([round(v, 4) for v in t.tolist()] for t in (mean, std)))
 
@@ -3015,17 +3019,18 @@ def disk_full(error: BaseException) -> bool:
             or any("No space left on device" in str(text) for text in texts))
 
 
-def storage_full(cfg: Config) -> str:
-    """The fuller of --storage-path's and --logdir's disks, the last safe checkpoint, the way on."""
+def storage_full(cfg: Config, error: Optional[BaseException] = None) -> str:
+    """The full disk (the error's file's, or the fuller run disk), the last save, the way on."""
+    places = ([("", error.filename)] if getattr(error, "filename", None) else
+              [("--storage-path ", cfg.storage_path), ("--logdir ", cfg.logdir)])
     free = []
-    for flag, path in (("storage-path", cfg.storage_path), ("logdir", cfg.logdir)):
+    for flag, path in places:
         existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
-        if not is_uri(path) and existing is not None:
+        if not is_uri(str(path)) and existing is not None:
             with contextlib.suppress(OSError):
                 free.append((shutil.disk_usage(existing).free, flag, path))
-    left, flag, path = min(free, key=lambda item: item[0],  # --storage-path's on a tie
-                           default=(None, "storage-path", cfg.storage_path))
-    where = f"no space left on the device of --{flag} {path}"
+    left, flag, path = min(free, key=lambda item: item[0], default=(None, *places[0]))
+    where = f"no space left on the device of {flag}{path}"  # --storage-path's on a tie
     where += f" ({tqdm.format_sizeof(left, 'B')} free)" if free else ""
     try:
         latest, place = last_saved(cfg)
@@ -3696,8 +3701,8 @@ class ForwardClock:
 
     def take(self) -> float:
         spans, self.spans = self.spans, []
-        return sum(end - begin if not self.cuda else begin.elapsed_time(end) / 1e3
-                   for begin, end in spans)
+        return sum(span[-1] - span[0] if not self.cuda else span[0].elapsed_time(span[-1]) / 1e3
+                   for span in spans if len(span) > 1)
 
 
 def straggler_note(window: list, worker_ranks: int) -> Optional[str]:
@@ -5066,7 +5071,7 @@ def set_ray_train_knobs(cfg: Config) -> None:
 def quiet_ray_train() -> None:
     """Ray Train's chatter at WARNING; the cleaner's traceback for its 0.1 s stop (above), off."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)
-    logging.getLogger(PG_CLEANER).setLevel(logging.CRITICAL)  # the module's own logger
+    logging.getLogger(PG_CLEANER).setLevel(logging.CRITICAL)
 
 
 # imported, its functions reach Ray's processes by reference: Ray ships them this file

@@ -308,6 +308,10 @@ def test_ctrl_c_and_a_full_disk_say_the_snapshot_is_cut_short_not_that_nothing_w
     full = ray_dp.storage_full(cfg)
     assert full.startswith("no space left on the device of --") and " free); " in full
     assert full.endswith(f"; {broken.replace(': ', ': once there is space, ', 1)}")
+    out = tmp_path / "elsewhere" / "preds.csv"  # a file of its own (predict's --out): that disk is named
+    out.parent.mkdir()
+    named = ray_dp.storage_full(cfg, OSError(28, "No space left on device", str(out)))
+    assert named.startswith(f"no space left on the device of {out} (") and " free); " in named
 
 
 def without_any_ray_internal(cfg):
