@@ -66,15 +66,33 @@ def test_a_workers_allocator_keeps_freed_blocks_and_gives_them_back_before_a_for
     assert counts["given back"] >= (64 << 20) * 0.9
 
 
+# 18 blocks of 128 MB written and freed in a thread, as Ray trains in a thread of the worker process; the page faults
+# of the last 8. With ray_dp: its thresholds (keep_freed_memory) and torch's allocator, as a worker has them. Without:
+# glibc's malloc under the same thresholds, in a process that does not import torch (seconds of CPU).
 IN_A_THREAD = """
-import resource, threading, torch, ray_dp
-def steps(out):  # as Ray trains: in a thread of the worker process
-    ray_dp.keep_freed_memory()
-    for _ in range(10):  # the heap grows until the block fits
+import ctypes, resource, sys, threading
+if sys.argv[1] == "ray_dp":
+    import torch, ray_dp
+    def written():
         torch.empty(128 << 20, dtype=torch.uint8).fill_(1)
+else:
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    def written():
+        block = libc.malloc(128 << 20)
+        libc.memset(block, 1, 128 << 20)
+        libc.free(block)
+def steps(out):
+    if sys.argv[1] == "ray_dp":
+        ray_dp.keep_freed_memory()
+    else:
+        assert all(libc.mallopt(int(option), int(sys.argv[2])) for option in sys.argv[3:])
+    for _ in range(10):  # the heap grows until the block fits
+        written()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(8):
-        torch.empty(128 << 20, dtype=torch.uint8).fill_(1)
+        written()
     out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 out = []
 thread = threading.Thread(target=steps, args=(out,))
@@ -87,12 +105,13 @@ print(out[0])
 def test_a_thread_keeps_its_freed_128_mb_blocks_in_the_one_arena_rays_workers_get():
     pages = (128 << 20) // os.sysconf("SC_PAGE_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in ray_dp.MALLOC_SETTINGS}
-
     arena_max = ray_dp.worker_env(ray_dp.Config())["env_vars"]["MALLOC_ARENA_MAX"]
-    # side by side: each spends seconds importing torch
-    own_arena, one_arena = [subprocess.Popen([sys.executable, "-c", IN_A_THREAD], env={**env, **extra},
+    thresholds = [str(ray_dp.KEPT_FREED_BYTES), str(ray_dp.M_MMAP_THRESHOLD), str(ray_dp.M_TRIM_THRESHOLD)]
+    # side by side
+    own_arena, one_arena = [subprocess.Popen([sys.executable, "-c", IN_A_THREAD, *argv], env={**env, **extra},
                                              stdout=subprocess.PIPE, text=True)
-                            for extra in ({}, {"MALLOC_ARENA_MAX": arena_max})]
+                            for argv, extra in ((["malloc", *thresholds], {}),
+                                                (["ray_dp"], {"MALLOC_ARENA_MAX": arena_max}))]
     printed = [process.communicate()[0] for process in (own_arena, one_arena)]
     assert own_arena.returncode == one_arena.returncode == 0
     faults = [int(out.split()[-1]) for out in printed]
