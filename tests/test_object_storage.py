@@ -3,6 +3,7 @@
 import csv
 import io
 import json
+import os
 import shutil
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import ray_dp
-from helpers import (DIGIT_NAMES, assert_bitwise_equal, digits_folder, error_of, final_weights, keys, new_bucket,
-                     run_distributed, save_run, train, train_worker, upload)
+from helpers import (DIGIT_NAMES, Distributed, assert_bitwise_equal, digits_folder, error_of, final_weights, keys,
+                     new_bucket, run_distributed, save_run, train, train_worker, upload)
 
 # its tests share a module-scoped fixture: under pytest-xdist they run on one worker, which computes it once
 XDIST_GROUP = "test_object_storage"
@@ -57,34 +58,41 @@ def test_missing_buckets_are_one_line_each_before_any_cluster_starts(s3, images,
         "'#' or '%'\n")
 
 
-def test_a_store_that_cannot_be_reached_is_one_line(s3, monkeypatch, no_cluster, capsys):
-    from conftest import free_port
-    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    assert error_of([*DIGITS, "--storage-path", "s3://runs/x"], capsys) == (
-        f"ray_dp.py: error: --storage-path s3://runs/x: bucket 'runs' at {endpoint} (AWS_ENDPOINT_URL) cannot be "
-        f"reached (AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 7, Could not connect to "
-        f"server): check that the store runs there\n")
+def refusal(argv):
+    """What main prints of parse_command's ConfigError."""
+    with pytest.raises(ray_dp.ConfigError) as refused:
+        ray_dp.parse_command(argv)
+    return f"ray_dp.py: error: {refused.value}\n"
 
 
-def test_s3_on_aws_is_one_line_naming_the_bucket_and_what_to_check(monkeypatch, no_cluster, capsys):
+def refusal_with_endpoint(endpoint, argv):
+    os.environ["AWS_ENDPOINT_URL"] = endpoint  # in a process of its own: the environment is a process's
+    return refusal(argv)
+
+
+def test_s3_unreachable_at_its_endpoint_or_on_aws_is_one_line_naming_the_bucket_and_what_to_check(
+        monkeypatch, no_cluster, capsys):
     """Without AWS_ENDPOINT_URL, pyarrow asks AWS for the bucket's region as it opens the URI: here that fails at DNS
     (no network; nothing is sent anywhere), elsewhere AWS answers that the bucket is missing or refused."""
-    monkeypatch.delenv("AWS_ENDPOINT_URL")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     from concurrent.futures import ThreadPoolExecutor
-    bucket = "ray-dp-tests-no-such-bucket-4611"
-    def refusal(argv):  # what main prints of the ConfigError
-        with pytest.raises(ray_dp.ConfigError) as refused:
-            ray_dp.parse_command(argv)
-        return f"ray_dp.py: error: {refused.value}\n"
-    with ThreadPoolExecutor(1) as side:  # each waits seconds for an answer: side by side
-        evaluation = side.submit(refusal, ["--eval-only", f"s3://{bucket}/ray-dp/run"])
-        storage = error_of([*DIGITS, "--storage-path", f"s3://{bucket}/ray-dp"], capsys)
-        for flag, err in (("--storage-path", storage), ("--eval-only", evaluation.result())):
-            assert err.startswith(f"ray_dp.py: error: {flag} s3://{bucket}/ray-dp") and f"bucket '{bucket}'" in err
-            assert err.rstrip().endswith(("(and for a store other than AWS's, set AWS_ENDPOINT_URL)",
-                                          "read the bucket", "read and write the bucket")), err
+    from conftest import free_port
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    # each waits seconds for an answer: side by side
+    with Distributed(refusal_with_endpoint, 1, endpoint, [*DIGITS, "--storage-path", "s3://runs/x"]) as there:
+        monkeypatch.delenv("AWS_ENDPOINT_URL")
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        bucket = "ray-dp-tests-no-such-bucket-4611"
+        with ThreadPoolExecutor(1) as side:
+            evaluation = side.submit(refusal, ["--eval-only", f"s3://{bucket}/ray-dp/run"])
+            storage = error_of([*DIGITS, "--storage-path", f"s3://{bucket}/ray-dp"], capsys)
+            for flag, err in (("--storage-path", storage), ("--eval-only", evaluation.result())):
+                assert err.startswith(f"ray_dp.py: error: {flag} s3://{bucket}/ray-dp") and f"bucket '{bucket}'" in err
+                assert err.rstrip().endswith(("(and for a store other than AWS's, set AWS_ENDPOINT_URL)",
+                                              "read the bucket", "read and write the bucket")), err
+        assert there.join() == [
+            f"ray_dp.py: error: --storage-path s3://runs/x: bucket 'runs' at {endpoint} (AWS_ENDPOINT_URL) cannot be "
+            f"reached (AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 7, Could not connect to "
+            f"server): check that the store runs there\n"]
 
 
 @pytest.mark.parametrize("answer, problem", [
