@@ -2106,13 +2106,18 @@ def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Opti
 
 
 def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) -> Optional[int]:
-    """The smallest square size above `fails` the model takes (bisection up to 512 px)."""
+    """The smallest square size above `fails` the model takes, up to 512 px: steps that double
+    from `fails`, then bisection (most models take a size just above the one that failed)."""
+    @functools.cache
     def takes(size: int) -> bool:
         return image_size_problem(name, (channels, size, size), num_classes) is None
     import bisect
     if not takes(512):  # a model of one size only (ViTs: 224)
         return next((size for size in (224, 299, 384) if size > fails and takes(size)), None)
-    sizes = range(min(fails, 511) + 1, 513)
+    low, step = min(fails, 511), 1
+    while low + step < 512 and not takes(low + step):
+        low, step = low + step, step * 2
+    sizes = range(low + 1, min(low + step, 512) + 1)
     return sizes[bisect.bisect_left(sizes, True, key=takes)]
 
 

@@ -255,8 +255,8 @@ def never_joins(seconds, done):
 @pytest.mark.timeout(120)
 def test_the_collective_timeout_applies_to_a_process_group_made_without_it(tmp_path):
     # Ray Train's local mode (torchrun) makes the process group with torch's default (30 min).
-    waited = run_distributed(never_joins, 2, 2, str(tmp_path / "done"))[0]
-    assert 1.5 < waited < 10
+    waited = run_distributed(never_joins, 2, 1, str(tmp_path / "done"))[0]
+    assert 0.9 < waited < 9
 
 
 def test_default_run_names_differ_for_runs_started_in_the_same_second(monkeypatch):
