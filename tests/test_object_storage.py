@@ -19,6 +19,49 @@ XDIST_GROUP = "test_object_storage"
 DIGITS = ["--dataset", "digits"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def unreachable_stores():
+    """Started before the module's first test, read by its last: each probe waits seconds for an answer."""
+    from conftest import free_port
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with Distributed(refusals_of_unreachable_stores, 2, endpoint, UNREACHABLE_BUCKET) as probes:
+        yield endpoint, probes
+
+
+UNREACHABLE_BUCKET = "ray-dp-tests-no-such-bucket-4611"
+
+
+def refusals_of_unreachable_stores(endpoint, bucket):
+    """Rank 0 with AWS_ENDPOINT_URL where nothing listens, rank 1 without it (AWS: here no network, nothing is sent)
+    and two flags side by side: what main prints (the environment is a process's). Starting Ray fails."""
+    import contextlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Ray cluster was started for bad input")
+    ray.init = refuse
+
+    def printed(argv):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            return ray_dp.main(argv), err.getvalue()
+
+    def parsed(argv):
+        try:
+            ray_dp.parse_command(argv)
+        except ray_dp.ConfigError as exc:
+            return 2, f"ray_dp.py: error: {exc}\n"
+    if dist.get_rank() == 0:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        return [printed([*DIGITS, "--storage-path", "s3://runs/x"])]
+    del os.environ["AWS_ENDPOINT_URL"]
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    with ThreadPoolExecutor(1) as side:
+        evaluation = side.submit(parsed, ["--eval-only", f"s3://{bucket}/ray-dp/run"])
+        return [printed([*DIGITS, "--storage-path", f"s3://{bucket}/ray-dp"]), evaluation.result()]
+
+
 @pytest.fixture(scope="module")
 def images(s3, tmp_path_factory):
     """The first 256 train and 100 val digits as PNG class folders, on disk and in s3://images/digits/."""
@@ -56,43 +99,6 @@ def test_missing_buckets_are_one_line_each_before_any_cluster_starts(s3, images,
     assert error_of([*DIGITS, "--storage-path", "s3://images/runs", "--name", "a#b"], capsys).endswith(
         "--name a#b: '#' would change what the run's URI (s3://images/runs/a#b) names; choose a name without '?', "
         "'#' or '%'\n")
-
-
-def refusal(argv):
-    """What main prints of parse_command's ConfigError."""
-    with pytest.raises(ray_dp.ConfigError) as refused:
-        ray_dp.parse_command(argv)
-    return f"ray_dp.py: error: {refused.value}\n"
-
-
-def refusal_with_endpoint(endpoint, argv):
-    os.environ["AWS_ENDPOINT_URL"] = endpoint  # in a process of its own: the environment is a process's
-    return refusal(argv)
-
-
-def test_s3_unreachable_at_its_endpoint_or_on_aws_is_one_line_naming_the_bucket_and_what_to_check(
-        monkeypatch, no_cluster, capsys):
-    """Without AWS_ENDPOINT_URL, pyarrow asks AWS for the bucket's region as it opens the URI: here that fails at DNS
-    (no network; nothing is sent anywhere), elsewhere AWS answers that the bucket is missing or refused."""
-    from concurrent.futures import ThreadPoolExecutor
-    from conftest import free_port
-    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    # each waits seconds for an answer: side by side
-    with Distributed(refusal_with_endpoint, 1, endpoint, [*DIGITS, "--storage-path", "s3://runs/x"]) as there:
-        monkeypatch.delenv("AWS_ENDPOINT_URL")
-        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        bucket = "ray-dp-tests-no-such-bucket-4611"
-        with ThreadPoolExecutor(1) as side:
-            evaluation = side.submit(refusal, ["--eval-only", f"s3://{bucket}/ray-dp/run"])
-            storage = error_of([*DIGITS, "--storage-path", f"s3://{bucket}/ray-dp"], capsys)
-            for flag, err in (("--storage-path", storage), ("--eval-only", evaluation.result())):
-                assert err.startswith(f"ray_dp.py: error: {flag} s3://{bucket}/ray-dp") and f"bucket '{bucket}'" in err
-                assert err.rstrip().endswith(("(and for a store other than AWS's, set AWS_ENDPOINT_URL)",
-                                              "read the bucket", "read and write the bucket")), err
-        assert there.join() == [
-            f"ray_dp.py: error: --storage-path s3://runs/x: bucket 'runs' at {endpoint} (AWS_ENDPOINT_URL) cannot be "
-            f"reached (AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 7, Could not connect to "
-            f"server): check that the store runs there\n"]
 
 
 @pytest.mark.parametrize("answer, problem", [
@@ -380,3 +386,19 @@ def test_the_doctor_passes_against_the_bucket_and_leaves_nothing_in_it(s3, image
     assert checks["data"][1] == ("folder s3://images/digits: 256 train / 100 val images in 10 classes, the same on "
                                  "every node")
     assert keys(s3, "doctor") == []  # not even the storage path's own "directory"
+
+
+def test_s3_unreachable_at_its_endpoint_or_on_aws_is_one_line_naming_the_bucket_and_what_to_check(unreachable_stores):
+    """Without AWS_ENDPOINT_URL, pyarrow asks AWS for the bucket's region as it opens the URI: here that fails at DNS,
+    elsewhere AWS answers that the bucket is missing or refused. (The module's last test: its probes have waited.)"""
+    endpoint, probes = unreachable_stores
+    [there], aws = probes.join()
+    assert there == (2, f"ray_dp.py: error: --storage-path s3://runs/x: bucket 'runs' at {endpoint} (AWS_ENDPOINT_URL) "
+                        f"cannot be reached (AWS Error NETWORK_CONNECTION during HeadBucket operation: curlCode: 7, "
+                        f"Could not connect to server): check that the store runs there\n")
+    bucket = UNREACHABLE_BUCKET
+    for flag, (status, err) in zip(("--storage-path", "--eval-only"), aws):
+        assert status == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"ray_dp.py: error: {flag} s3://{bucket}/ray-dp") and f"bucket '{bucket}'" in err
+        assert err.rstrip().endswith(("(and for a store other than AWS's, set AWS_ENDPOINT_URL)",
+                                      "read the bucket", "read and write the bucket")), err
