@@ -29,8 +29,11 @@ from test_trust import tiny_folder
 # worker (which computes it once), as do test_spot's, one module after the other: the ranks of either take both cores,
 # and two such fixtures at once slow each other's collectives.
 XDIST_GROUP = "gloo-runs"
-BASE = dict(dataset="synthetic", synthetic_size=48, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
+BASE = dict(dataset="synthetic", synthetic_size=48, batch_size=12, epochs=1, lr=0.05, model="lenet", quiet=True,
             name="differential")
+# Two epochs where what an epoch's end changes is the point: set_epoch's new order, a schedule over epochs, augmentation
+# drawn anew, loader processes that persist, a rerun that resumes after the first.
+TWO = dict(epochs=2)
 # Decoded in the training process (loader processes: one combination has them; each costs a second to start).
 FOLDER = dict(dataset="folder64", batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True, name="differential",
               loader_workers=0)
@@ -45,12 +48,12 @@ SHUFFLENET = dict(model="shufflenet_v2_x0_5", sync_bn=True, synthetic_size=24, e
 OWN = os.path.join(REPO, "tests", "user_code.py")  # a user's own model, data and loss, named by their file
 # (name, workers, config, workers of a rerun that resumes after the first epoch or None)
 COMBOS = [
-    ("sgd-momentum-cosine", 2, {}, None),
+    ("sgd-momentum-cosine", 2, dict(TWO), None),
     ("plain-sgd-constant", 2, dict(momentum=0.0, lr_schedule="constant"), None),
     ("accum-2", 2, dict(accum_steps=2), None),
     ("accum-3", 2, dict(accum_steps=3), None),
     ("weight-decay", 2, dict(weight_decay=0.01), None),
-    ("warm-up", 2, dict(warmup_epochs=1), None),
+    ("warm-up", 2, dict(TWO, warmup_epochs=1), None),
     ("clip", 2, dict(clip_grad_norm=0.5), None),
     ("label-smoothing", 2, dict(label_smoothing=0.1), None),
     ("adamw", 2, dict(optimizer="adamw", lr=0.002), None),
@@ -59,11 +62,11 @@ COMBOS = [
     ("amp-accum-2", 2, dict(amp=True, accum_steps=2), None),
     ("mlp", 2, dict(model="mlp"), None),
     ("image-size-in-memory", 2, dict(model="mlp", image_size=20), None),
-    ("image-size-in-memory-loader-process", 2, dict(model="mlp", image_size=20, loader_workers=1), None),
-    ("3w-sgd", 3, {}, None),
+    ("image-size-in-memory-loader-process", 2, dict(TWO, model="mlp", image_size=20, loader_workers=1), None),
+    ("3w-sgd", 3, dict(TWO), None),
     ("3w-accum-2", 3, dict(accum_steps=2), None),
     ("3w-accum-4", 3, dict(accum_steps=4), None),
-    ("3w-adamw-warm-up", 3, dict(optimizer="adamw", lr=0.002, warmup_epochs=1), None),
+    ("3w-adamw-warm-up", 3, dict(TWO, optimizer="adamw", lr=0.002, warmup_epochs=1), None),
     ("3w-smoothing-clip-wd", 3, dict(label_smoothing=0.2, clip_grad_norm=0.3, weight_decay=0.01), None),
     ("3w-amp", 3, dict(amp=True), None),
     ("resnet18-sync-bn-accum-2-adamw", 2, dict(RESNET, accum_steps=2, optimizer="adamw", lr=0.001), None),
@@ -72,8 +75,8 @@ COMBOS = [
     ("folder-augment", 2, dict(FOLDER), None),
     ("3w-folder-augment-accum-2", 3, dict(FOLDER, accum_steps=2), None),
     ("folder-loader-process", 2, dict(FOLDER, loader_workers=1), None),
-    ("folder-no-augment-image-size", 2, dict(FOLDER, augment=False, image_size=20), None),
-    ("3w-folder-mlp-smoothing", 3, dict(FOLDER, model="mlp", label_smoothing=0.1), None),
+    ("folder-no-augment-image-size", 2, dict(FOLDER, augment=False, image_size=20, epochs=1), None),
+    ("3w-folder-mlp-smoothing", 3, dict(FOLDER, model="mlp", label_smoothing=0.1, epochs=1), None),
     ("own-cnn", 2, dict(model=f"{OWN}:PlainCNN"), None),
     ("3w-own-cnn-accum-2", 3, dict(model=f"{OWN}:PlainCNN", accum_steps=2), None),
     ("own-tabular-wine", 2, dict(model=f"{OWN}:TabularMLP", dataset=f"{OWN}:wine"), None),
@@ -88,14 +91,15 @@ COMBOS = [
                                       loss="torch.nn:MSELoss"), None),
     ("3w-own-lazy-two-targets", 3, dict(model=f"{OWN}:LazyMLP", dataset=f"{OWN}:two_targets", loss="mse"), None),
     # your optimizer (a function; a class of torch's) and schedule, stepped every step (accumulation: every K)
-    ("own-adam-one-cycle", 2, dict(optimizer=f"{OWN}:adam_betas", lr_schedule=f"{OWN}:one_cycle", lr=0.002), None),
+    ("own-adam-one-cycle", 2, dict(TWO, optimizer=f"{OWN}:adam_betas", lr_schedule=f"{OWN}:one_cycle", lr=0.002),
+     None),
     ("3w-torch-radam-one-cycle-accum-2", 3, dict(optimizer="torch.optim:RAdam", lr_schedule=f"{OWN}:one_cycle",
                                                  lr=0.002, accum_steps=2), None),
-    ("rerun-own-adam-one-cycle-2w-to-3w", 2, dict(optimizer=f"{OWN}:adam_betas", lr_schedule=f"{OWN}:one_cycle",
+    ("rerun-own-adam-one-cycle-2w-to-3w", 2, dict(TWO, optimizer=f"{OWN}:adam_betas", lr_schedule=f"{OWN}:one_cycle",
                                                   lr=0.002), 3),
-    ("rerun-own-wine-2w-to-3w", 2, dict(model=f"{OWN}:TabularMLP", dataset=f"{OWN}:wine"), 3),
-    ("rerun-2w-to-3w", 2, {}, 3),
-    ("rerun-accum-adamw-2w-to-3w", 2, dict(accum_steps=2, optimizer="adamw", lr=0.002), 3),
+    ("rerun-own-wine-2w-to-3w", 2, dict(TWO, model=f"{OWN}:TabularMLP", dataset=f"{OWN}:wine"), 3),
+    ("rerun-2w-to-3w", 2, dict(TWO), 3),
+    ("rerun-accum-adamw-2w-to-3w", 2, dict(TWO, accum_steps=2, optimizer="adamw", lr=0.002), 3),
     ("rerun-folder-augment-2w-to-3w", 2, dict(FOLDER), 3),
     ("rerun-sync-bn-2w-to-3w", 2, dict(SHUFFLENET, synthetic_size=12, epochs=2), 3),  # a step an epoch
 ]

@@ -283,7 +283,7 @@ def test_a_snapshot_that_stays_unreadable_or_of_another_shape_is_one_line_before
     if text != other_shapes()[-1]:  # that one passes Ray's model and fails its _load_state
         with pytest.raises(ValueError):  # pydantic's validation errors are ValueErrors
             _CheckpointManagerState.model_validate_json(text)
-    monkeypatch.setattr(ray_dp, "SNAPSHOT_REREAD_S", 0.1)
+    monkeypatch.setattr(ray_dp, "SNAPSHOT_REREAD_S", 0.01)
     run = save_run(tmp_path / "run", saved=[1])
     (run / ray_dp.RAY_SNAPSHOT).write_text(text)
     broken = f"{run}/{ray_dp.RAY_SNAPSHOT} is not Ray's list of checkpoints"
@@ -298,7 +298,7 @@ def test_a_snapshot_that_stays_unreadable_or_of_another_shape_is_one_line_before
 
 
 def test_ctrl_c_and_a_full_disk_say_the_snapshot_is_cut_short_not_that_nothing_was_saved(tmp_path, monkeypatch):
-    monkeypatch.setattr(ray_dp, "SNAPSHOT_REREAD_S", 0.1)
+    monkeypatch.setattr(ray_dp, "SNAPSHOT_REREAD_S", 0.01)
     run = save_run(tmp_path / "run", saved=[1])
     (run / ray_dp.RAY_SNAPSHOT).write_text("")  # Ray stopped, or the disk filled, as it rewrote it
     cfg = ray_dp.Config(storage_path=str(tmp_path), name="run", epochs=3)
