@@ -77,6 +77,8 @@ _s3_server = None  # this worker's, launched once the tests are collected
 def pytest_configure(config):
     if (status := config.pluginmanager.get_plugin("terminaldistreporter")) and config.option.verbose < 0:
         status.getstatus = lambda: ""  # -q: dots only, not pytest-xdist's "bringing up nodes..." lines
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", 0):  # a process that collects tests
+        gc.disable()  # until collection ends: its imports (torch's, Ray's) leave nothing to collect; seconds of CPU
     if hasattr(config, "workerinput"):  # an xdist worker (not its subprocesses, which inherit PYTEST_XDIST_WORKER)
         import torch
         # one of 2 workers on 2 cores: a second thread of torch's would take the other worker's core (and spin
@@ -126,6 +128,7 @@ def pytest_collection_modifyitems(config, items):
     # What collection made (torch's, torchvision's, Ray's and the tests' objects) stays out of every later garbage
     # collection, the one at exit too (a second of CPU per process).
     gc.freeze()
+    gc.enable()
 
 
 @pytest.hookimpl(trylast=True)  # after every other plugin's

@@ -83,6 +83,7 @@ def fork_server_from_here():
             try:
                 os.close(alive_w)
                 gc.freeze()
+                gc.enable()  # (off while the tests were collected)
                 multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
             finally:
                 os._exit(0)

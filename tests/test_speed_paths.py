@@ -72,7 +72,7 @@ def test_a_workers_allocator_keeps_freed_blocks_and_gives_them_back_before_a_for
 IN_A_THREAD = """
 import ctypes, resource, sys, threading
 if sys.argv[1] == "ray_dp":
-    import torch, ray_dp
+    import ray_dp, torch
     def written():
         torch.empty(128 << 20, dtype=torch.uint8).fill_(1)
 else:
