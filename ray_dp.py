@@ -82,26 +82,29 @@ if (_problem := ray_version_problem(ray.__version__)):
 
 _COLLECTING = gc.isenabled()  # torch's and Ray's imports leave no garbage: 0.5 s of collections saved
 gc.disable()
+try:
+    import numpy as np
+    import psutil
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
 
-import numpy as np
-import psutil
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
-
-import ray.cloudpickle
-import ray.train
-import ray.train.torch
-from pyarrow import ArrowException, fs
-from ray.train import CheckpointConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from PIL import Image
-from tqdm import tqdm
+    import ray.cloudpickle
+    import ray.train
+    import ray.train.torch
+    from pyarrow import ArrowException, fs
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from PIL import Image
+    from tqdm import tqdm
+finally:
+    if _COLLECTING:
+        gc.enable()
 
 
 # ==================================================================================================
@@ -5342,8 +5345,6 @@ def probe_failure(error: ray.train.TrainingFailedError, seconds: float) -> str:
     return describe_training_error(error, {})
 
 
-if _COLLECTING:
-    gc.enable()
 if __name__ == "__main__":
     gc.freeze()  # the imports' objects out of every collection: most of a second of a short run
     sys.exit(main())

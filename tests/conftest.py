@@ -78,7 +78,7 @@ def pytest_configure(config):
     if (status := config.pluginmanager.get_plugin("terminaldistreporter")) and config.option.verbose < 0:
         status.getstatus = lambda: ""  # -q: dots only, not pytest-xdist's "bringing up nodes..." lines
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", 0):  # a process that collects tests
-        gc.disable()  # until collection ends: its imports (torch's, Ray's) leave nothing to collect; seconds of CPU
+        gc.disable()  # until collection ends (one collection then, not dozens during its imports: seconds of CPU)
     if hasattr(config, "workerinput"):  # an xdist worker (not its subprocesses, which inherit PYTEST_XDIST_WORKER)
         import torch
         # one of 2 workers on 2 cores: a second thread of torch's would take the other worker's core (and spin
@@ -119,6 +119,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.module.XDIST_GROUP))
     if any("s3" in item.fixturenames for item in items):
         _s3_server = launch_s3_server(S3_PORT)
+    gc.collect()  # the collection's garbage, once (before the forkserver is forked: it freezes what it holds)
     if any(getattr(item.module, "run_distributed", None) or getattr(item.module, "Distributed", None)
            for item in items):
         import helpers
@@ -133,6 +134,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(trylast=True)  # after every other plugin's
 def pytest_unconfigure(config):
+    gc.enable()  # (a session that ended before its collection did: pytest.main in a notebook goes on)
     if _s3_server is not None:
         stop(_s3_server)
     if hasattr(config, "workerinput"):  # an xdist worker (not its subprocesses, which inherit PYTEST_XDIST_WORKER)

@@ -41,7 +41,8 @@ FOLDER = dict(dataset="folder64", batch_size=12, epochs=2, lr=0.05, model="lenet
 # BatchNorm networks on these tiny random batches amplify rounding about a hundredfold per step (shufflenet in fp64:
 # 1e-13 after one step, 1e-9 after four, 2e-6 after eight, on 2 workers as on one process against itself in
 # another order): they train 2 steps, where the bound still tells rounding from error. The lessons' ResNet-18 costs
-# seconds a step here (11M parameters in fp64): on the folder's small images, 2 workers, once; shufflenet trains on 3.
+# seconds a step here (11M parameters in fp64): on the folder's small images, 2 workers, once; shufflenet takes SyncBN
+# with accumulation to 3.
 RESNET = dict(FOLDER, model="resnet18", sync_bn=True, image_size=12, epochs=1)
 SHUFFLENET = dict(model="shufflenet_v2_x0_5", sync_bn=True, synthetic_size=24, epochs=1)
 
@@ -49,8 +50,9 @@ OWN = os.path.join(REPO, "tests", "user_code.py")  # a user's own model, data an
 # (name, workers, config, workers of a rerun that resumes after the first epoch or None)
 COMBOS = [
     ("sgd-momentum-cosine", 2, dict(TWO), None),
-    ("plain-sgd-constant", 2, dict(momentum=0.0, lr_schedule="constant"), None),
+    ("plain-sgd-constant", 2, dict(TWO, momentum=0.0, lr_schedule="constant"), None),
     ("accum-2", 2, dict(accum_steps=2), None),
+    ("accum-3", 2, dict(accum_steps=3), None),
     ("warm-up", 2, dict(TWO, warmup_epochs=1), None),
     ("adamw-wd-clip", 2, dict(optimizer="adamw", lr=0.002, weight_decay=0.05, clip_grad_norm=1.0), None),
     ("amp", 2, dict(amp=True), None),
@@ -65,7 +67,8 @@ COMBOS = [
     ("3w-amp", 3, dict(amp=True), None),
     ("resnet18-sync-bn-accum-2-adamw", 2, dict(RESNET, accum_steps=2, optimizer="adamw", lr=0.001), None),
     ("shufflenet-sync-bn", 2, dict(SHUFFLENET), None),
-    ("3w-shufflenet-sync-bn-wd-clip", 3, dict(SHUFFLENET, weight_decay=0.01, clip_grad_norm=1.0), None),
+    ("3w-shufflenet-sync-bn-accum-2-wd-clip", 3, dict(SHUFFLENET, accum_steps=2, weight_decay=0.01,
+                                                        clip_grad_norm=1.0), None),
     ("folder-augment", 2, dict(FOLDER), None),
     ("3w-folder-augment-accum-2", 3, dict(FOLDER, accum_steps=2), None),
     ("folder-loader-process", 2, dict(FOLDER, loader_workers=1), None),

@@ -19,10 +19,14 @@ XDIST_GROUP = "test_object_storage"
 DIGITS = ["--dataset", "digits"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def unreachable_stores():
-    """Started before the module's first test, read by its last: each probe waits seconds for an answer."""
+@pytest.fixture(scope="module")
+def unreachable_stores(request):
+    """Probes of stores that do not answer, started by the module's first test if its last one (which reads them) is
+    selected: each waits seconds for an answer, meanwhile the module's other tests run."""
     from conftest import free_port
+    if not any(item.name.startswith("test_s3_unreachable") for item in request.session.items):
+        yield None
+        return
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with Distributed(refusals_of_unreachable_stores, 2, endpoint, UNREACHABLE_BUCKET) as probes:
         yield endpoint, probes
@@ -32,7 +36,7 @@ UNREACHABLE_BUCKET = "ray-dp-tests-no-such-bucket-4611"
 
 
 def refusals_of_unreachable_stores(endpoint, bucket):
-    """Rank 0 with AWS_ENDPOINT_URL where nothing listens, rank 1 without it (AWS: here no network, nothing is sent)
+    """Rank 0 with AWS_ENDPOINT_URL where nothing listens, rank 1 without it (AWS, whose name does not resolve here)
     and two flags side by side: what main prints (the environment is a process's). Starting Ray fails."""
     import contextlib
     from concurrent.futures import ThreadPoolExecutor
@@ -70,7 +74,8 @@ def images(s3, tmp_path_factory):
     return folder
 
 
-def test_missing_buckets_are_one_line_each_before_any_cluster_starts(s3, images, no_cluster, capsys):
+def test_missing_buckets_are_one_line_each_before_any_cluster_starts(s3, images, no_cluster, capsys,
+                                                                     unreachable_stores):
     endpoint = f"at {ray_dp.os.environ['AWS_ENDPOINT_URL']} (AWS_ENDPOINT_URL)"
     missing = f"bucket 'missing' does not exist {endpoint}: create it, or check its name and AWS_ENDPOINT_URL"
     for flags in (["--storage-path", "s3://missing/runs"], ["--weights", "s3://missing/w.pth"],
@@ -390,7 +395,8 @@ def test_the_doctor_passes_against_the_bucket_and_leaves_nothing_in_it(s3, image
 
 def test_s3_unreachable_at_its_endpoint_or_on_aws_is_one_line_naming_the_bucket_and_what_to_check(unreachable_stores):
     """Without AWS_ENDPOINT_URL, pyarrow asks AWS for the bucket's region as it opens the URI: here that fails at DNS,
-    elsewhere AWS answers that the bucket is missing or refused. (The module's last test: its probes have waited.)"""
+    elsewhere AWS answers that the bucket is missing or refused. (The module's last test: its probes have waited
+    meanwhile.)"""
     endpoint, probes = unreachable_stores
     [there], aws = probes.join()
     assert there == (2, f"ray_dp.py: error: --storage-path s3://runs/x: bucket 'runs' at {endpoint} (AWS_ENDPOINT_URL) "

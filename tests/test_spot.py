@@ -130,7 +130,7 @@ def runs(tmp_path_factory):
              ("folder-augment-loader-process", config(tmp, dataset="folder", loader_workers=1, checkpoint_every="2"),
               (5, 7)),
              ("dropout-adamw", config(tmp, model="mobilenet_v3_small", synthetic_size=24, optimizer="adamw",
-                                      lr=0.002, checkpoint_every="1"), (3,)),
+                                      lr=0.002, checkpoint_every="1"), (1, 3)),
              ("scratch", config(tmp, mode="scratch", lr_schedule="constant", momentum=0.0, checkpoint_every="2"),
               (3, 6, 9)),
              # your optimizer and schedule: the schedule's state in the checkpoint, with the optimizer's
