@@ -80,7 +80,7 @@ if (_problem := ray_version_problem(ray.__version__)):
         sys.exit(2)
     raise ImportError(_problem)
 
-_COLLECTING = gc.isenabled()  # torch's and Ray's imports leave no garbage: 0.5 s of collections saved
+_COLLECTING = gc.isenabled()  # torch's and Ray's imports leave no garbage: 0.5 s of collecting
 gc.disable()
 try:
     import numpy as np
