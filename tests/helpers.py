@@ -51,7 +51,7 @@ FORKSERVER = mp.get_context("forkserver")
 # What a forkserver started anew imports (without fork_server_from_here, or once its server has gone): torch._dynamo
 # too, which torch.optim imports with the first optimizer (3 s of CPU in every process), and torchvision, which every
 # rank on a folder or a torchvision model imports.
-PRELOAD = ["torch", "torch._dynamo", "torchvision", "ray_dp", "helpers", "pytest"]
+PRELOAD = ["torch", "torch._dynamo", "torchvision", "sklearn.datasets", "ray_dp", "helpers", "pytest"]
 FORKSERVER.set_forkserver_preload(PRELOAD)
 
 
