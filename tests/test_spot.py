@@ -29,7 +29,7 @@ from test_trust import tiny_folder
 XDIST_GROUP = "gloo-runs"
 BASE = dict(dataset="synthetic", synthetic_size=60, batch_size=12, epochs=2, lr=0.05, model="lenet", quiet=True,
             name="spot", checkpoint_every="1", log_every=1)
-OWN = os.path.join(REPO, "tests", "user_code.py")  # your optimizer and schedule, named by their file
+OWN = os.path.join(REPO, "tests", "user_code.py")  # your model, optimizer and schedule, named by their file
 
 
 class Killed(Exception):
@@ -129,7 +129,7 @@ def runs(tmp_path_factory):
     cases = [("in-memory-accum-2", config(tmp, accum_steps=2, log_every=2), ACCUM_KILLS),
              ("folder-augment-loader-process", config(tmp, dataset="folder", loader_workers=1, checkpoint_every="2"),
               (5, 7)),
-             ("dropout-adamw", config(tmp, model="mobilenet_v3_small", synthetic_size=24, optimizer="adamw",
+             ("dropout-adamw", config(tmp, model=f"{OWN}:DropoutCNN", synthetic_size=24, optimizer="adamw",
                                       lr=0.002, checkpoint_every="1"), (1, 3)),
              ("scratch", config(tmp, mode="scratch", lr_schedule="constant", momentum=0.0, checkpoint_every="2"),
               (3, 6, 9)),

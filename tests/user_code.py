@@ -32,6 +32,29 @@ class PlainCNN(nn.Module):
         return self.fc(torch.flatten(F.relu(self.conv(x)), 1))
 
 
+class BatchNormCNN(nn.Module):
+    """PlainCNN with BatchNorm after its convolution (for --sync-bn), still without randomness of its own."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 4, 5, stride=3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten())
+        self.fc = nn.Linear(4 * 8 * 8, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.features(x))
+
+
+class DropoutCNN(BatchNormCNN):
+    """BatchNormCNN with dropout before its output layer: randomness that differs on every rank and step."""
+
+    def __init__(self, num_classes=10):
+        super().__init__(num_classes)
+        self.dropout = nn.Dropout(0.25)
+
+    def forward(self, x):
+        return self.fc(self.dropout(self.features(x)))
+
+
 class TabularMLP(nn.Module):
     """An MLP for any table: it takes the width of a row and the number of outputs."""
 
