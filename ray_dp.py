@@ -762,8 +762,7 @@ def seed_generators(seed: int, device: torch.device, every_gpu: bool = False) ->
 
 
 def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device):
-    sampler = train_sampler(data, rank, world, cfg.seed)
-    workers = loader_workers(cfg, data)
+    sampler, workers = train_sampler(data, rank, world, cfg.seed), loader_workers(cfg, data)
     if not workers and isinstance(data, TensorDataset):
         return InMemoryBatches(data, sampler, cfg.micro_batch)
     if not isinstance(data, TensorDataset):
@@ -884,8 +883,7 @@ class Waited:
         self.batches, self.seconds = iter(batches), 0.0
 
     def __next__(self):
-        tic = time.perf_counter()
-        batch = next(self.batches)
+        tic, batch = time.perf_counter(), next(self.batches)
         self.seconds += time.perf_counter() - tic
         return batch
 
@@ -1300,8 +1298,7 @@ PREDICT_FLAGS = fields_where("evaluation", "free", "adopt") - PREDICT_OWN - {
     "download", "eval_only", "predict_out"} | {"model"}
 PREDICT_WORDS = {"--eval-only": "predict", "--predict-out": "--out", "--data-dir": "--inputs",
                  "--dataset": "--inputs"}
-DOCTOR_FLAGS = fields_where("doctor", True)
-PATH_FIELDS = fields_where("path", True)
+DOCTOR_FLAGS, PATH_FIELDS = fields_where("doctor", True), fields_where("path", True)
 CODE_FLAGS = tuple(f.name for f in fields(Config) if f.metadata["code"])
 STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
 FIELD_TYPES = {name: hint | int if float in (hint, *get_args(hint)) else hint  # 1 for 1.0 too
@@ -2102,13 +2099,18 @@ def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
 
 @functools.lru_cache(maxsize=64)
 def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Optional[str]:
-    try:
-        net = model_outline(name, sample_shape, num_classes).eval()
+    try:  # torchvision's models take any size: one outline serves a size search
+        net = outline_of(name, sample_shape if name in MODELS else sample_shape[:1], num_classes)
         with torch.no_grad():
             net(torch.zeros(2, *sample_shape, device=next(net.parameters()).device))
     except Exception as exc:
         return first_line(exc)
     return None
+
+
+@functools.lru_cache(maxsize=2)
+def outline_of(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
+    return model_outline(name, sample_shape, num_classes).eval()
 
 
 def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) -> Optional[int]:
@@ -4927,8 +4929,7 @@ def autoscaler_node_types(bootstrap_path: str = "~/ray_bootstrap_config.yaml") -
 #   4. its checkpoint list's file and keys        8. its placement-group cleaner's waits and logger
 # ==================================================================================================
 
-RAY_CHECKED = "2.60.0"
-_noted = set()
+RAY_CHECKED, _noted = "2.60.0", set()
 
 
 def ray_internal(module: str, name: str):
@@ -4966,8 +4967,7 @@ def under_torchrun() -> bool:
 HEALTH_CHECK_ERROR = "WorkerHealthCheckFailedError"
 # the memory monitor's words (every unexpected exit lists "the OOM killer" as a possible cause)
 RAY_OOM_KILLED = re.compile(r"low on memory|memory pressure|OUT_OF_MEMORY")
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
-SNAPSHOT_REREAD_S = 1.0
+RAY_SNAPSHOT, SNAPSHOT_REREAD_S = "checkpoint_manager_snapshot.json", 1.0
 SNAPSHOT_WAYS_ON = ("--eval-only one of the run's checkpoint_epoch_* directories, or rerun with "
                     "--fresh to start over")
 
