@@ -878,7 +878,6 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
 
 
 class Waited:
-
     def __init__(self, batches):
         self.batches, self.seconds = iter(batches), 0.0
 
@@ -1139,8 +1138,7 @@ def scratch_loop_per_worker(config: dict) -> dict:
     if isinstance(data := worker_data(cfg, options, worker), DataError):
         return {"data_error": str(data)}
     train_set, test_set = data
-    state = launcher.latest_checkpoint()
-    shape = train_set.tensors[0].shape
+    state, shape = launcher.latest_checkpoint(), train_set.tensors[0].shape
     params = get_params(init_lenet_params(cfg.seed, shape[1], shape[-1]) if state is None
                         else state_dict_to_params(state["model"]), worker.device)
 
@@ -2110,14 +2108,17 @@ def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Opti
 
 @functools.lru_cache(maxsize=2)
 def outline_of(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
-    return model_outline(name, sample_shape, num_classes).eval()
+    net = model_outline(name, sample_shape, num_classes).eval()
+    for path, layer in list(net.named_modules()):  # it keeps shapes, and is slow on meta
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            net.set_submodule(path, nn.Identity())
+    return net
 
 
 def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) -> Optional[int]:
     """The smallest square size above `fails` the model takes, up to 512 px: steps that double
     from `fails`, then bisection (most models take a size just above the one that failed)."""
-    @functools.cache
-    def takes(size: int) -> bool:
+    def takes(size: int) -> bool:  # (each answer cached by image_size_problem)
         return image_size_problem(name, (channels, size, size), num_classes) is None
     import bisect
     if not takes(512):  # a model of one size only (ViTs: 224)
@@ -3202,8 +3203,7 @@ class FailureLog(ray.train.UserCallback):
 # Mid-epoch saves and SIGTERM: the Checkpointer, which the loop asks once a step.
 # ==================================================================================================
 
-SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE = "sigterm", "driver", "due"
-VOTES = (SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE)
+VOTES = (SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE) = ("sigterm", "driver", "due")
 SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
