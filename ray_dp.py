@@ -2097,10 +2097,10 @@ def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
 
 @functools.lru_cache(maxsize=64)
 def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Optional[str]:
-    try:  # torchvision's models take any size: one outline serves a size search
+    try:  # torchvision's are built alike for any size: one outline serves a size search
         net = outline_of(name, sample_shape if name in MODELS else sample_shape[:1], num_classes)
         with torch.no_grad():
-            net(torch.zeros(2, *sample_shape, device=next(net.parameters()).device))
+            net(next(net.parameters()).new_zeros(2, *sample_shape))
     except Exception as exc:
         return first_line(exc)
     return None
@@ -2108,7 +2108,7 @@ def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Opti
 
 @functools.lru_cache(maxsize=2)
 def outline_of(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
-    net = model_outline(name, sample_shape, num_classes).eval()
+    net = model_outline(name, sample_shape, num_classes).to("meta").eval()  # (RegNets come built)
     for path, layer in list(net.named_modules()):  # it keeps shapes, and is slow on meta
         if isinstance(layer, nn.modules.batchnorm._BatchNorm):
             net.set_submodule(path, nn.Identity())

@@ -49,10 +49,12 @@ def _entry(rank, world, fn, workdir, keep_freed):
 # after collection): a test that sets a variable for its ranks passes it to them as an argument.
 FORKSERVER = mp.get_context("forkserver")
 # What a forkserver started anew imports (without fork_server_from_here, or once its server has gone): torch._dynamo
-# too, which torch.optim imports with the first optimizer (3 s of CPU in every process), and torchvision, which every
-# rank on a folder or a torchvision model imports.
+# too, which torch.optim imports with the first optimizer (3 s of CPU in every process), torchvision, which every
+# rank on a folder or a torchvision model imports, and scikit-learn's data sets, which every rank that loads a user's
+# wine or diabetes table imports (a second of CPU each).
 PRELOAD = ["torch", "torch._dynamo", "torchvision", "sklearn.datasets", "ray_dp", "helpers", "pytest"]
 FORKSERVER.set_forkserver_preload(PRELOAD)
+IMPORTED_BEFORE_PRELOAD = set()  # the modules the tests' collection had imported (ray_dp's too): test_data reads it
 
 
 def fork_server_from_here():
@@ -69,6 +71,7 @@ def fork_server_from_here():
     server = multiprocessing.forkserver._forkserver
     if server._forkserver_pid is not None:
         return
+    IMPORTED_BEFORE_PRELOAD.update(sys.modules)
     for module in PRELOAD:  # what the collected tests have not imported yet (a rank's DDP imports torch._dynamo)
         importlib.import_module(module)
     multiprocessing.resource_tracker.ensure_running()  # the ranks inherit its descriptor through the server

@@ -45,7 +45,8 @@ FOLDER = dict(dataset="folder64", batch_size=12, epochs=2, lr=0.05, model="lenet
 # accumulation on 3 workers trains your own network of one BatchNorm layer (each of shufflenet's 56 gathers its
 # statistics from 3 processes on 2 cores, in each forward and backward: seconds).
 RESNET = dict(FOLDER, model="resnet18", sync_bn=True, image_size=12, epochs=1)
-SHUFFLENET = dict(model="shufflenet_v2_x0_5", sync_bn=True, synthetic_size=24, epochs=1)
+SYNC_BN = dict(sync_bn=True, synthetic_size=24, epochs=1)
+SHUFFLENET = dict(SYNC_BN, model="shufflenet_v2_x0_5")
 
 OWN = os.path.join(REPO, "tests", "user_code.py")  # a user's own model, data and loss, named by their file
 # (name, workers, config, workers of a rerun that resumes after the first epoch or None)
@@ -68,7 +69,7 @@ COMBOS = [
     ("3w-amp", 3, dict(amp=True), None),
     ("resnet18-sync-bn-accum-2-adamw", 2, dict(RESNET, accum_steps=2, optimizer="adamw", lr=0.001), None),
     ("shufflenet-sync-bn", 2, dict(SHUFFLENET), None),
-    ("3w-own-batchnorm-sync-bn-accum-2-wd-clip", 3, dict(SHUFFLENET, model=f"{OWN}:BatchNormCNN", accum_steps=2,
+    ("3w-own-batchnorm-sync-bn-accum-2-wd-clip", 3, dict(SYNC_BN, model=f"{OWN}:BatchNormCNN", accum_steps=2,
                                                            weight_decay=0.01, clip_grad_norm=1.0), None),
     ("folder-augment", 2, dict(FOLDER), None),
     ("3w-folder-augment-accum-2", 3, dict(FOLDER, accum_steps=2), None),
