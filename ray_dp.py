@@ -2109,7 +2109,7 @@ def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Opti
 @functools.lru_cache(maxsize=2)
 def outline_of(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
     net = model_outline(name, sample_shape, num_classes).to("meta").eval()  # (RegNets come built)
-    for path, layer in list(net.named_modules()):  # it keeps shapes, and is slow on meta
+    for path, layer in list(net.named_modules()):  # BatchNorm keeps shapes and is slow on meta
         if isinstance(layer, nn.modules.batchnorm._BatchNorm):
             net.set_submodule(path, nn.Identity())
     return net
