@@ -49,10 +49,9 @@ def _entry(rank, world, fn, workdir, keep_freed):
 # after collection): a test that sets a variable for its ranks passes it to them as an argument.
 FORKSERVER = mp.get_context("forkserver")
 # What a forkserver started anew imports (without fork_server_from_here, or once its server has gone): torch._dynamo
-# too, which torch.optim imports with the first optimizer (3 s of CPU in every process), torchvision, which every
-# rank on a folder or a torchvision model imports, and scikit-learn's data sets, which every rank that loads a user's
-# wine or diabetes table imports (a second of CPU each).
-PRELOAD = ["torch", "torch._dynamo", "torchvision", "sklearn.datasets", "ray_dp", "helpers", "pytest"]
+# too, which torch.optim imports with the first optimizer (3 s of CPU in every process), and torchvision, which every
+# rank on a folder or a torchvision model imports. Not scikit-learn: user_code.py reads its tables without it.
+PRELOAD = ["torch", "torch._dynamo", "torchvision", "ray_dp", "helpers", "pytest"]
 FORKSERVER.set_forkserver_preload(PRELOAD)
 IMPORTED_BEFORE_PRELOAD = set()  # the modules the tests' collection had imported (ray_dp's too): test_data reads it
 

@@ -65,7 +65,7 @@ def test_digits_is_a_fixed_28x28_split_of_all_1797_digits():
 def sklearn_imported_by_load_digits():
     import sys
     for name in [name for name in sys.modules if name.partition(".")[0] == "sklearn"]:
-        del sys.modules[name]  # (the ranks' server imports it for the tests that load its other data sets)
+        del sys.modules[name]  # (whatever the ranks' server had imported)
     ray_dp.load_digits()
     return "sklearn" in sys.modules
 
@@ -76,8 +76,8 @@ def test_digits_are_scikit_learns_own_read_without_importing_it():
     digits = load_digits()
     assert (pixels.reshape(-1, 8, 8) == digits.images).all() and (labels == digits.target).all()
     assert len(labels) == 1797
-    # nor does importing ray_dp (what this process had imported before the ranks' server preloaded scikit-learn),
-    # and reading them does not either (in a process that then forgets scikit-learn)
+    # nor does importing ray_dp (what this process had imported when its tests were collected, before this test
+    # imported scikit-learn), and reading them does not either (in a process that then forgets scikit-learn)
     assert "ray_dp" in IMPORTED_BEFORE_PRELOAD and "sklearn" not in IMPORTED_BEFORE_PRELOAD
     assert run_distributed(sklearn_imported_by_load_digits, 1) == [False]
 

@@ -44,7 +44,7 @@ FOLDER = dict(dataset="folder64", batch_size=12, epochs=2, lr=0.05, model="lenet
 # seconds a step here (11M parameters in fp64): on the folder's small images, 2 workers, once. SyncBN with
 # accumulation on 3 workers trains your own network of one BatchNorm layer (each of shufflenet's 56 gathers its
 # statistics from 3 processes on 2 cores, in each forward and backward: seconds).
-RESNET = dict(FOLDER, model="resnet18", sync_bn=True, image_size=12, epochs=1)
+RESNET = dict(FOLDER, model="resnet18", sync_bn=True, image_size=8, epochs=1)
 SYNC_BN = dict(sync_bn=True, synthetic_size=24, epochs=1)
 SHUFFLENET = dict(SYNC_BN, model="shufflenet_v2_x0_5")
 
