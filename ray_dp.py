@@ -2109,8 +2109,9 @@ def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Opti
 @functools.lru_cache(maxsize=2)
 def outline_of(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
     net = model_outline(name, sample_shape, num_classes).to("meta").eval()  # (RegNets come built)
-    for path, layer in list(net.named_modules()):  # BatchNorm keeps shapes and is slow on meta
-        if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+    for path, layer in list(net.named_modules()):  # these keep shapes, and are slow on meta
+        if isinstance(layer, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.ReLU, nn.ReLU6,
+                              nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid)):
             net.set_submodule(path, nn.Identity())
     return net
 
@@ -2431,8 +2432,7 @@ def source_text(value) -> bytes:
 def code_for_workers(cfg: Config) -> list:
     """CODE and MODELS for Ray's workers: not the data set's function, nor what it read."""
     return [{spec: CODE[spec] for spec in (cfg.model, cfg.loss, cfg.optimizer, cfg.lr_schedule)
-             if spec in CODE},
-            {cfg.model: MODELS[cfg.model]} if cfg.model in MODELS else {}]
+             if spec in CODE}, {cfg.model: MODELS[cfg.model]} if cfg.model in MODELS else {}]
 
 
 # ==================================================================================================

@@ -26,8 +26,8 @@ def free_port() -> int:
 # Object storage: an S3-protocol server (moto's) on 127.0.0.1, reached as a user reaches any
 # S3-compatible store, through AWS_ENDPOINT_URL. Said here, before the shared Ray starts, so that its
 # processes reach it too; credentials of the server's own (it takes any), and no instance metadata
-# to ask for others: nothing goes to any other address. Each pytest-xdist worker starts one once its
-# tests are collected, if it collected a test that needs it (s3).
+# to ask for others: nothing goes to any other address. A pytest-xdist worker starts one for its first
+# test that needs it (s3), which the tests' groups give one worker in the fast layer.
 S3_PORT = free_port()
 os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCESS_KEY_ID": "testing",
                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
@@ -70,7 +70,7 @@ def stop(server: subprocess.Popen) -> None:
         server.kill()
 
 
-_s3_server = None  # this worker's, launched once the tests are collected
+_s3_server = None  # this worker's, launched by its first test that needs it
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own
@@ -107,18 +107,14 @@ RAY_GROUPS = dict.fromkeys(["test_multinode", "test_newcomer", "test_doctor", "t
 def pytest_collection_modifyitems(config, items):
     """pytest-xdist runs the tests on 2 processes (pytest.ini), and each of these groups on one of them: each of
     RAY_GROUPS' two groups of Ray tests (a Ray instance each), and the other tests of a module that names its
-    XDIST_GROUP (those that share a module-scoped fixture). What the selected tests need starts now, while the first
-    tests run: the S3 server (seconds of imports), and the gloo tests' forkserver (helpers.fork_server_from_here:
-    forked from here). Then this process is set up as a training process (keep_freed_memory) and its objects so far
-    frozen."""
-    global _s3_server
+    XDIST_GROUP (those that share a module-scoped fixture). The gloo tests' forkserver starts now
+    (helpers.fork_server_from_here: forked from here). Then this process is set up as a training process
+    (keep_freed_memory) and its objects so far frozen."""
     for item in items:
         if item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group(RAY_GROUPS.get(item.module.__name__, "ray")))
         elif hasattr(item.module, "XDIST_GROUP"):
             item.add_marker(pytest.mark.xdist_group(item.module.XDIST_GROUP))
-    if any("s3" in item.fixturenames for item in items):
-        _s3_server = launch_s3_server(S3_PORT)
     gc.collect()  # the collection's garbage, once (before the forkserver is forked: it freezes what it holds)
     if any(getattr(item.module, "run_distributed", None) or getattr(item.module, "Distributed", None)
            for item in items):
@@ -148,7 +144,9 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def s3():
     """This worker's S3 server for the session, and a boto3 client of it (buckets are made with it)."""
-    import boto3
+    global _s3_server
+    _s3_server = _s3_server or launch_s3_server(S3_PORT)
+    import boto3  # (while the server starts)
     answers_at(_s3_server, S3_PORT)
     yield boto3.client("s3")
 
