@@ -17,6 +17,9 @@ import ray_dp
 from helpers import here, run_distributed, save_run, train_worker
 from test_spot import Saves
 
+# Its digest tests share a module-scoped fixture (one process group for all): under pytest-xdist they run on one worker.
+XDIST_GROUP = "test_health"
+
 CPU = torch.device("cpu")
 
 
@@ -42,37 +45,55 @@ def digest_check(model_name, dtype, change, stage):
     return error, slots[2 * rank:2 * rank + 2].tolist()
 
 
+NUDGE = ("nudge", 1, "classifier.0.bias")  # one element of a tensor on rank 1, by a step its dtype holds
+BUFFER_NUDGE = ("nudge", 2, "1.running_mean", 1e-6)  # BatchNorm's running mean on rank 2
+DIGEST_CASES = {
+    **{("equal", dtype): ("lenet", dtype, None, "epoch") for dtype in (torch.float32, torch.bfloat16, torch.float64)},
+    ("nudged", torch.float32): ("lenet", torch.float32, (*NUDGE, 1e-6), "step"),
+    ("nudged", torch.bfloat16): ("lenet", torch.bfloat16, (*NUDGE, 1e-2), "step"),  # 8 bits of mantissa
+    "constant": ("lenet", torch.float32, ("constant", 2), "step"),
+    **{("buffer", stage): ("resnet18", torch.float32, BUFFER_NUDGE, stage) for stage in ("step", "epoch")},
+}
+
+
+def digest_checks(cases):
+    return {case: digest_check(*arguments) for case, arguments in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def digests():
+    """Each of DIGEST_CASES on 3 ranks: [(error, digest) of each rank]. One process group runs them all (a group's
+    processes take a second of CPU to start and stop)."""
+    ranks = run_distributed(digest_checks, 3, DIGEST_CASES)
+    return {case: [rank[case] for rank in ranks] for case in DIGEST_CASES}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_equal_replicas_give_equal_digests_on_every_rank(dtype):
-    out = run_distributed(digest_check, 3, "lenet", dtype, None, "epoch")
+def test_equal_replicas_give_equal_digests_on_every_rank(dtype, digests):
+    out = digests["equal", dtype]
     assert [error for error, _ in out] == [None] * 3
     assert out[0][1] == out[1][1] == out[2][1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_parameter_changed_on_one_rank_of_3_is_named_with_its_rank_and_tensor(dtype):
-    by = 1e-2 if dtype == torch.bfloat16 else 1e-6  # bf16 holds 8 bits of mantissa
-    out = run_distributed(digest_check, 3, "lenet", dtype, ("nudge", 1, "classifier.0.bias", by), "step")
+def test_a_parameter_changed_on_one_rank_of_3_is_named_with_its_rank_and_tensor(dtype, digests):
+    out = digests["nudged", dtype]
     assert out[0][0] == out[1][0] == out[2][0] == (
         "the replicas differ in the test: rank 1 of 3 hold other values than rank 0, first in classifier.0.bias; "
         "nothing is saved from them, and the same command resumes from the last checkpoint")
 
 
-def test_equal_values_changed_together_are_seen_though_their_xor_is_not():
+def test_equal_values_changed_together_are_seen_though_their_xor_is_not(digests):
     # a constant tensor of even size: the xor of its elements' bits is 0 whatever the constant
     assert torch.hash_tensor(torch.full((4,), 0.5)) == torch.hash_tensor(torch.full((4,), 0.25))
-    out = run_distributed(digest_check, 3, "lenet", torch.float32, ("constant", 2), "step")
-    assert "rank 2 of 3 hold other values than rank 0, first in classifier.0.bias" in out[0][0]
+    assert "rank 2 of 3 hold other values than rank 0, first in classifier.0.bias" in digests["constant"][0][0]
 
 
-def test_buffers_are_compared_where_rank_0s_were_just_broadcast_and_not_between():
+def test_buffers_are_compared_where_rank_0s_were_just_broadcast_and_not_between(digests):
     # BatchNorm's running mean differs between ranks between two forward passes (DDP broadcasts rank 0's before
     # each): at a step it is not compared; at an epoch's end (rank 0's broadcast for evaluation) it is
-    change = ("nudge", 2, "1.running_mean", 1e-6)
-    assert [error for error, _ in run_distributed(digest_check, 3, "resnet18", torch.float32, change, "step")] == [
-        None] * 3
-    errors = [error for error, _ in run_distributed(digest_check, 3, "resnet18", torch.float32, change, "epoch")]
-    assert "rank 2 of 3 hold other values than rank 0, first in 1.running_mean" in errors[0]
+    assert [error for error, _ in digests["buffer", "step"]] == [None] * 3
+    assert "rank 2 of 3 hold other values than rank 0, first in 1.running_mean" in digests["buffer", "epoch"][0][0]
 
 
 NUDGED = """
