@@ -84,12 +84,12 @@ def test_model_list_shows_ray_dps_and_torchvisions_models(capsys):
 
 
 def test_weights_keep_what_fits_and_say_what_is_new(tmp_path):
-    imagenet_like = ray_dp.build_model("resnet50", (3, 224, 224), 1000)
-    torch.save(imagenet_like.state_dict(), tmp_path / "resnet50.pth")
+    imagenet_like = ray_dp.build_model("torchvision.resnet18", (3, 224, 224), 1000)  # ImageNet's shapes
+    torch.save(imagenet_like.state_dict(), tmp_path / "resnet18.pth")
     info = ray_dp.DataInfo((100, 10), (3, 64, 64), [str(c) for c in range(5)], True)
-    cfg = ray_dp.Config(model="resnet50", weights=str(tmp_path / "resnet50.pth"))
+    cfg = ray_dp.Config(model="torchvision.resnet18", weights=str(tmp_path / "resnet18.pth"))
     assert ray_dp.check_weights(cfg, info).endswith("new (fine-tuned from scratch): fc.weight, fc.bias")
-    fine_tuned = ray_dp.build_model("resnet50", (3, 64, 64), 5)
+    fine_tuned = ray_dp.build_model("torchvision.resnet18", (3, 64, 64), 5)
     kept, new = ray_dp.load_weights(fine_tuned, ray_dp.read_weights(cfg.weights))
     assert new == ["fc.weight", "fc.bias"]
     assert all(torch.equal(fine_tuned.state_dict()[k], imagenet_like.state_dict()[k]) for k in kept)
@@ -111,7 +111,8 @@ def test_weights_keep_what_fits_and_say_what_is_new(tmp_path):
     (["--mode", "scratch", "--dataset", "folder"], "--dataset folder needs --mode ddp"),
 ])
 def test_bad_own_data_and_model_flags_are_one_line(argv, message, tmp_path, no_cluster, capsys):
-    torch.save(ray_dp.build_model("resnet18", (1, 28, 28)).state_dict(), tmp_path / "resnet.pth")
+    if "{resnet}" in argv:  # (an 11M-parameter model to build and write: only where it is read)
+        torch.save(ray_dp.build_model("resnet18", (1, 28, 28)).state_dict(), tmp_path / "resnet.pth")
     (tmp_path / "notes.pth").write_text("not a tensor file")
     paths = dict(resnet=tmp_path / "resnet.pth", notes=tmp_path / "notes.pth", missing=tmp_path / "none.pth")
     argv = [a.format(**paths) for a in argv]
