@@ -162,6 +162,15 @@ def refusing_s3(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def worker_like_process():
+    """helpers.WorkerLikeProcess for the session (its tests share an xdist group: one start)."""
+    import helpers
+    process = helpers.WorkerLikeProcess()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray instance shared by the Ray tests of a pytest-xdist worker (start-up costs ~20 s)."""
     import ray

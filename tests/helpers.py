@@ -135,6 +135,54 @@ def run_distributed(fn, world, *args, keep_freed=True):
         return ranks.join()
 
 
+# A process started as Ray starts a training worker: another hash seed, glibc's one arena (ray_dp's runtime
+# environment), ray_dp imported. It runs what the tests send it, one request at a time: `argument` in, `result` out.
+SERVE = """
+import pickle, sys, traceback
+import ray_dp, torch
+requests, answers = sys.stdin.buffer, sys.stdout.buffer
+sys.stdout = sys.stderr  # (what the code prints)
+while True:
+    try:
+        source, argument = pickle.load(requests)
+    except EOFError:
+        break
+    namespace = {"argument": argument}
+    try:
+        exec(source, namespace)
+        answer = (True, namespace.get("result"))
+    except Exception:
+        answer = (False, traceback.format_exc())
+    pickle.dump(answer, answers)
+    answers.flush()
+"""
+
+
+class WorkerLikeProcess:
+    """SERVE in a fresh interpreter with PYTHONHASHSEED=hash_seed and MALLOC_ARENA_MAX as ray_dp's workers get it:
+    one start (3 s of CPU, its imports) for the tests that need such a process (conftest.worker_like_process)."""
+
+    def __init__(self, hash_seed=1):
+        import subprocess
+        env = {k: v for k, v in os.environ.items() if k not in ray_dp.MALLOC_SETTINGS}
+        env.update(ray_dp.worker_env(ray_dp.Config())["env_vars"], PYTHONHASHSEED=str(hash_seed))
+        self.process = subprocess.Popen([sys.executable, "-c", SERVE], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
+
+    def run(self, source, argument=None):
+        """exec(source) there, `argument` given; what it left in `result`."""
+        import pickle
+        pickle.dump((source, argument), self.process.stdin)
+        self.process.stdin.flush()
+        done, result = pickle.load(self.process.stdout)
+        assert done, result
+        return result
+
+    def stop(self):
+        self.process.stdin.close()
+        self.process.wait(10)
+
+
 def train(tmp_path, name, *flags):
     """ray_dp.py's main with these flags (runs and events under tmp_path); the run's result.json."""
     assert ray_dp.main(["--storage-path", str(tmp_path), "--name", name, "--logdir", str(tmp_path / "tb"),

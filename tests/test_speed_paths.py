@@ -67,11 +67,12 @@ def test_a_workers_allocator_keeps_freed_blocks_and_gives_them_back_before_a_for
 
 
 # Blocks of 128 MB written and freed in a thread, as Ray trains in a thread of the worker process; the page faults
-# of the last 8. With ray_dp: its thresholds (keep_freed_memory) and torch's allocator, as a worker has them. Without:
-# glibc's malloc under the same thresholds, in a process that does not import torch (seconds of CPU).
+# of the last 8. With ray_dp: its thresholds (keep_freed_memory) and torch's allocator, in a process started as Ray
+# starts a worker (conftest.worker_like_process). Without: glibc's malloc under the same thresholds, in a process
+# started with glibc's defaults, that does not import torch (seconds of CPU).
 IN_A_THREAD = """
 import ctypes, resource, sys, threading
-if sys.argv[1] == "ray_dp":
+if WITH_RAY_DP:
     import ray_dp, torch
     def written():
         torch.empty(128 << 20, dtype=torch.uint8).fill_(1)
@@ -84,11 +85,11 @@ else:
         libc.memset(block, 1, 128 << 20)
         libc.free(block)
 def steps(out):
-    if sys.argv[1] == "ray_dp":
+    if WITH_RAY_DP:
         ray_dp.keep_freed_memory()
     else:
-        assert all(libc.mallopt(int(option), int(sys.argv[2])) for option in sys.argv[3:])
-    for _ in range(10 if sys.argv[1] == "ray_dp" else 1):  # the heap grows until the block fits
+        assert all(libc.mallopt(int(option), int(sys.argv[1])) for option in sys.argv[2:])
+    for _ in range(10 if WITH_RAY_DP else 1):  # the heap grows until the block fits
         written()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(8):
@@ -97,28 +98,23 @@ def steps(out):
 out = []
 thread = threading.Thread(target=steps, args=(out,))
 thread.start(), thread.join()
-print(out[0])
+result = out[0]
 """
 
 
 @pytest.mark.skipif(not glibc(), reason="mallopt is glibc's")
-def test_a_thread_keeps_its_freed_128_mb_blocks_in_the_one_arena_rays_workers_get():
+@pytest.mark.xdist_group("worker-like-process")
+def test_a_thread_keeps_its_freed_128_mb_blocks_in_the_one_arena_rays_workers_get(worker_like_process):
     pages = (128 << 20) // os.sysconf("SC_PAGE_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in ray_dp.MALLOC_SETTINGS}
-    arena_max = ray_dp.worker_env(ray_dp.Config())["env_vars"]["MALLOC_ARENA_MAX"]
     thresholds = [str(ray_dp.KEPT_FREED_BYTES), str(ray_dp.M_MMAP_THRESHOLD), str(ray_dp.M_TRIM_THRESHOLD)]
-    # side by side
-    own_arena, one_arena = [subprocess.Popen([sys.executable, "-c", IN_A_THREAD, *argv], env={**env, **extra},
-                                             stdout=subprocess.PIPE, text=True)
-                            for argv, extra in ((["malloc", *thresholds], {}),
-                                                (["ray_dp"], {"MALLOC_ARENA_MAX": arena_max}))]
-    printed = [process.communicate()[0] for process in (own_arena, one_arena)]
-    assert own_arena.returncode == one_arena.returncode == 0
-    faults = [int(out.split()[-1]) for out in printed]
+    own_arena = subprocess.run([sys.executable, "-c", f"WITH_RAY_DP = False\n{IN_A_THREAD}\nprint(result)",
+                                *thresholds], env=env, capture_output=True, text=True)
+    assert own_arena.returncode == 0, own_arena.stderr[-800:]
     # a thread's own arena: each block over 64 MiB comes fresh from the kernel, thresholds or not
-    assert faults[0] >= 8 * pages * 0.9
+    assert int(own_arena.stdout) >= 8 * pages * 0.9
     # the runtime environment of Ray's training workers: one arena, whose thresholds keep the block
-    assert faults[1] < pages / 10
+    assert worker_like_process.run(f"WITH_RAY_DP = True\n{IN_A_THREAD}") < pages / 10
 
 
 @pytest.mark.parametrize("name,shape", [("lenet", (1, 28, 28)), ("resnet18", (1, 12, 12)),
