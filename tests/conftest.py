@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -126,6 +127,33 @@ def pytest_collection_modifyitems(config, items):
     # collection, the one at exit too (a second of CPU per process).
     gc.freeze()
     gc.enable()
+
+
+_cleaning = None  # the thread that removes older runs' temporary directories
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's, which made this run's temporary directory
+def pytest_sessionstart(session):
+    """The temporary directories of runs before the last tmp_path_retention_count, which pytest removes as the run
+    ends (a second of the disk's for the thousands of files a run leaves), go now, in a thread: under pytest-xdist this process
+    waits for its workers meanwhile."""
+    global _cleaning
+    config = session.config
+    keep = int(config.getini("tmp_path_retention_count"))
+    if (hasattr(config, "workerinput") or config.option.basetemp or not keep
+            or config.getini("tmp_path_retention_policy") == "none"):
+        return
+    from _pytest.pathlib import LOCK_TIMEOUT, cleanup_numbered_dir  # pytest's own, with its locks
+    root = config._tmp_path_factory.getbasetemp().parent
+    _cleaning = threading.Thread(target=cleanup_numbered_dir, daemon=True,
+                                 args=(root, "pytest-", keep, time.time() - LOCK_TIMEOUT))
+    _cleaning.start()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own cleanup
+def pytest_sessionfinish(session):
+    if _cleaning is not None:
+        _cleaning.join()
 
 
 @pytest.hookimpl(trylast=True)  # after every other plugin's
