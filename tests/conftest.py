@@ -135,8 +135,8 @@ _cleaning = None  # the thread that removes older runs' temporary directories
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's, which made this run's temporary directory
 def pytest_sessionstart(session):
     """The temporary directories of runs before the last tmp_path_retention_count, which pytest removes as the run
-    ends (a second of the disk's for the thousands of files a run leaves), go now, in a thread: under pytest-xdist this process
-    waits for its workers meanwhile."""
+    ends (a second of the disk's for the thousands of files a run leaves), go now, in a thread: under pytest-xdist
+    this process only waits for its workers meanwhile."""
     global _cleaning
     config = session.config
     keep = int(config.getini("tmp_path_retention_count"))
