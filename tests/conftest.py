@@ -28,7 +28,8 @@ def free_port() -> int:
 # S3-compatible store, through AWS_ENDPOINT_URL. Said here, before the shared Ray starts, so that its
 # processes reach it too; credentials of the server's own (it takes any), and no instance metadata
 # to ask for others: nothing goes to any other address. A pytest-xdist worker starts one for its first
-# test that needs it (s3), which the tests' groups give one worker in the fast layer.
+# test that needs it (s3), or before its Ray if its session has such a test (the port was picked here:
+# Ray's processes would take other ports meanwhile).
 S3_PORT = free_port()
 os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCESS_KEY_ID": "testing",
                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
@@ -169,11 +170,15 @@ def pytest_unconfigure(config):
         os._exit(0)
 
 
+def launch_this_workers_s3_server():
+    global _s3_server
+    _s3_server = _s3_server or launch_s3_server(S3_PORT)
+
+
 @pytest.fixture(scope="session")
 def s3():
     """This worker's S3 server for the session, and a boto3 client of it (buckets are made with it)."""
-    global _s3_server
-    _s3_server = _s3_server or launch_s3_server(S3_PORT)
+    launch_this_workers_s3_server()
     import boto3  # (while the server starts)
     answers_at(_s3_server, S3_PORT)
     yield boto3.client("s3")
@@ -199,11 +204,13 @@ def worker_like_process():
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(request):
     """One local Ray instance shared by the Ray tests of a pytest-xdist worker (start-up costs ~20 s)."""
     import ray
 
     import ray_dp
+    if any("s3" in item.fixturenames for item in request.session.items):
+        launch_this_workers_s3_server()
     # 4 logical CPUs on a 2-core machine: room for 3 one-CPU workers plus Ray Train's controller.
     ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env=ray_dp.RUNTIME_ENV,
              logging_level="WARNING")

@@ -1,10 +1,12 @@
 """What several test files share: the repository's path, small random data, a gloo process-group
 launcher for exact maths tests (no Ray), and a training run through ray_dp.main with its result."""
 import concurrent.futures
+import contextlib
 import gc
 import importlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -138,10 +140,11 @@ def run_distributed(fn, world, *args, keep_freed=True):
 # A process started as Ray starts a training worker: another hash seed, glibc's one arena (ray_dp's runtime
 # environment), ray_dp imported. It runs what the tests send it, one request at a time: `argument` in, `result` out.
 SERVE = """
-import pickle, sys, traceback
+import os, pickle, sys, traceback
 import ray_dp, torch
-requests, answers = sys.stdin.buffer, sys.stdout.buffer
-sys.stdout = sys.stderr  # (what the code prints)
+requests, answers = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)  # what the code prints, even to file descriptor 1, goes to stderr
+sys.stdout = sys.stderr
 while True:
     try:
         source, argument = pickle.load(requests)
@@ -151,7 +154,7 @@ while True:
     try:
         exec(source, namespace)
         answer = (True, namespace.get("result"))
-    except Exception:
+    except BaseException:  # (SystemExit too: the process serves on)
         answer = (False, traceback.format_exc())
     pickle.dump(answer, answers)
     answers.flush()
@@ -163,7 +166,6 @@ class WorkerLikeProcess:
     one start (3 s of CPU, its imports) for the tests that need such a process (conftest.worker_like_process)."""
 
     def __init__(self, hash_seed=1):
-        import subprocess
         env = {k: v for k, v in os.environ.items() if k not in ray_dp.MALLOC_SETTINGS}
         env.update(ray_dp.worker_env(ray_dp.Config())["env_vars"], PYTHONHASHSEED=str(hash_seed))
         self.process = subprocess.Popen([sys.executable, "-c", SERVE], cwd=REPO, env=env, stdin=subprocess.PIPE,
@@ -172,15 +174,22 @@ class WorkerLikeProcess:
     def run(self, source, argument=None):
         """exec(source) there, `argument` given; what it left in `result`."""
         import pickle
-        pickle.dump((source, argument), self.process.stdin)
-        self.process.stdin.flush()
-        done, result = pickle.load(self.process.stdout)
+        try:
+            pickle.dump((source, argument), self.process.stdin)
+            self.process.stdin.flush()
+            done, result = pickle.load(self.process.stdout)
+        except (EOFError, BrokenPipeError):
+            raise AssertionError(f"the worker-like process ended (exit status {self.process.wait(10)})") from None
         assert done, result
         return result
 
     def stop(self):
-        self.process.stdin.close()
-        self.process.wait(10)
+        with contextlib.suppress(BrokenPipeError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
 
 def train(tmp_path, name, *flags):

@@ -17,7 +17,8 @@ import ray_dp
 from helpers import here, run_distributed, save_run, train_worker
 from test_spot import Saves
 
-# Its digest tests share a module-scoped fixture (one process group for all): under pytest-xdist they run on one worker.
+# Its digest tests share a module-scoped fixture (one process group for all): under pytest-xdist the module's tests run
+# on one worker, which computes it once.
 XDIST_GROUP = "test_health"
 
 CPU = torch.device("cpu")

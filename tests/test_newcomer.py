@@ -57,7 +57,7 @@ def as_old_run(run_dir, states):
 
 
 def test_epochs_count_from_1_and_a_run_from_before_is_refused_in_one_line(tmp_path, no_cluster, capsys):
-    cfg = ray_dp.with_absolute_paths(ray_dp.Config(dataset="synthetic", synthetic_size=48, epochs=2, name="old",
+    cfg = ray_dp.with_absolute_paths(ray_dp.Config(dataset="synthetic", synthetic_size=64, epochs=2, name="old",
                                                    storage_path=str(tmp_path / "runs")))
     first = Recorder()
     out = train_here(cfg, first)
@@ -65,7 +65,7 @@ def test_epochs_count_from_1_and_a_run_from_before_is_refused_in_one_line(tmp_pa
     assert [m["epoch"] for m in out["history"]] == [1, 2] and out["started_at_epoch"] == 1
     as_old_run(tmp_path / "runs" / "old", first.saved)
     old = tmp_path / "runs" / "old" / "checkpoint_epoch_001"
-    synthetic = ["--dataset", "synthetic", "--synthetic-size", "48"]
+    synthetic = ["--dataset", "synthetic", "--synthetic-size", "64"]  # a step of the default global batch
     err = error_of(["--name", "old", *synthetic, *runs(tmp_path), "--epochs", "3"], capsys)
     assert f"run 'old' cannot resume: {old / ray_dp.CHECKPOINT_FILE} is a format-1 checkpoint (epochs counted " \
            f"from 0), which this ray_dp.py no longer reads: train the run again" in err

@@ -99,6 +99,7 @@ out = []
 thread = threading.Thread(target=steps, args=(out,))
 thread.start(), thread.join()
 result = out[0]
+ctypes.CDLL(None).malloc_trim(0)  # the kept block back to the kernel (a shared process serves on)
 """
 
 

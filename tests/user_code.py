@@ -94,7 +94,9 @@ def split(features, targets, test_every=5):
 def sklearn_table(name, **options):
     """A table of the data folder in scikit-learn's wheel, read as scikit-learn reads it, without importing it (a
     second of CPU in every process that loads the data)."""
-    folder = os.path.join(importlib.util.find_spec("sklearn").submodule_search_locations[0], "datasets", "data")
+    if (spec := importlib.util.find_spec("sklearn")) is None:
+        raise ImportError("these tables are scikit-learn's: pip install -r requirements.txt")
+    folder = os.path.join(spec.submodule_search_locations[0], "datasets", "data")
     return np.loadtxt(os.path.join(folder, name), **options)
 
 
