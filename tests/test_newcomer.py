@@ -3,6 +3,7 @@ that say where they went, a full disk, unreadable images, and ray_dp used from a
 import errno
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -308,6 +309,18 @@ print("SUMMARIES", json.dumps([[m["epoch"] for m in s["epochs"]] for s in (named
 """
 
 
+def answering(host, port, process, seconds=60):
+    """Once host:port takes connections (process: what should be listening there, still running)."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            assert process.poll() is None and time.time() < deadline, f"nothing answers at {host}:{port}"
+            time.sleep(0.2)
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(400)
 def test_ray_dp_trains_from_a_notebook_in_another_directory_locally_and_attached(tmp_path):
@@ -324,6 +337,7 @@ def test_ray_dp_trains_from_a_notebook_in_another_directory_locally_and_attached
     (tmp_path / "my_data.py").write_text(open(os.path.join(REPO, "tests", "user_code.py")).read()
                                          + "\nimport os\nos.remove(__file__)\n")
     try:
+        answering("127.0.0.5", 29379, head)  # as `ray start --head` returns to a user once the head is up
         script = NOTEBOOK.format(repo=REPO, address="127.0.0.5:29379")
         done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=360)
