@@ -111,7 +111,8 @@ def has_shape_of(readme, printed):
     the time line, the categories after the cluster's vary with what took a twentieth of a second or more."""
     def shape(line):
         if line.startswith("ray-dp: time:"):
-            return as_pattern(line.split(", data ")[0]) + ".*"
+            later = "|".join(re.escape(what) for what in ray_dp.LEDGER[2:] if what != "training steps")
+            return as_pattern(re.match(r".*? cluster [\d.]+ s", line).group(0)) + rf"(?:, (?:{later}) \d+\.\d s)*"
         return as_pattern(line)
     pattern = "".join("(?:.*\n)*?" if line == "..." else shape(line) + "\n" for line in readme)
     return re.fullmatch(pattern, "\n".join(printed) + "\n") is not None
