@@ -102,7 +102,8 @@ def groups_nothing() -> bool:
 
 # Ray's tests in two groups of about equal time, each with a Ray of its own (ray_cluster): pytest-xdist hands a group
 # to a worker as it runs short of tests, so they run side by side on most runs (one after the other otherwise).
-RAY_GROUPS = dict.fromkeys(["test_multinode", "test_newcomer", "test_doctor", "test_object_storage"], "ray-b")
+RAY_GROUPS = dict.fromkeys(["test_multinode", "test_newcomer", "test_doctor", "test_object_storage", "test_monitoring",
+                            "test_ray_internals"], "ray-b")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups

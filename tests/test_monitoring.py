@@ -108,11 +108,15 @@ def as_pattern(line):
 
 def has_shape_of(readme, printed):
     """The printed lines, in order, are the README's but for numbers; a README line '...' stands for any lines. Of
-    the time line, the categories after the cluster's vary with what took a twentieth of a second or more."""
+    the time line, the categories after the cluster's are LEDGER's, in its order, each there when it took a
+    twentieth of a second or more."""
+    later = "".join(rf"(?:, {re.escape(what)} (?!0\.0 )\d+\.\d s)?" for what in ray_dp.LEDGER[2:]
+                    if what != "training steps")
     def shape(line):
         if line.startswith("ray-dp: time:"):
-            later = "|".join(re.escape(what) for what in ray_dp.LEDGER[2:] if what != "training steps")
-            return as_pattern(re.match(r".*? cluster [\d.]+ s", line).group(0)) + rf"(?:, (?:{later}) \d+\.\d s)*"
+            head = re.match(r".*? cluster [\d.]+ s", line)
+            assert re.fullmatch(later, line[head.end():]), f"the README's time line is not LEDGER's: {line}"
+            return as_pattern(head.group(0)) + later
         return as_pattern(line)
     pattern = "".join("(?:.*\n)*?" if line == "..." else shape(line) + "\n" for line in readme)
     return re.fullmatch(pattern, "\n".join(printed) + "\n") is not None
@@ -154,3 +158,9 @@ def test_the_shape_check_tells_other_lines_apart():
     assert not has_shape_of(readme, printed[:-1] + ["wrote /tmp/a/runs/x-2/results.json"])  # another name
     assert not has_shape_of(readme, [line.replace("acc", "accuracy") for line in printed])
     assert not has_shape_of(readme, printed[1:])  # a line missing
+    for tail, shown in [(", waits for data 0.1 s, saves 0.3 s", True), ("", True), (", saves 0.1 s, data 0.2 s", False),
+                        (", training steps 0.1 s", False), (", lunch 0.1 s", False), (", saves 0.0 s", False)]:
+        time_line = "ray-dp: time: 7.5 s; driver 1.5 s, cluster 3.0 s" + tail  # LEDGER's, in its order, >= 0.05 s
+        assert has_shape_of(readme, printed[:4] + [time_line, printed[5]]) == shown, tail
+    with pytest.raises(AssertionError, match="not LEDGER's"):  # a README that names a category LEDGER lacks
+        has_shape_of([line + ", lunch 0.1 s" if line.startswith("ray-dp: time") else line for line in readme], printed)

@@ -244,15 +244,23 @@ def test_sigterm_to_the_drivers_whole_process_group_stops_its_own_ray_too_and_ex
                                "--storage-path", str(tmp_path), "--name", "group", "--logdir", str(tmp_path / "tb")],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
-    for line in driver.stdout:
-        if line.startswith("epoch 2/40"):
-            os.killpg(driver.pid, signal.SIGTERM)
-            signalled = time.time()
-            break
+    snapshot, deadline = tmp_path / "group" / "checkpoint_manager_snapshot.json", time.time() + 240
+    def epochs_committed():  # the highest whole epoch Ray lists (it keeps the latest 3)
+        text = snapshot.read_text() if snapshot.exists() else ""
+        return max(map(int, re.findall(r"checkpoint_epoch_(\d{3})(?![_\d])", text)), default=0)
+    try:  # rank 0 prints an epoch's line before its checkpoint is reported: wait for Ray's commit of epoch 2 or later
+        while epochs_committed() < 2:
+            assert driver.poll() is None and time.time() < deadline, "the run never committed epoch 2"
+            time.sleep(0.1)
+    finally:
+        if epochs_committed() < 2 and driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    os.killpg(driver.pid, signal.SIGTERM)
+    signalled = time.time()
     stderr = driver.communicate(timeout=120)[1]
     assert driver.returncode == 143 and time.time() - signalled < 30, stderr
-    # the workers get the signal too: they save at their next agreement, or Ray stops first and the last epoch's
-    # checkpoint is the one to resume from
+    # the workers get the signal too: they save at their next agreement, or Ray stops first and epoch 2's committed
+    # checkpoint, or a later epoch's, is the one to resume from
     stopped = re.fullmatch(r"ray_dp.py: stopped (after epoch (\d+) of 40|at epoch (\d+) of 40, step (\d+)) \(SIGTERM, "
                            r"to ray_dp's own Ray too\); the same command resumes from (\S+)", stderr.splitlines()[-1])
     assert stopped and os.path.isfile(stopped[5]), stderr
