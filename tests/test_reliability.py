@@ -1,4 +1,5 @@
 """Reliability: a dead worker, a killed driver, a corrupt checkpoint; bitwise-reproducible runs."""
+import contextlib
 import json
 import os
 import re
@@ -247,7 +248,7 @@ def test_sigterm_to_the_drivers_whole_process_group_stops_its_own_ray_too_and_ex
                                "--storage-path", str(tmp_path), "--name", "group", "--logdir", str(tmp_path / "tb")],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
-    snapshot, deadline = tmp_path / "group" / "checkpoint_manager_snapshot.json", time.time() + 240
+    snapshot, deadline = tmp_path / "group" / "checkpoint_manager_snapshot.json", time.time() + 150
     def epochs_committed():  # the highest whole epoch Ray lists (it keeps the latest 3)
         text = snapshot.read_text() if snapshot.exists() else ""
         return max(map(int, re.findall(r"checkpoint_epoch_(\d{3})(?![_\d])", text)), default=0)
@@ -256,11 +257,12 @@ def test_sigterm_to_the_drivers_whole_process_group_stops_its_own_ray_too_and_ex
             assert driver.poll() is None and time.time() < deadline, "the run never committed epoch 2"
             time.sleep(0.1)
     finally:
-        if epochs_committed() < 2 and driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
+        if epochs_committed() < 2:  # the group too: its own Ray outlives a driver that died
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(driver.pid, signal.SIGKILL)
     os.killpg(driver.pid, signal.SIGTERM)
     signalled = time.time()
-    stderr = driver.communicate(timeout=120)[1]
+    stderr = driver.communicate(timeout=100)[1]
     assert driver.returncode == 143 and time.time() - signalled < 30, stderr
     # the workers get the signal too: they save at their next agreement, or Ray stops first and epoch 2's committed
     # checkpoint, or a later epoch's, is the one to resume from
