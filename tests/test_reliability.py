@@ -215,7 +215,7 @@ def test_sigterm_to_the_driver_saves_within_seconds_however_long_the_steps_and_t
     signalled, step_signalled = time.time(), int((tmp_path / "fast.at").read_text() or 0)
     assert heard.wait(30), "the driver never took the SIGTERM"
     try:  # the steps stay 0.6 s until the run has stopped (a beat, an agreement, the save), so the steps it overran
-        driver.wait(timeout=60)  # count its seconds, however loaded the machine (once it sped them up after 8 s)
+        driver.wait(timeout=60)  # count its seconds, however loaded the machine
     except subprocess.TimeoutExpired:
         pass
     (tmp_path / "fast").touch()
