@@ -1144,7 +1144,7 @@ def scratch_loop_per_worker(config: dict) -> dict:
 
     def checkpoint_of(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
         return checkpoint_state(params_to_state_dict(params), {}, epoch, cfg, history,
-                                class_names(train_set), partial)
+                                class_names(train_set), partial, inputs=shape[1:])
     checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, params)
     history = checkpointer.resumed(state)
     with checkpointer:
@@ -1154,7 +1154,7 @@ def scratch_loop_per_worker(config: dict) -> dict:
                 break
             scores = evaluate(lambda X: lenet(X, params), test_set, worker.device)
             history.append({"epoch": epoch + 1, **trained, **scores})
-            checkpointer.save(checkpoint_of(epoch + 1, history) if worker.is_main else None)
+            checkpointer.save(checkpoint_of if worker.is_main else None)
             if checkpointer.stopped:
                 break
     return checkpointer.result()
@@ -1222,7 +1222,7 @@ def train_loop_per_worker(config: dict) -> dict:
         optimized = {**optimizer.state_dict(), **({"schedule": schedule.state_dict()}
                                                   if schedule is not None else {})}
         return checkpoint_state(unwrap(model).state_dict(), optimized, epoch, cfg, history,
-                                classes, partial, samples, width)
+                                classes, partial, samples, width, input_shape(cfg, train_set))
     checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, model, optimizer)
     history = checkpointer.resumed(state)
     with checkpointer:
@@ -1235,7 +1235,7 @@ def train_loop_per_worker(config: dict) -> dict:
             scores = evaluate_as_saved(model, test_set, cfg, worker.device, len(classes))
             history.append({"epoch": epoch + 1, **trained, **scores})
             # 9. every rank reports; rank 0 alone hands its checkpoint over, to be saved once
-            checkpointer.save(checkpoint_of(epoch + 1, history) if worker.is_main else None)
+            checkpointer.save(checkpoint_of if worker.is_main else None)
             if checkpointer.stopped:
                 break
     return checkpointer.result()
@@ -2615,15 +2615,17 @@ def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
 
 def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config,
                      history: list, classes: list, partial: Optional[dict] = None,
-                     samples: Optional[str] = None, outputs: int = 0) -> dict:
-    """The state after `epoch` epochs (and `partial`'s steps of the next), weights contiguous."""
-    model_state = {key: value.contiguous() for key, value in model_state.items()}
-    return {"model": model_state, "optimizer": optimizer_state, "epoch": epoch,
-            "certificate": certificate(model_state, optimizer_state, cfg.seed, epoch, partial),
-            "config": asdict(cfg), "history": list(history), "classes": list(classes),
-            "outputs": outputs or len(classes), "format": CHECKPOINT_FORMAT,
-            **({"partial": partial} if partial else {}),
-            **({"samples": samples} if samples else {}), "code": code_record(cfg)}
+                     samples: Optional[str] = None, outputs: int = 0, inputs: tuple = ()) -> dict:
+    """The state after `epoch` epochs (and `partial`'s steps of the next), certified; `inputs`:
+    one input's shape."""
+    state = {"model": {key: value.contiguous() if value.layout == torch.strided else value
+                       for key, value in model_state.items()},
+             "optimizer": optimizer_state, "epoch": epoch, "config": asdict(cfg),
+             "history": list(history), "classes": list(classes), "inputs": list(inputs),
+             "outputs": outputs or len(classes), "format": CHECKPOINT_FORMAT,
+             **({"partial": partial} if partial else {}),
+             **({"samples": samples} if samples else {}), "code": code_record(cfg)}
+    return {**state, "certificate": certificate(state)}
 
 
 def code_record(cfg: Config) -> dict:
@@ -3267,16 +3269,16 @@ class Checkpointer:
         line = (f"resuming at epoch {epoch} of {self.cfg.epochs}{at} with "
                 f"{plural(self.worker.world, 'worker')}, from the checkpoint {since}")
         self.resume_record = {"from": since.split(" ", 1)[1], "certified": False}
-        if "certificate" not in state or self.checkpoint_of is None:
+        if self.checkpoint_of is None:
             return line
         now = self.checkpoint_of(state["epoch"], self.history, self.resumed_at or None)
-        differ = [part for part, value in now["certificate"].items()
-                  if state["certificate"].get(part) != value]
+        if (differ := uncertified(state, now["certificate"])) is None:
+            return f"{line}; it carries no certificate: what was restored is not checked"
         if differ:  # the file was certified on the driver: this ray_dp restores it otherwise
             raise RuntimeError(f"the checkpoint {since} did not restore as saved: "
                                f"{', '.join(differ)} differ from what it certifies")
         self.resume_record["certified"] = True
-        return f"{line}: the same model, optimizer, data position and random streams as saved"
+        return f"{line}: the same model, optimizer, history and data position as saved"
 
     def epoch_start(self, epoch: int) -> tuple[int, EpochLoss]:
         """The epoch's first step and its loss so far: 0 and none, or a mid-epoch save's."""
@@ -3411,8 +3413,9 @@ class Checkpointer:
                 "first_step": marks.get("first_step"), "at": time.time(),
                 "since_save": self.lost, "saves": self.saved_count}
 
-    def save(self, state: Optional[dict]) -> None:
-        """History's last epoch ends on every rank: its line, rank 0's checkpoint, a stop."""
+    def save(self, checkpoint_of) -> None:
+        """History's last epoch ends on every rank: its line, rank 0's checkpoint (checkpoint_of
+        (epoch, history) on rank 0, None elsewhere), a stop."""
         self.ledger.charge("evaluation")
         metrics, marks = self.history[-1], self.worker.marks
         self.watchdog.progress(f"at the end of epoch {metrics['epoch']}")
@@ -3427,6 +3430,7 @@ class Checkpointer:
         if not self.replicas_agree("epoch", f"at the end of epoch {metrics['epoch']}"):
             return
         best = best_epoch(self.history, self.cfg.best_by) is metrics
+        state = checkpoint_of(metrics["epoch"], self.history) if checkpoint_of else None
         self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"]), "best": best,
                               "node": node_name()}, state, metrics["epoch"])
         self.saved()
@@ -3605,16 +3609,25 @@ INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
-    """Each tensor's torch.hash_tensor (an xor of its bits) and the integer sum of its bits (which
-    sees equal values changed together, where an xor cancels): int64 (n, 2), on its device."""
+    """Each tensor's torch.hash_tensor (an xor of its elements' bits) and the sum of its bits
+    weighted by position, 1, 2, 3, ... (which sees a value moved within it, as a transposed weight,
+    and equal values changed together, where an xor cancels): int64 (n, 2), on its device."""
     rows = torch.zeros(len(named), 2, dtype=torch.int64, device=device)
     for row, (_, tensor) in zip(rows, named):
-        bits = tensor.detach().reshape(-1)
+        bits = tensor.detach()
+        bits = (bits if bits.layout == torch.strided else bits.to_dense()).reshape(-1)
         bits = torch.view_as_real(bits).reshape(-1) if bits.is_complex() else bits
-        bits = bits.view(INT_OF_SIZE[bits.element_size()]) if bits.is_floating_point() else bits
+        bits = bits.view(INT_OF_SIZE[bits.element_size()])  # floats, unsigned: as signed integers
         if bits.numel():
-            row[0], row[1] = torch.hash_tensor(bits).view(torch.int64), bits.sum(dtype=torch.int64)
+            row[0], row[1] = torch.hash_tensor(bits).view(torch.int64), position_sum(bits)
     return rows
+
+
+def position_sum(bits: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
+    """The sum of (i + 1) x bits[i] in int64, which wraps alike on every device and in any order."""
+    weights = torch.arange(1, min(bits.numel(), chunk) + 1, device=bits.device)
+    return sum((part * weights[:len(part)]).sum() + start * part.sum(dtype=torch.int64)
+               for start, part in zip(range(0, bits.numel(), chunk), bits.split(chunk)))
 
 
 def digest(hashes: torch.Tensor, extra: str = "") -> bytes:
@@ -3663,20 +3676,22 @@ def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Wor
                     f"same command resumes from the last checkpoint")
 
 
-def certificate(model_state: dict, optimizer_state: dict, seed: int, epoch: int,
-                partial: Optional[dict]) -> dict:
-    """A digest of each part of a checkpoint: model, optimizer, data position, random streams."""
-    def of(state) -> str:
+CERTIFIED = ("model", "optimizer", "history", "data position")
+
+
+def certificate(state: dict) -> dict:
+    """A digest of each part of a checkpoint that a resume restores (CERTIFIED): the data position
+    is the epoch, --seed and a mid-epoch save's step, samples and loss sums. (The random streams
+    are no part: each is drawn anew from --seed and that position.)"""
+    def of(tree) -> str:
         tensors, values = [], []
-        for key, value in sorted(flat_items(state), key=lambda item: item[0]):
+        for key, value in sorted(flat_items(tree), key=lambda item: item[0]):
             (tensors if torch.is_tensor(value) else values).append((key, value))
         return digest(tensor_hashes(tensors, torch.device("cpu")), repr(values)).hex()
-    step, samples = (partial or {}).get("step", 0), (partial or {}).get("samples", 0)
-    position = {"epoch": epoch, "step": step, "samples": samples, "seed": seed}
-    streams = [stream_seed(seed, RANK_STREAM, 0, epoch, step),
-               stream_seed(seed, AUGMENTATION_STREAM, epoch, 0)]
-    return {"model": of(model_state), "optimizer": of(optimizer_state),
-            "data position": of(position), "random streams": of(streams)}
+    position = {"epoch": state["epoch"], "seed": state["config"].get("seed", 0),
+                **(state.get("partial") or {})}
+    return dict(zip(CERTIFIED, map(of, (state["model"], state["optimizer"], state["history"],
+                                        position))))
 
 
 def flat_items(tree, prefix: str = "") -> list:
@@ -3687,14 +3702,14 @@ def flat_items(tree, prefix: str = "") -> list:
     return [item for key, value in tree.items() for item in flat_items(value, f"{prefix}/{key}")]
 
 
-def uncertified(state: dict) -> list:
-    """The parts of a checkpoint that are not what its certificate says (none without one)."""
+def uncertified(state: dict, now: Optional[dict] = None) -> Optional[list]:
+    """The parts of a checkpoint not as its certificate says (`now`: the certificate of what was
+    restored from it); None if it carries no certificate (or an older ray_dp's)."""
     saved = state.get("certificate")
-    if not isinstance(saved, dict):
-        return []
-    now = certificate(state["model"], state.get("optimizer") or {}, state["config"].get("seed", 0),
-                      state["epoch"], state.get("partial"))
-    return [part for part in now if saved.get(part) != now[part]]
+    if not (isinstance(saved, dict) and set(saved) == set(CERTIFIED)):
+        return None
+    now = now or certificate({"optimizer": {}, "history": [], **state})
+    return [part for part in CERTIFIED if saved[part] != now[part]]
 
 
 class ForwardClock:
@@ -4189,7 +4204,7 @@ def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config
     contradicts it is refused) and checkpoint. `own`: fields the command sets (predict's inputs)."""
     path = checkpoint_file(cfg.eval_only)
     checkpoint = load_checkpoint(path)
-    if "model" in uncertified(checkpoint):
+    if "model" in (uncertified(checkpoint) or []):
         raise ConfigError(f"--eval-only {path}: its weights are not those its certificate says "
                           f"(the file was altered since it was saved)")
     trained = stored_config(checkpoint)

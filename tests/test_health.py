@@ -3,6 +3,7 @@ with its rank and tensor), a checkpoint's certificate (an altered one refused be
 run's time (its categories sum to the wall clock, a failure's loss counted), a straggler named, and what a rank's
 watchdog writes."""
 import contextlib
+import copy
 import io
 import json
 import os
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ray_dp
-from helpers import here, run_distributed, save_run, train_worker
+from helpers import error_of, here, run_distributed, save_run, train_worker
 from test_spot import Saves
 
 # Its digest tests share a module-scoped fixture (one process group for all): under pytest-xdist the module's tests run
@@ -176,7 +177,126 @@ def test_an_unaltered_checkpoint_matches_its_certificate():
     buffer = io.BytesIO()
     torch.save(state, buffer)
     assert ray_dp.uncertified(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)) == []
-    assert set(state["certificate"]) == {"model", "optimizer", "data position", "random streams"}
+    assert set(state["certificate"]) == {"model", "optimizer", "history", "data position"}
+
+
+SQUARE = """
+import torch.nn as nn
+class Square(nn.Module):
+    '''A square weight between two others.'''
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.Linear(16, 16), nn.Linear(16, 10))
+    def forward(self, x):
+        return self.net(x)
+"""
+
+
+def moved(state, change):
+    """The checkpoint's state with values moved within one tensor, as a conversion bug moves them; the part moved."""
+    model, momentum = state["model"], state["optimizer"]["state"][0]["momentum_buffer"]
+    if change == "transposed square weight":
+        model["net.2.weight"] = model["net.2.weight"].T.contiguous()
+    if change == "swapped output rows":
+        model["net.3.weight"] = model["net.3.weight"][[1, 0, *range(2, 10)]]
+    if change == "reversed bias":
+        model["net.3.bias"] = model["net.3.bias"].flip(0)
+    if change == "swapped momentum elements":
+        momentum[0, :2] = momentum[0, :2].flip(0).clone()
+    return "optimizer" if "momentum" in change else "model"
+
+
+@pytest.mark.parametrize("change", ["transposed square weight", "swapped output rows", "reversed bias",
+                                    "swapped momentum elements"])
+def test_a_checkpoint_whose_values_moved_within_a_tensor_is_refused_in_one_line_before_any_cluster(
+        change, tmp_path, no_cluster, capsys):
+    (tmp_path / "square.py").write_text(SQUARE)
+    cfg = ray_dp.with_absolute_paths(ray_dp.Config(model=f"{tmp_path}/square.py:Square", dataset="digits",
+                                                   storage_path=str(tmp_path / "runs"), name="r"))
+    torch.manual_seed(0)
+    net = ray_dp.build_model(cfg.model, (1, 28, 28))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.rand(4, 1, 28, 28)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "runs" / "r" / ray_dp.checkpoint_dir_name(1) / ray_dp.CHECKPOINT_FILE
+    path.parent.mkdir(parents=True)
+    state = ray_dp.checkpoint_state(net.state_dict(), optimizer.state_dict(), 1, cfg, [], [str(c) for c in range(10)])
+    part = moved(state, change)
+    torch.save(state, path)
+    err = error_of(["--model", cfg.model, "--dataset", "digits", "--storage-path", str(tmp_path / "runs"), "--name",
+                    "r"], capsys)
+    assert err.startswith(f"ray_dp.py: error: run 'r' cannot resume: its checkpoint {path} holds another {part} than "
+                          f"it certifies (it was altered since it was saved)")
+
+
+def test_the_certificate_covers_the_history_and_a_mid_epoch_saves_loss_sums():
+    model = ray_dp.build_model("lenet", (1, 28, 28))
+    history = [{"epoch": 1, "train_loss": 0.5, "test_loss": 0.25}]
+    partial = {"epoch": 1, "step": 3, "steps": 9, "samples": 192, "loss_sum": 123.5, "step_log": [[10, 0.75]],
+               "pending": [12.5, 64]}
+    state = ray_dp.checkpoint_state(model.state_dict(), {}, 1, ray_dp.Config(), history, [], partial)
+    assert ray_dp.uncertified(state) == []
+    for part, change in (("history", lambda s: s["history"][0].update(test_loss=0.125)),
+                         ("data position", lambda s: s["partial"].update(loss_sum=124.5)),
+                         ("data position", lambda s: s["partial"]["step_log"][0].__setitem__(1, 0.5)),
+                         ("data position", lambda s: s["partial"].update(pending=[12.5, 32]))):
+        altered = copy.deepcopy(state)
+        change(altered)
+        assert ray_dp.uncertified(altered) == [part]
+
+
+def test_a_checkpoint_without_its_certificate_resumes_with_a_note_that_nothing_was_checked(capsys):
+    cfg = ray_dp.Config(epochs=3, quiet=True)
+    model = ray_dp.build_model("lenet", (1, 28, 28))
+
+    def checkpoint_of(epoch, history, partial=None):
+        return ray_dp.checkpoint_state(model.state_dict(), {}, epoch, cfg, history, [], partial)
+    for kept, said in ((True, ": the same model, optimizer, history and data position as saved"),
+                       (False, "; it carries no certificate: what was restored is not checked")):
+        state = checkpoint_of(1, [{"epoch": 1}])
+        if not kept:
+            del state["certificate"]
+        checkpointer = ray_dp.Checkpointer(cfg, here(), checkpoint_of=checkpoint_of, model=model)
+        checkpointer.resumed(state)
+        assert capsys.readouterr().out == (f"ray-dp: resuming at epoch 2 of 3 with 1 worker, from the checkpoint of "
+                                           f"epoch 1{said}\n")
+        assert checkpointer.resume_record == {"from": "epoch 1", "certified": kept}
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.int16,
+                                   torch.float16, torch.float8_e4m3fn, torch.complex64])
+def test_every_dtype_hashes_and_two_elements_swapped_are_seen(dtype):
+    values, swapped = torch.tensor([0, 1, 0, 1, 1]).to(dtype), torch.tensor([0, 1, 1, 0, 1]).to(dtype)
+    hashes = ray_dp.tensor_hashes([("a", values), ("b", swapped)], CPU)
+    assert not torch.equal(hashes[0], hashes[1])
+    dense = torch.eye(3)  # a sparse tensor hashes as its dense values
+    assert torch.equal(*ray_dp.tensor_hashes([("a", dense), ("b", dense.to_sparse())], CPU))
+
+
+ODD_BUFFERS = """
+import torch, torch.nn as nn
+class OddBuffers(nn.Module):
+    '''A uint32 lookup table and a sparse mask beside the layer, as quantized or pruned models keep them.'''
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(784, 10)
+        self.register_buffer("codes", torch.arange(5).to(torch.uint32))
+        self.register_buffer("mask", torch.eye(4).to_sparse())
+    def forward(self, x):
+        return self.layer(x.flatten(1))
+"""
+
+
+def test_a_model_with_unsigned_and_sparse_buffers_trains_and_saves_certified_checkpoints(tmp_path):
+    # one worker: DDP itself broadcasts no sparse buffer, nor a uint32 one over gloo
+    (tmp_path / "odd.py").write_text(ODD_BUFFERS)
+    cfg = ray_dp.with_absolute_paths(ray_dp.Config(
+        model=f"{tmp_path}/odd.py:OddBuffers", dataset="synthetic", synthetic_size=64, batch_size=16, epochs=2,
+        workers=1, checkpoint_every="2", quiet=True, name="odd", storage_path=str(tmp_path)))
+    saves = Saves()
+    assert train_worker(cfg, here(), saves, ray_dp.LoopOptions(), {})["stopped"] is None
+    assert [where for where, _ in saves.checkpoints] == [(1, 2), (1, 0), (2, 2), (2, 0)]
+    assert [ray_dp.uncertified(state) for _, state in saves.checkpoints] == [[]] * 4
 
 
 def test_the_ledgers_events_file_sorts_after_rank_0s_last_one_written_in_the_same_second(tmp_path):

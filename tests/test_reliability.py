@@ -98,7 +98,7 @@ def test_a_worker_killed_mid_epoch_restarts_from_the_checkpoint_within_the_epoch
     # 52 is the run's step 410, a log step, at which the ranks agreed, and rank 0 told the driver)
     # what the workers restored is what the checkpoint certifies (the file's fingerprint, recomputed on every rank)
     assert ("resuming at epoch 3 of 3, step 41 of 179, with 2 workers, from the checkpoint at epoch 3, step 40: the "
-            "same model, optimizer, data position and random streams as saved") in out
+            "same model, optimizer, history and data position as saved") in out
     assert result["resumed"] == {"from": "epoch 3, step 40", "certified": True}
     assert result["started_at_epoch"] == 3 and result["recovery"]["steps_redone"] == 12
     assert [m["epoch"] for m in result["epochs"]] == [1, 2, 3] and result["epochs"][-1]["train_samples"] == 1432
@@ -380,4 +380,4 @@ def test_replicas_that_differ_stop_the_run_before_any_save_from_them_and_the_sam
         assert steps[-1] == saved < nudged_at  # none from the replicas that differ
         if attempt:  # the rerun began from the last good checkpoint, certified
             assert ("resuming at epoch 1 of 1, step 17 of 50, with 2 workers, from the checkpoint at epoch 1, step "
-                    "16: the same model, optimizer, data position and random streams as saved") in out
+                    "16: the same model, optimizer, history and data position as saved") in out
