@@ -828,7 +828,9 @@ def loss_function(cfg: Config, training: bool = True):
     if cfg.loss in LOSSES:
         return LOSSES[cfg.loss](cfg if training else replace(cfg, label_smoothing=0.0))
     loss = user_code(cfg.loss, "loss")
-    loss = loss() if isinstance(loss, type) else loss
+    with failing(ConfigError, lambda why: f"--loss {cfg.loss} cannot be made without arguments "
+                 f"({why}): give its arguments defaults, or name a function"):
+        loss = loss() if isinstance(loss, type) else loss
 
     def mean_loss(output, target):  # torch's MSELoss would broadcast (B, 1) against (B,)
         if torch.is_tensor(output) and target.is_floating_point() and output.numel() == len(target):
@@ -1964,8 +1966,10 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
         existing = next(part for part in [Path(path), *Path(path).parents] if part.exists())
         if not existing.is_dir():
             raise ConfigError(f"--{flag} {typed}: {existing} is a file, not a directory")
-        if flag != "data-dir" and not os.access(existing, os.W_OK | os.X_OK):
-            raise ConfigError(f"--{flag} {typed}: {existing} is not writable")
+        try:  # a file made there, as root too (for whom os.access says yes)
+            tempfile.TemporaryFile(dir=existing).close() if flag != "data-dir" else None
+        except OSError:
+            raise ConfigError(f"--{flag} {typed}: {existing} is not writable") from None
     if not doctor and not cfg.eval_only:
         check_batch_split(cfg)
 
@@ -2132,7 +2136,8 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
 
 
 def check_training_choices(cfg: Config, data: DataInfo) -> None:
-    """--best-by a metric the epochs report; your optimizer and schedule through one step."""
+    """--best-by a metric the epochs report; your optimizer through a step, your schedule through
+    every step of the run (a throw-away optimizer's)."""
     if cfg.best_by == "test_acc" and not data.classes:
         raise ConfigError(f"--best-by test_acc: {cfg.dataset} is a regression, whose epochs have "
                           f"no accuracy; choose test_loss")
@@ -2147,13 +2152,14 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
             raise ConfigError(f"--optimizer {cfg.optimizer} holds none of --model {cfg.model}'s "
                               f"parameters, so it would train nothing: build it from the params "
                               f"it is given")
-        flag = "lr_schedule"  # made before the step it follows, as the loop makes it
-        schedule = own_schedule(cfg, optimizer, 1)
+        flag, steps = "lr_schedule", data.sizes[0] // cfg.batch_size  # as the loop makes it
+        schedule = own_schedule(cfg, optimizer, steps)
         flag = "optimizer"
         sum(p.sum() for p in net.parameters()).backward()
         optimizer.step()
-        if schedule is not None:
-            flag = "lr_schedule"
+    with failing(ConfigError, lambda why: f"--lr-schedule {cfg.lr_schedule} cannot step the run's "
+                 f"--epochs {cfg.epochs} x {steps} steps: {why}"):
+        for _ in range(cfg.epochs * steps if schedule is not None else 0):
             schedule.step()
 
 
@@ -2205,9 +2211,14 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
                           f"{len(y)}, their own {mean.item():.6g}: weights, a mask?), which N "
                           f"workers cannot add up: return per-sample values (reduction='none')")
     check_single_sample_steps(cfg, net, x[:1])
-    if is_code(cfg.model) and not (cfg.eval_only or cfg.find_unused_parameters or cfg.workers == 1):
-        criterion(net.train()(x[:2]), y[:2]).backward()  # DDP waits for each parameter's gradient
-        unused = [name for name, p in net.named_parameters() if p.requires_grad and p.grad is None]
+    if cfg.eval_only:
+        return
+    with failing(ConfigError, lambda why: f"--model {cfg.model} fails to train on 2 samples of "
+                 f"{cfg.dataset} (in training mode, forward and backward): {why}"):
+        criterion(net.train()(x[:2]), y[:2]).backward()
+    if is_code(cfg.model) and not (cfg.find_unused_parameters or cfg.workers == 1):
+        unused = [name for name, p in net.named_parameters()  # DDP waits for each one's gradient
+                  if p.requires_grad and p.grad is None]
         if unused:
             raise ConfigError(f"--model {cfg.model}: {', '.join(unused[:3])}"
                               f"{' and more' if len(unused) > 3 else ''} get no gradient from the "
@@ -2567,8 +2578,8 @@ def model_outline(name: str, sample_shape: tuple, num_classes: int) -> nn.Module
     try:
         with torch.device("meta"):
             return build_model(name, sample_shape, num_classes)
-    except NotImplementedError:  # a few compute their layout from values (RegNets)
-        return build_model(name, sample_shape, num_classes)
+    except (NotImplementedError, RuntimeError):  # a few compute their layout from values (RegNets,
+        return build_model(name, sample_shape, num_classes)  # timm's .item() of drop rates)
 
 
 def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32), outputs: int = NUM_CLASSES) -> bool:

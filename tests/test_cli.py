@@ -51,6 +51,7 @@ BAD_INPUTS = [
     (["--storage-path", "{file}"], "is a file, not a directory"),
     (["--storage-path", "{file}/runs"], "is a file, not a directory"),
     (["--logdir", "{file}/tb"], "is a file, not a directory"),
+    (["--logdir", "/proc/tb"], "--logdir /proc/tb: /proc is not writable"),
     (["--log-every", "0"], "--log-every must be at least 1"),
     (["--mode", "scratch", "--amp"], "--amp needs --mode ddp (scratch mode: the lesson's plain fp32 code)"),
     (["--dataset", "synthetic", "--synthetic-size", "0"], "--synthetic-size must be at least 1"),
@@ -145,6 +146,8 @@ EVAL_BAD_INPUTS = [
     (lambda d: ["--eval-only", str(csv_named_checkpoint(d)), "--predict-out", str(csv_named_checkpoint(d))],
      "is the checkpoint being evaluated"),
     (lambda d: ["--eval-only", str(d), "--predict-out", str(d / "dir.csv")], "is a directory"),
+    (lambda d: ["--eval-only", str(d), "--predict-out", "/proc/preds/p.csv"],  # root's os.access says yes
+     "--predict-out /proc/preds/p.csv: /proc is not writable"),
     (lambda d: ["--eval-only", str(d), "--storage-path", str(d.parent), "--name", d.name],
      "holds a training run, which this command would write over"),
 ]
@@ -245,6 +248,8 @@ PREDICT_BAD_INPUTS = [
     (lambda d: [str(d)], "error: the following arguments are required: --inputs, --out (see --help)"),
     (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--out"], "error: argument --out: expected one argument"),
     (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--out", ""], "error: --out must name a .csv file, got ''"),
+    (lambda d: [str(d), "--inputs", str(d.parent / "colour"), "--out", "/proc/preds/p.csv"],
+     "error: --out /proc/preds/p.csv: /proc is not writable"),
 ]
 
 

@@ -102,6 +102,35 @@ def fails_to_read():
 
 def with_a_default(n=16):  # called without the config
     return rows([0, 1, 2, 1] * (n // 4), [0, 1])
+
+
+class WeightedLoss(nn.CrossEntropyLoss):  # its class weights have no default
+    def __init__(self, class_weights):
+        super().__init__(weight=class_weights, reduction="none")
+
+
+class FailsInTraining(nn.Module):  # scores fine, fails to train
+    def __init__(self, num_classes):
+        super().__init__()
+        self.layer = nn.Linear(13, num_classes)
+
+    def forward(self, x):
+        return self.layer(x if not self.training else x[:, :12])
+
+
+def one_cycle_an_epoch_short(optimizer, cfg, steps_per_epoch):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr, epochs=cfg.epochs - 1,
+                                               steps_per_epoch=steps_per_epoch)
+
+
+class DropRates(nn.Module):  # timm's stochastic depth: its rates read with .item() in __init__
+    def __init__(self, num_classes):
+        super().__init__()
+        self.rates = [rate.item() for rate in torch.linspace(0, 0.1, 2)]
+        self.net = nn.Sequential(nn.Linear(13, 8), nn.BatchNorm1d(8), nn.Linear(8, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
 """
 
 
@@ -188,6 +217,14 @@ BAD = [
      "--best-by test_acc: {tmp}/mine.py:diabetes is a regression, whose epochs have no accuracy; choose test_loss"),
     (["--keep-checkpoints", "-1"], "--keep-checkpoints must be at least 0, got -1"),
     (["--best-by", "val_loss"], "argument --best-by: invalid choice: 'val_loss'"),
+    (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/mine.py:wine", "--loss", "{tmp}/odd.py:WeightedLoss"],
+     "--loss {tmp}/odd.py:WeightedLoss cannot be made without arguments (TypeError: "),
+    (["--model", "{tmp}/odd.py:FailsInTraining", "--dataset", "{tmp}/mine.py:wine"],
+     "--model {tmp}/odd.py:FailsInTraining fails to train on 2 samples of {tmp}/mine.py:wine (in training mode, "
+     "forward and backward): RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    (["--model", "mlp", "--dataset", "digits", "--lr-schedule", "{tmp}/odd.py:one_cycle_an_epoch_short"],
+     "--lr-schedule {tmp}/odd.py:one_cycle_an_epoch_short cannot step the run's --epochs 10 x 22 steps: ValueError: "
+     "Tried to step 199 times. The specified number of total steps is 198"),
 ]
 
 
@@ -197,6 +234,17 @@ def test_bad_own_code_is_one_line_before_any_cluster_and_writes_nothing(flags, m
     err = error_of([*command, *runs(code), *(flag.format(tmp=code) for flag in flags[len(command):])], capsys)
     assert err.startswith(f"ray_dp.py: error: {message.format(tmp=code)}"), err
     assert not (code / "runs").exists()
+
+
+def test_a_model_that_reads_values_in_init_is_asked_its_shape_on_a_real_build(code):
+    # timm's idiom cannot be built on the meta device: a resume, --eval-only and --sync-bn build it for real
+    spec = f"{code}/odd.py:DropRates"
+    cfg = ray_dp.Config(model=spec, dataset=f"{code}/mine.py:wine", sync_bn=True, workers=2, batch_size=4)
+    net = ray_dp.build_model(spec, (13,), 3)
+    info = ray_dp.DataInfo((178, 36), (13,), ["0", "1", "2"], False, ray_dp.load_dataset(cfg), outputs=3)
+    assert ray_dp.has_batchnorm(spec, (13,), 3)
+    ray_dp.check_model_fits(cfg, info)
+    ray_dp.check_state_fits(cfg, info, {"model": net.state_dict()})
 
 
 def test_a_relative_file_is_named_by_its_path_from_where_the_command_ran(code, monkeypatch, no_cluster):
