@@ -2310,7 +2310,9 @@ def user_code(spec: str, flag: str):
                               f".py)") from None
         raise ConfigError(f"{typed} {spec}: {where} fails to import: {first_line(exc)}") from None
     if not hasattr(module, name):
-        close = difflib.get_close_matches(name, [n for n in dir(module) if n[0] != "_"], n=1)
+        names = {n.lower(): n for n, value in vars(module).items()  # Mlp: MLP; no module (np)
+                 if n[0] != "_" and not inspect.ismodule(value)}
+        close = [names[n] for n in difflib.get_close_matches(name.lower(), names, n=1)]
         raise ConfigError(f"{typed} {spec}: {where} has no {name}"
                           + (f"; did you mean {close[0]}?" if close else ""))
     CODE[spec] = getattr(module, name)
@@ -3682,9 +3684,11 @@ def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Wor
     first = next((name for (name, _), mine, theirs in zip(named, rows[odd[0]], rows[reference])
                   if not torch.equal(mine, theirs)), "a tensor")
     ranks = f"rank{'s' * (len(odd) > 1)} {', '.join(map(str, odd))}"
-    raise RunFailed(f"the replicas differ {where}: {ranks} of {worker.world} hold other values "
-                    f"than rank {reference}, first in {first}; nothing is saved from them, and the "
-                    f"same command resumes from the last checkpoint")
+    who = (f"{ranks} of {worker.world} hold other values than rank {reference}"
+           if 2 * prints.count(common) > len(prints) else f"rank {reference} and {ranks} differ, "
+           f"and no majority of the {worker.world} ranks tells which drifted")
+    raise RunFailed(f"the replicas differ {where}: {who}, first in {first}; nothing is saved from "
+                    f"them, and the same command resumes from the last checkpoint")
 
 
 CERTIFIED = ("model", "optimizer", "history", "data position")
@@ -3745,16 +3749,17 @@ class ForwardClock:
 
 
 def straggler_note(window: list, worker_ranks: int) -> Optional[str]:
-    """A rank slower than the median by STRAGGLER at each agreement of the window, named."""
+    """A rank slower than the other ranks' median by STRAGGLER at each agreement of the window."""
+    def others(times: list, rank: int) -> float:
+        return statistics.median(times[:rank] + times[rank + 1:])
     means = [statistics.mean(times[r] for times in window) for r in range(worker_ranks)]
-    median = statistics.median(means)
-    slow = [r for r in range(worker_ranks) if median and all(
-        times[r] > STRAGGLER * statistics.median(times) for times in window)]
+    slow = [r for r in range(worker_ranks)
+            if all(times[r] > STRAGGLER * others(times, r) > 0 for times in window)]
     if not slow:
         return None
     return (f"rank {slow[0]} is a straggler: its forward passes take {means[slow[0]]:.3g} s a "
-            f"step, the ranks' median {median:.3g} s (a slower device, or one shared with other "
-            f"work): every step waits for it")
+            f"step, the other ranks' median {others(means, slow[0]):.3g} s (a slower device, or one "
+            f"shared with other work): every step waits for it")
 
 
 LEDGER = ("driver", "cluster", "data", "model", "restores", "training steps", "waits for data",
@@ -4333,6 +4338,8 @@ def scored(cfg: Config, checkpoint: dict, test_set, names: list, width: int,
     """The checkpoint's model on test_set, each sample once over the workers: (cfg, rank 0's)."""
     info = DataInfo((len(test_set), len(test_set)), input_shape(cfg, test_set), names,
                     not isinstance(test_set, TensorDataset), (test_set, test_set), outputs=width)
+    if (trained := tuple(checkpoint.get("inputs") or ())) and trained != info.sample_shape:
+        raise ConfigError(f"the inputs are {info.sample_shape} where the run trained on {trained}")
     check_model_fits(cfg, info)
     check_state_fits(cfg, info, checkpoint)
     if stored_type(cfg.run_dir) == "file" or epoch_checkpoints(cfg.run_dir):

@@ -108,7 +108,8 @@ def run_dir(tmp_path):
     """A run directory with one real (tiny, untrained) checkpoint, as training leaves it."""
     cfg = ray_dp.Config(dataset="digits")
     model = ray_dp.build_model("lenet", (1, 28, 28))
-    state = ray_dp.checkpoint_state(model.state_dict(), {}, 1, cfg, [], [str(c) for c in range(10)])
+    state = ray_dp.checkpoint_state(model.state_dict(), {}, 1, cfg, [], [str(c) for c in range(10)],
+                                    inputs=(1, 28, 28))
     (tmp_path / "run" / "checkpoint_epoch_001").mkdir(parents=True)
     torch.save(state, tmp_path / "run" / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE)
     return tmp_path / "run"
@@ -207,6 +208,8 @@ def predicting(run_dir):
     Image.new("RGB", (28, 28), (200, 30, 30)).save(run_dir.parent / "colour" / "a" / "red.png")
     (run_dir.parent / "no_images").mkdir()
     (run_dir.parent / "no_images" / "notes.txt").write_text("not an image")
+    (run_dir.parent / "colour.py").write_text("import torch\n\n\ndef cifar_like():\n"
+                                              "    return torch.utils.data.TensorDataset(torch.rand(4, 3, 32, 32))\n")
     return run_dir
 
 
@@ -230,8 +233,10 @@ PREDICT_BAD_INPUTS = [
     (lambda d: [str(d), "--inputs", f"{OWN}:new_wine"], f"error: --inputs {OWN}:new_wine: {OWN} has no new_wine; did "
                                                         f"you mean new_wines?"),
     (lambda d: [str(d), "--inputs", f"{OWN}:wine"], f"error: --inputs {OWN}:wine returned tuple, not a Dataset"),
-    (lambda d: [str(d), "--inputs", f"{OWN}:new_wines"], f"error: --model lenet fails on 16 samples of {OWN}:new_wines "
-                                                         f"(inputs (16, 13)): "),
+    (lambda d: [str(d), "--inputs", f"{OWN}:new_wines"], "error: the inputs are (13,) where the run trained on "
+                                                         "(1, 28, 28)"),
+    (lambda d: [str(d), "--inputs", f"{d.parent}/colour.py:cifar_like"], "error: the inputs are (3, 32, 32) where the "
+                                                                         "run trained on (1, 28, 28)"),
     (lambda d: [str(d), "--inputs", str(d.parent / "colour")],  # its tensors' size, channels and scaling: unknown
      "error: --inputs {d.parent}/colour: images are read as a run of --dataset folder reads its own, but this run "
      "trained on --dataset digits: give --inputs FILE.py:NAME returning inputs as it trained on them"),

@@ -127,8 +127,8 @@ def test_a_model_that_nudges_a_parameter_on_rank_1_stops_the_run_at_the_next_che
         workers=2, check_replicas="5", checkpoint_every="8", quiet=True, name="nudged", storage_path=str(tmp_path)))
     (stopped, saved), _ = run_distributed(nudged_run, 2, cfg)
     assert stopped["by"] == ["replicas"] and stopped["error"].startswith(
-        "the replicas differ after step 20 of epoch 1 (the run's step 20): rank 1 of 2 hold other values than rank "
-        "0, first in layer.bias")
+        "the replicas differ after step 20 of epoch 1 (the run's step 20): rank 0 and rank 1 differ, and no majority "
+        "of the 2 ranks tells which drifted, first in layer.bias")
     assert saved == [(1, 8), (1, 16)]  # the newest checkpoint is from before step 20: none from the replicas that differ
 
 
@@ -145,8 +145,9 @@ def test_the_scratch_lesson_with_one_layers_all_reduce_skipped_is_caught_at_the_
     cfg = ray_dp.Config(mode="scratch", dataset="synthetic", synthetic_size=64, batch_size=16, epochs=2, lr=0.2,
                         lr_schedule="constant", momentum=0.0, checkpoint_every="0", workers=2, quiet=True)
     stopped = run_distributed(scratch_without_one_layer, 2, cfg)[0]
-    assert stopped["error"].startswith("the replicas differ after step 1 of epoch 1 (the run's step 1): rank 1 of 2 "
-                                       "hold other values than rank 0, first in classifier.2.bias")
+    assert stopped["error"].startswith("the replicas differ after step 1 of epoch 1 (the run's step 1): rank 0 and "
+                                       "rank 1 differ, and no majority of the 2 ranks tells which drifted, first in "
+                                       "classifier.2.bias")
 
 
 def test_a_checkpoint_altered_since_it_was_saved_is_refused_in_one_line_before_any_cluster(tmp_path, no_cluster,
@@ -373,6 +374,14 @@ def slowed_rank_1(cfg):
     return printed.getvalue()
 
 
+def test_a_straggler_is_named_at_the_documented_1_5_times_the_other_ranks_median_on_2_ranks_as_on_4():
+    assert ray_dp.straggler_note([[1.0, 1.6]] * 5, 2).startswith(
+        "rank 1 is a straggler: its forward passes take 1.6 s a step, the other ranks' median 1 s")
+    assert ray_dp.straggler_note([[1.0, 1.6]] * 4 + [[1.0, 1.4]], 2) is None  # at each agreement of the window
+    assert ray_dp.straggler_note([[1.0, 1.0, 1.6, 1.0]] * 5, 4).startswith("rank 2 is a straggler")
+    assert ray_dp.straggler_note([[0.0, 0.0]] * 5, 2) is None
+
+
 def test_a_rank_whose_forward_passes_are_slower_than_the_others_is_named_once():
     cfg = ray_dp.Config(dataset="synthetic", synthetic_size=96, batch_size=8, epochs=1, workers=2, log_every=1,
                         checkpoint_every="0", check_replicas="off", quiet=True)
@@ -441,5 +450,6 @@ def test_eval_only_scores_only_replicas_that_agree():
     cfg = ray_dp.Config(dataset="digits", eval_only="run", workers=2, quiet=True)
     assert [out["metrics"]["test_count"] for out in run_distributed(evaluated, 2, cfg, None)] == [360, 360]
     assert run_distributed(evaluated, 2, cfg, 1) == [
-        "the replicas differ before scoring: rank 1 of 2 hold other values than rank 0, first in classifier.0.bias; "
+        "the replicas differ before scoring: rank 0 and rank 1 differ, and no majority of the 2 ranks tells which "
+        "drifted, first in classifier.0.bias; "
         "nothing is saved from them, and the same command resumes from the last checkpoint"] * 2

@@ -123,6 +123,10 @@ def one_cycle_an_epoch_short(optimizer, cfg, steps_per_epoch):
                                                steps_per_epoch=steps_per_epoch)
 
 
+class MLP(HalfUsed):  # named in capitals
+    pass
+
+
 class DropRates(nn.Module):  # timm's stochastic depth: its rates read with .item() in __init__
     def __init__(self, num_classes):
         super().__init__()
@@ -219,6 +223,8 @@ BAD = [
     (["--best-by", "val_loss"], "argument --best-by: invalid choice: 'val_loss'"),
     (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/mine.py:wine", "--loss", "{tmp}/odd.py:WeightedLoss"],
      "--loss {tmp}/odd.py:WeightedLoss cannot be made without arguments (TypeError: "),
+    (["--model", "{tmp}/odd.py:Mlp", "--dataset", "digits"], "--model {tmp}/odd.py:Mlp: {tmp}/odd.py has no Mlp; did "
+                                                             "you mean MLP?"),
     (["--model", "{tmp}/odd.py:FailsInTraining", "--dataset", "{tmp}/mine.py:wine"],
      "--model {tmp}/odd.py:FailsInTraining fails to train on 2 samples of {tmp}/mine.py:wine (in training mode, "
      "forward and backward): RuntimeError: mat1 and mat2 shapes cannot be multiplied"),

@@ -371,7 +371,8 @@ def test_replicas_that_differ_stop_the_run_before_any_save_from_them_and_the_sam
         out, err = capsys.readouterr()
         err = [line for line in err.splitlines() if line.startswith("ray_dp.py:")]
         caught = re.fullmatch(r"ray_dp\.py: training failed: the replicas differ (?:at the save )?after step (\d+) "
-                              r"of epoch 1(?: \(the run's step \d+\))?: rank 1 of 2 hold other values than rank 0, "
+                              r"of epoch 1(?: \(the run's step \d+\))?: rank 0 and rank 1 differ, and no majority of the 2 ranks "
+                              r"tells which drifted, "
                               r"first in layer\.bias; nothing is saved from them, and the same command resumes from the "
                               r"last checkpoint", err[0])
         assert len(err) == 1 and caught, err
