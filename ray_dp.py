@@ -1589,6 +1589,13 @@ def failures_said(cfg: Config, options: "LoopOptions"):
                         else record_failure(cfg, exc, options.board)) from None
     except OSError as exc:  # rank 0's own write: result.json, or a checkpoint under torchrun
         raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
+    except RuntimeError as exc:  # a torchrun rank's collective that timed out, or lost its peers
+        timed_out, lost = COLLECTIVE_TIMEOUT.search(str(exc)), PEER_LOST.search(str(exc))
+        if not (under_torchrun() and (timed_out or lost)):
+            raise
+        raise RunFailed(hang_report(cfg, exc) or f"rank {os.environ['RANK']} " + (
+            first_line(exc) if timed_out else "lost its peers: another rank failed, and its own "
+            "line says why")) from None
 
 
 @contextlib.contextmanager
@@ -3032,7 +3039,7 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None
         reason = storage_full(cfg)
     else:
         append_log(logs, str(error))
-        reason = (f"{hang_report(cfg) or describe_training_error(error, node_ips)}; the full "
+        reason = (f"{hang_report(cfg, error) or describe_training_error(error, node_ips)}; the full "
                   f"errors are in {os.path.join(logs, 'ray.log')}")
     record_ledger(cfg, None, board)
     with contextlib.suppress(OSError):  # the disk that failed the run may refuse its record too
@@ -3494,10 +3501,10 @@ class GracefulStop:
     def __call__(self, signum, frame) -> None:
         self.heard = self.heard or self.training  # before on_ask, which may wait on a dying Ray
         if self.training and not self.asked and (self.on_ask is None or self.on_ask()):
-            self.asked = True
-            # not print(): the signal may have come inside one
-            os.write(sys.__stdout__.fileno(), b"ray-dp: SIGTERM: saving a checkpoint within "
-                     b"seconds of training, then stopping (a second SIGTERM stops at once)\n")
+            self.asked = True  # the driver's promise (a rank's own may be torchrun's teardown):
+            if self.on_ask is not None:  # not print(), the signal may have come inside one
+                os.write(sys.__stdout__.fileno(), b"ray-dp: SIGTERM: saving a checkpoint within "
+                         b"seconds of training, then stopping (a second SIGTERM stops at once)\n")
             return
         if callable(self.before):
             self.before(signum, frame)
@@ -3912,11 +3919,17 @@ class Watchdog:
                 write_stored(f"{stem}.json", c10d._dump_fr_trace_json(True, False))
 
 
-def hang_report(cfg: Config) -> Optional[str]:
-    """The ranks a hang's records say did not come to the collective the others waited in."""
+COLLECTIVE_TIMEOUT = re.compile(r"(?i)timed out|timing out")  # gloo's; NCCL's watchdog's
+
+
+def hang_report(cfg: Config, error: BaseException) -> Optional[str]:
+    """For a collective that timed out: the ranks that did not come to it, as the records written
+    when the ranks made no progress say (not those a SIGUSR1 asked for)."""
     folder, reached = f"{cfg.run_dir}/hang", {}
-    for rank in range(cfg.workers):
+    for rank in range(cfg.workers) if COLLECTIVE_TIMEOUT.search(str(error)) else ():
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            if ": no progress for " not in read_stored(f"{folder}/rank{rank}.txt").decode()[:500]:
+                continue
             status = json.loads(read_stored(f"{folder}/rank{rank}.json"))["pg_status"]
             reached[rank] = int(status["0"]["last_enqueued_collective"])
     if len(reached) < 2 or len(set(reached.values())) == 1:

@@ -413,7 +413,7 @@ def test_sigusr1_to_the_driver_asks_every_rank_for_its_stacks_and_says_where_the
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
-def test_a_watchdog_writes_its_ranks_stacks_and_flight_recorder_and_a_report_names_the_rank_behind(tmp_path):
+def test_a_watchdog_writes_its_ranks_stacks_and_flight_recorder_and_a_timeouts_report_names_the_rank_behind(tmp_path):
     run_distributed(dumped, 2, tmp_path)
     text = (tmp_path / "w" / "hang" / "rank1.txt").read_text()
     assert text.startswith("rank 1 of 2 on ") and "asked (SIGUSR1); its last progress: after step 7 of epoch 2" in text
@@ -424,7 +424,14 @@ def test_a_watchdog_writes_its_ranks_stacks_and_flight_recorder_and_a_report_nam
         records[rank]["pg_status"] = {"0": {"last_enqueued_collective": str(count)}}
         (tmp_path / "w" / "hang" / f"rank{rank}.json").write_text(json.dumps(records[rank]))
     cfg = ray_dp.Config(storage_path=str(tmp_path), name="w", workers=2, timeout=20)
-    assert ray_dp.hang_report(cfg) == (
+    timed_out = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation")
+    # records a SIGUSR1 asked for, before a later failure: not a hang's, whatever that failure
+    assert ray_dp.hang_report(cfg, timed_out) is None
+    for rank in (0, 1):  # as the watchdogs write them once their rank has made no progress for --timeout / 2
+        stacks = tmp_path / "w" / "hang" / f"rank{rank}.txt"
+        stacks.write_text(stacks.read_text().replace("asked (SIGUSR1)", "no progress for 10 s (--timeout / 2)"))
+    assert ray_dp.hang_report(cfg, RuntimeError("CUDA out of memory")) is None  # another failure than the hang's
+    assert ray_dp.hang_report(cfg, timed_out) == (
         f"rank 1 did not come to collective 5, which the other ranks waited in for --timeout 20 s: its stacks are in "
         f"{tmp_path}/w/hang/rank1.txt (every rank's beside it, and torch's flight recorder in rank<N>.json)")
 
