@@ -161,8 +161,10 @@ class Config:
     batch_size: int = option(64, "GLOBAL batch: samples per optimizer step over all workers "
                              "(a worker's micro-batch: batch-size / (workers x accum-steps))",
                              metavar="N", lesson=32, bounds="[1, inf)")
-    amp: bool = option(False, "bf16 autocast of the forward pass (no GradScaler needed)",
-                       evaluation="adopt", scratch="the lesson's plain fp32 code")
+    amp: Optional[str] = option(None, "autocast of the forward pass: bf16 (--amp alone), or fp16 "
+                                "with a GradScaler (GPUs without bf16: T4, V100)", type=str,
+                                nargs="?", const="bf16", choices=("bf16", "fp16"),
+                                evaluation="adopt", scratch="the lesson's plain fp32 code")
     compile: bool = option(False, "torch.compile the model", rerun="free",
                            scratch="the lesson's plain fp32 code")
     lr: float = option(0.05, "peak learning rate", metavar="LR", lesson=0.2, bounds="(0, inf)")
@@ -788,7 +790,8 @@ def shard_indices(n: int, rank: int, world: int) -> torch.Tensor:
 
 
 def autocast(cfg: Config, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp)
+    dtype = torch.float16 if cfg.amp == "fp16" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype, enabled=bool(cfg.amp))
 
 
 def learning_rate(cfg: Config, epoch: int, lr: Optional[float] = None) -> float:
@@ -841,9 +844,11 @@ def loss_function(cfg: Config, training: bool = True):
 
 
 def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: int,
-                checkpointer: "Checkpointer", schedule=None) -> dict:
-    """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint)."""
+                checkpointer: "Checkpointer", schedule=None, scaler=None) -> dict:
+    """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint); `scaler`:
+    --amp fp16's GradScaler (else a disabled one, which changes nothing)."""
     criterion, tic = loss_function(cfg), time.perf_counter()
+    scaler = scaler or torch.amp.GradScaler(worker.device.type, enabled=False)
     model.train()
     for group in optimizer.param_groups if schedule is None else ():
         group["lr"] = learning_rate(cfg, epoch, group.get("initial_lr"))
@@ -859,11 +864,15 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
             # 6. no_sync on all but the last micro-batch: one all-reduce of gradients per step
             with no_sync(model, skip=micro < cfg.accum_steps - 1), autocast(cfg, worker.device):
                 loss = criterion(model(resized(x, cfg.image_size)), y)
-                (loss / cfg.accum_steps).backward()  # K micro-batches: one mean over the step
+                scaler.scale(loss / cfg.accum_steps).backward()  # K micro-batches: one mean
             losses.add(loss.detach() * len(y), len(y))
         if cfg.clip_grad_norm:  # after the all-reduce: every rank clips the same gradients
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        optimizer.step()
+        scale, lr = scaler.get_scale(), optimizer.param_groups[0]["lr"]  # this step's rate
+        scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
+        scaler.update()
+        losses.skipped += scaler.get_scale() < scale  # (then the scale is lowered)
         optimizer.zero_grad(set_to_none=True)
         if schedule is not None:
             schedule.step()
@@ -872,11 +881,11 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
     # 7. the loss all-reduced, for logging: a mean over every worker's samples of the epoch
     loss_sum, samples = all_reduce_sum(losses.sums.clone()).tolist()
     seconds = time.perf_counter() - tic
-    return {"train_loss": loss_sum / samples, "lr": optimizer.param_groups[0]["lr"],
-            "train_samples": int(samples), "epoch_seconds": seconds,
-            "samples_per_second": (samples - losses.done) / seconds,
+    return {"train_loss": loss_sum / samples, "lr": lr, "train_samples": int(samples),
+            "epoch_seconds": seconds, "samples_per_second": (samples - losses.done) / seconds,
             "data_seconds": micro_batches.seconds, "step_log": losses.logged,
-            **({"resumed_at_step": first} if first else {})}
+            **({"resumed_at_step": first} if first else {}),
+            **({"skipped_steps": losses.skipped} if scaler.is_enabled() else {})}
 
 
 class Waited:
@@ -891,11 +900,12 @@ class Waited:
 
 class EpochLoss:
     """This rank's [loss sum, samples] of an epoch, and since the last logged point (`window`); a
-    mid-epoch checkpoint's totals of every rank so far count once, on rank 0."""
+    mid-epoch checkpoint's totals of every rank so far count once, on rank 0. (And the steps fp16's
+    GradScaler skipped, alike on every rank.)"""
 
     def __init__(self, device: torch.device, partial: Optional[dict] = None, main: bool = True):
         partial = partial or {}
-        self.done = partial.get("samples", 0)
+        self.done, self.skipped = partial.get("samples", 0), partial.get("skipped_steps", 0)
         self.logged = [list(entry) for entry in partial.get("step_log", [])]
         sums, window = [partial.get("loss_sum", 0.0), self.done], partial.get("pending", [0, 0])
         self.sums = torch.tensor(sums if main else [0, 0], dtype=torch.float64, device=device)
@@ -1212,17 +1222,19 @@ def train_loop_per_worker(config: dict) -> dict:
     # 4. DistributedSampler: this rank's shard of the data, as micro-batches
     batches = train_batches(train_set, cfg, worker.rank, worker.world, worker.device)
     schedule = own_schedule(cfg, optimizer, len(batches) // cfg.accum_steps)
+    scaler = torch.amp.GradScaler(worker.device.type, enabled=cfg.amp == "fp16")
+    steppers = {"schedule": schedule, "scaler": scaler} if schedule else {"scaler": scaler}
     if state is not None:
         unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if schedule is not None:
-            schedule.load_state_dict(state["optimizer"]["schedule"])
+        optimizer.load_state_dict(state["optimizer"])  # and what steps with it:
+        for name, stepper in steppers.items():
+            stepper.load_state_dict(state["optimizer"].get(name, {}))
     samples = samples_fingerprint(train_set)
 
     def checkpoint_of(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
         # the bare model (model.module), not DDP's wrapper: what 9. saves
-        optimized = {**optimizer.state_dict(), **({"schedule": schedule.state_dict()}
-                                                  if schedule is not None else {})}
+        optimized = {**optimizer.state_dict(),
+                     **{name: stepper.state_dict() for name, stepper in steppers.items()}}
         return checkpoint_state(unwrap(model).state_dict(), optimized, epoch, cfg, history,
                                 classes, partial, samples, width, input_shape(cfg, train_set))
     checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, model, optimizer)
@@ -1230,7 +1242,7 @@ def train_loop_per_worker(config: dict) -> dict:
     with checkpointer:
         for epoch in range(checkpointer.first_epoch, cfg.epochs):
             trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, checkpointer,
-                                  schedule)
+                                  schedule, scaler)
             if checkpointer.stopped:
                 break
             # 8. exact evaluation: each test sample scored once over all ranks
@@ -2777,6 +2789,8 @@ def stored_config(state: dict) -> dict:
     """A checkpoint's config as today's fields: a newer field at its default, values checked."""
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()
              if k in CONFIG_FIELDS}
+    if isinstance(saved.get("amp"), bool):  # --amp was bf16's alone
+        saved["amp"] = "bf16" if saved["amp"] else None
     for name, value in saved.items():
         if not isinstance(value, FIELD_TYPES[name]):
             raise ConfigError(f"a checkpoint's config holds {name} = {value!r}, which is not a "
@@ -3410,7 +3424,7 @@ class Checkpointer:
         tic = time.perf_counter()
         partial = {"epoch": epoch, "step": step, "steps": steps, "samples": int(self.totals[1]),
                    "loss_sum": self.totals[0], "step_log": [list(e) for e in losses.logged],
-                   "pending": self.pending}
+                   "pending": self.pending, "skipped_steps": losses.skipped}
         metrics = {"epoch": epoch + 1, "step": step, "steps": steps, "node": node_name(),
                    "keep": keep_score(epoch + 1, step, steps)}
         state = self.checkpoint_of(epoch, self.history, partial) if self.worker.is_main else None
@@ -4116,7 +4130,8 @@ def switches(cfg: Config, data: DataInfo) -> list:
             (cfg.accum_steps > 1,
              f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)"),
             (cfg.sync_bn, "SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)")),
-            (cfg.amp, "bf16 autocast (--amp)"), (cfg.compile, "torch.compile"),
+            (cfg.amp, f"{cfg.amp} autocast" + " with a GradScaler" * (cfg.amp == "fp16")),
+            (cfg.compile, "torch.compile"),
             (True, plural(cfg.threads, "thread") + " per worker")]
     return [text for on, text in said if on]
 
@@ -4138,10 +4153,12 @@ def images(cfg: Config, data: DataInfo) -> str:
 
 def format_epoch(m: dict, epochs: int) -> str:
     resumed = f" (from step {m['resumed_at_step'] + 1})" if m.get("resumed_at_step") else ""
-    acc = f", test acc {m['test_acc']:.4f}" if "test_acc" in m else ""
-    return (f"epoch {m['epoch']}/{epochs}: train loss {m['train_loss']:.4f}, "
-            f"test loss {m['test_loss']:.4f}{acc}, "
-            f"{m['epoch_seconds']:.1f} s{resumed}, {m['samples_per_second']:.0f} samples/s")
+    scores = "".join(f", {split} {what} {m[f'{split}_{what}']:.4f}" for split in ("val", "test")
+                     for what in ("loss", "acc") if f"{split}_{what}" in m)
+    skipped = (f", {plural(m['skipped_steps'], 'step')} skipped (fp16 overflow)"
+               if m.get("skipped_steps") else "")
+    return (f"epoch {m['epoch']}/{epochs}: train loss {m['train_loss']:.4f}{scores}, "
+            f"{m['epoch_seconds']:.1f} s{resumed}, {m['samples_per_second']:.0f} samples/s{skipped}")
 
 
 def format_summary(summary: dict, launcher: str = "") -> str:

@@ -179,7 +179,11 @@ def snapshot(root):
 def test_eval_only_takes_amp_and_refuses_compile(run_dir):
     # --amp evaluates under bf16 autocast (eval_loop_per_worker); compiling would not pay for one pass.
     command, cfg, _ = ray_dp.parse_command(["--eval-only", str(run_dir), "--amp"])
-    assert command == "eval" and cfg.amp
+    assert command == "eval" and cfg.amp == "bf16"
+    assert ray_dp.parse_command(["--eval-only", str(run_dir), "--amp", "fp16"])[1].amp == "fp16"
+    for saved, now in ((True, "bf16"), (False, None)):  # a run from before --amp fp16: --amp was bf16's alone
+        state = torch.load(run_dir / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE, weights_only=True)
+        assert ray_dp.stored_config({**state, "config": {**state["config"], "amp": saved}})["amp"] == now
     with pytest.raises(ray_dp.ConfigError, match="--compile is a training flag"):
         ray_dp.parse_command(["--eval-only", str(run_dir), "--compile"])
 

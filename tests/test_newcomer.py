@@ -119,12 +119,12 @@ def test_a_failed_download_names_the_files_and_takes_away_what_it_made(tmp_path,
 
 def test_the_header_states_every_switch_that_changes_the_maths_or_the_speed():
     cfg = ray_dp.Config(model="resnet18", dataset="synthetic", workers=1, batch_size=8, accum_steps=2, sync_bn=True,
-                        amp=True, compile=True, gpu=False, name="h")
+                        amp="bf16", compile=True, gpu=False, name="h")
     info = ray_dp.DataInfo((512, 100), (1, 28, 28), [str(c) for c in range(10)], False)
     header = ray_dp.describe(cfg, info)
     for said in ["1 CPU worker,", "global batch 8 = 4 per worker x 1 worker x 2 accum",
                  "gradients all-reduced every 2 micro-batches (no_sync)", "SyncBatchNorm (ray_dp's, for gloo)",
-                 "bf16 autocast (--amp)", "torch.compile", "batches indexed in memory", "1 thread per worker"]:
+                 "bf16 autocast", "torch.compile", "batches indexed in memory", "1 thread per worker"]:
         assert said in header, (said, header)
     folder = ray_dp.describe(ray_dp.Config(dataset="folder", workers=3, batch_size=48, gpu=False, name="f"),
                              ray_dp.DataInfo((480, 60), (3, 28, 28), ["a", "b"], True))

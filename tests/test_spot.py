@@ -111,7 +111,8 @@ def kills_and_resumes(cases):
             second = Saves(last[1])
             again = run(cfg, second, dist.get_world_size())
             resumed[micro_batches] = {"from": last[0], "final": second.checkpoints and second.checkpoints[-1][1]["model"],
-                                      "epochs": second.epochs, "resumed": again["resumed"]}
+                                      "epochs": second.epochs, "resumed": again["resumed"],
+                                      "optimizer": second.checkpoints and second.checkpoints[-1][1]["optimizer"]}
         out[name] = {"whole": whole.checkpoints, "every_epoch": every_epoch.checkpoints and every_epoch.checkpoints[-1][1]["model"],
                      "resumed": resumed}
     return out if dist.get_rank() == 0 else None
@@ -135,7 +136,9 @@ def runs(tmp_path_factory):
               (3, 6, 9)),
              # your optimizer and schedule: the schedule's state in the checkpoint, with the optimizer's
              ("own-adam-one-cycle", config(tmp, optimizer=f"{OWN}:adam_betas", lr_schedule=f"{OWN}:one_cycle",
-                                           lr=0.002), (7,))]
+                                           lr=0.002), (7,)),
+             # fp16's GradScaler: its scale and growth tracker in the checkpoint, with the optimizer's state
+             ("amp-fp16", config(tmp, model=f"{OWN}:OverflowsAtFirst", amp="fp16"), (2, 7))]
     return run_distributed(kills_and_resumes, 2, cases)[0]
 
 
@@ -155,11 +158,24 @@ def test_every_step_and_every_2_steps_are_saved_and_named_by_epoch_and_step(runs
 
 
 @pytest.mark.parametrize("name", ["in-memory-accum-2", "folder-augment-loader-process", "dropout-adamw", "scratch",
-                                  "own-adam-one-cycle"])
+                                  "own-adam-one-cycle", "amp-fp16"])
 def test_a_run_killed_at_any_step_and_resumed_ends_bitwise_where_the_uninterrupted_one_does(runs, name):
     out = runs[name]
     for micro_batches, resumed in out["resumed"].items():
         assert_bitwise_equal(resumed["final"], out["whole"][-1][1]["model"]), micro_batches
+
+
+def test_fp16s_skipped_steps_are_counted_shown_and_its_scaler_resumes_bitwise_from_any_step(runs):
+    out = runs["amp-fp16"]
+    whole = out["whole"][-1][1]
+    # the GradScaler's first scale (65536) overflows the first steps' fp16 gradients: each skipped, the scale halved
+    skipped = [m["skipped_steps"] for m in whole["history"]]
+    assert skipped[0] >= 1 and whole["optimizer"]["scaler"]["scale"] == 65536 / 2 ** sum(skipped)
+    assert ray_dp.format_epoch(whole["history"][0], 2).endswith(
+        f" samples/s, {ray_dp.plural(skipped[0], 'step')} skipped (fp16 overflow)")
+    for kill, resumed in out["resumed"].items():  # a mid-epoch checkpoint keeps its epoch's count
+        assert resumed["optimizer"]["scaler"] == whole["optimizer"]["scaler"], kill
+        assert [m["skipped_steps"] for m in resumed["epochs"]] == skipped[-len(resumed["epochs"]):], kill
 
 
 def test_every_resume_restores_what_its_checkpoint_certifies(runs):

@@ -173,6 +173,20 @@ def two_targets(cfg):
     return split(features[:, :9], (targets - targets.mean(0)) / targets.std(0))
 
 
+class OverflowsAtFirst(nn.Module):
+    """Its logits x 100 while its last bias is as initialised: under --amp fp16 the first steps' scaled gradients
+    overflow (skipped, the scale halved each time) until the scale is small enough; a step that trains ends it."""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, num_classes))
+        self.register_buffer("initial", self.net[3].bias.detach().clone())
+
+    def forward(self, x):
+        out = self.net(x)
+        return out * 100 if self.training and torch.equal(self.net[3].bias, self.initial) else out
+
+
 class LazyMLP(nn.Module):
     """Its first layer's width from the first batch it sees (nn.LazyLinear)."""
 
