@@ -30,6 +30,7 @@ STARTED_AT = time.time()  # the run's ledger counts the imports
 
 import argparse
 import contextlib
+import copy
 import copyreg
 import ctypes
 import difflib
@@ -139,7 +140,8 @@ def setting(default, help, **facts):
     return option(default, help, rerun="free", evaluation="free", **facts)
 
 
-BEST_BY = ("test_loss", "test_acc", "train_loss", "samples_per_second", "epoch_seconds")
+BEST_BY = ("val_loss", "val_acc", "test_loss", "test_acc", "train_loss", "samples_per_second",
+           "epoch_seconds")
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,9 @@ class Config:
                            "every node or in object storage", metavar="DIR", rerun="adopt",
                            evaluation="adopt", doctor=True, path=True, store="read")
     download: bool = setting(True, "download a missing Fashion-MNIST or CIFAR-10", doctor=True)
+    val_split: float = option(0.0, "hold out this fraction of the training set (by --seed, each "
+                              "class alike) as a validation set, scored every epoch",
+                              metavar="FRACTION", bounds="[0, 1)")
     seed: int = option(0, "initial weights and data order; each sample's augmentation and each "
                        "worker's dropout draw streams of their own", metavar="N",
                        evaluation="checkpoint", bounds="[0, 4294967295]")
@@ -247,8 +252,11 @@ class Config:
     keep_checkpoints: int = option(3, "epoch checkpoints kept: the latest K (0: all), and the "
                                    "best (--best-by) beside them", metavar="K", rerun="free",
                                    bounds="[0, inf)")
-    best_by: str = option("test_loss", "the epoch metric checkpoint_best is chosen by: the lowest "
-                          "loss or seconds, else the highest", choices=BEST_BY)
+    best_by: str = option("test_loss", "the epoch metric checkpoint_best and --early-stop go by: "
+                          "the lowest loss or seconds, else the highest (val_loss with --val-split)",
+                          choices=BEST_BY)
+    early_stop: int = option(0, "stop after PATIENCE epochs without a better --best-by value (0: "
+                             "never)", metavar="PATIENCE", rerun="free", bounds="[0, inf)")
     check_replicas: str = setting("auto", "compare the workers' replicas (every parameter and "
                                   "buffer) at each save and every STEPS steps (auto: as often as "
                                   "costs 0.5%% of training; off: never)", metavar="off|auto|STEPS")
@@ -750,7 +758,7 @@ class InMemoryBatches:
 
 # What must be equal on every rank (initial weights, data order) is drawn from --seed; what must
 # differ gets a stream of its own: each sample's augmentation, each rank's dropout in each step.
-AUGMENTATION_STREAM, RANK_STREAM = 1, 2
+AUGMENTATION_STREAM, RANK_STREAM, VALIDATION_STREAM = 1, 2, 3
 
 
 def stream_seed(seed: int, stream: int, *keys: int) -> int:
@@ -920,9 +928,9 @@ class EpochLoss:
 @torch.no_grad()
 def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: bool = False,
              num_classes: int = NUM_CLASSES, workers: int = 0, image_size: Optional[int] = None,
-             criterion=None) -> dict:
-    """Exact test metrics: each rank scores a disjoint shard, then ONE all-reduce adds up [loss
-    sum, count, confusion matrix] (details: each prediction). num_classes 0: a regression."""
+             criterion=None, split: str = "test") -> dict:
+    """Exact metrics of a split: each rank scores a disjoint shard, then ONE all-reduce adds up
+    [loss sum, count, confusion matrix] (details: each prediction). num_classes 0: a regression."""
     rank, world = rank_and_world()
     criterion = criterion or F.cross_entropy
     sums = torch.zeros(2, dtype=torch.float64, device=device)
@@ -945,10 +953,10 @@ def evaluate(net, data, device: torch.device, batch_size: int = 1000, details: b
             predictions[index.to(device)] = values
     totals = all_reduce_sum(torch.cat([sums, confusion.flatten(), predictions.flatten()]))
     count = totals[1].item()
-    metrics = {"test_loss": totals[0].item() / count, "test_count": int(count)}
+    metrics = {f"{split}_loss": totals[0].item() / count, f"{split}_count": int(count)}
     confusion = totals[2:2 + num_classes ** 2].view(num_classes, num_classes)
     if num_classes:
-        metrics["test_acc"] = confusion.trace().item() / count
+        metrics[f"{split}_acc"] = confusion.trace().item() / count
     if details:
         metrics["confusion"] = confusion.long().tolist()
         metrics["predictions"] = totals[2 + num_classes ** 2:].view(-1, width).tolist()
@@ -967,7 +975,7 @@ def eval_batches(data, indices: torch.Tensor, batch_size: int, workers: int):
 
 
 def evaluate_as_saved(model: nn.Module, test_set, cfg: Config, device: torch.device,
-                      num_classes: int = NUM_CLASSES) -> dict:
+                      num_classes: int = NUM_CLASSES, split: str = "test") -> dict:
     """Score the model the checkpoint will hold: rank 0's BatchNorm statistics on every rank
     (without SyncBatchNorm each rank's drift apart)."""
     if rank_and_world()[1] > 1:
@@ -977,7 +985,8 @@ def evaluate_as_saved(model: nn.Module, test_set, cfg: Config, device: torch.dev
         with autocast(cfg, device):
             return evaluate(net, test_set, device, eval_batch_size(test_set),
                             num_classes=num_classes, workers=loader_workers(cfg, test_set),
-                            image_size=cfg.image_size, criterion=loss_function(cfg, False))
+                            image_size=cfg.image_size, criterion=loss_function(cfg, False),
+                            split=split)
     finally:
         net.train()
 
@@ -1149,7 +1158,7 @@ def scratch_loop_per_worker(config: dict) -> dict:
     cfg, worker, launcher, options = worker_setup(config)
     if isinstance(data := worker_data(cfg, options, worker), DataError):
         return {"data_error": str(data)}
-    train_set, test_set = data
+    train_set, test_set, val_set = data
     state, shape = launcher.latest_checkpoint(), train_set.tensors[0].shape
     params = get_params(init_lenet_params(cfg.seed, shape[1], shape[-1]) if state is None
                         else state_dict_to_params(state["model"]), worker.device)
@@ -1160,15 +1169,16 @@ def scratch_loop_per_worker(config: dict) -> dict:
     checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, params)
     history = checkpointer.resumed(state)
     with checkpointer:
-        for epoch in range(checkpointer.first_epoch, cfg.epochs):
+        for epoch in checkpointer.epochs():
             trained = scratch_train_epoch(params, train_set, cfg, worker, epoch, checkpointer)
             if checkpointer.stopped:
                 break
-            scores = evaluate(lambda X: lenet(X, params), test_set, worker.device)
+            net = functools.partial(lenet, params=params)
+            scores = evaluate(net, test_set, worker.device)
+            if val_set is not None:
+                scores.update(evaluate(net, val_set, worker.device, split="val"))
             history.append({"epoch": epoch + 1, **trained, **scores})
             checkpointer.save(checkpoint_of if worker.is_main else None)
-            if checkpointer.stopped:
-                break
     return checkpointer.result()
 
 
@@ -1204,7 +1214,7 @@ def train_loop_per_worker(config: dict) -> dict:
     cfg, worker, launcher, options = worker_setup(config)
     if isinstance(data := worker_data(cfg, options, worker), DataError):
         return {"data_error": str(data)}
-    train_set, test_set = data
+    train_set, test_set, val_set = data
     classes = class_names(train_set) if classifies(train_set) else []
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     width = outputs(train_set, classes)
@@ -1215,7 +1225,7 @@ def train_loop_per_worker(config: dict) -> dict:
     if cfg.sync_bn:  # 2. SyncBatchNorm: converted before DDP sees the modules
         model = convert_sync_bn(model, worker.device)
     if worker.device.type == "cuda":
-        train_set, test_set = cuda_fast_paths(cfg, (train_set, test_set), worker.device)
+        train_set, test_set, val_set = cuda_fast_paths(cfg, data, worker.device)
     model = wrap_model(on_device(model, worker.device, cfg.model), worker.device, cfg)  # 3.
     model = torch.compile(model) if cfg.compile else model
     optimizer = build_optimizer(cfg, model)
@@ -1240,18 +1250,19 @@ def train_loop_per_worker(config: dict) -> dict:
     checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, model, optimizer)
     history = checkpointer.resumed(state)
     with checkpointer:
-        for epoch in range(checkpointer.first_epoch, cfg.epochs):
+        for epoch in checkpointer.epochs():  # to --epochs, unless a stop (SIGTERM, --early-stop)
             trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, checkpointer,
                                   schedule, scaler)
             if checkpointer.stopped:
                 break
-            # 8. exact evaluation: each test sample scored once over all ranks
+            # 8. exact evaluation: each test (and validation) sample scored once over all ranks
             scores = evaluate_as_saved(model, test_set, cfg, worker.device, len(classes))
+            if val_set is not None:
+                scores.update(evaluate_as_saved(model, val_set, cfg, worker.device, len(classes),
+                                                "val"))
             history.append({"epoch": epoch + 1, **trained, **scores})
             # 9. every rank reports; rank 0 alone hands its checkpoint over, to be saved once
             checkpointer.save(checkpoint_of if worker.is_main else None)
-            if checkpointer.stopped:
-                break
     return checkpointer.result()
 
 
@@ -1486,6 +1497,8 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
     if under_torchrun():
         args = torchrun_launch(command, args, typed)
     cfg = with_absolute_paths(Config(**args))
+    if cfg.val_split and "best_by" not in typed:  # the held-out set chooses the best, not the test set
+        cfg = replace(cfg, best_by="val_loss")
     if command == "compare" and (cfg.eval_only or cfg.min_workers):
         raise ConfigError("compare trains its own rows at 1 and --workers N workers: give a fixed "
                           "--workers N, and run --eval-only on its own")
@@ -1779,15 +1792,16 @@ class LoopOptions:
 
 
 def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
-    """(train, test) as the driver (rank 0 under torchrun) decided them, each node checked against
-    it; a DataError is returned, not raised: a run that cannot start is not retried."""
+    """(train, test, val) as the driver (rank 0 under torchrun) decided them, each node checked
+    against it; a DataError is returned, not raised: a run that cannot start is not retried."""
     try:
         if options.data is not None:
             data = ray.get(options.data)
         elif options.torchrun and cfg.dataset not in SAME_ON_EVERY_RANK:
-            data = from_rank_0(load_dataset(cfg) if worker.is_main else None, worker.device)
+            data = from_rank_0(held_out(cfg, load_dataset(cfg)) if worker.is_main else None,
+                               worker.device)
         else:
-            data = load_dataset(cfg)
+            data = held_out(cfg, load_dataset(cfg))
             check_classes_agree(class_names(data[0]) if classifies(data[0]) else [], worker.device)
         check_node_holds(data, cfg, worker, Console(options, worker))
     except DataError as exc:
@@ -1908,6 +1922,8 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
          "--dataset folder needs --mode ddp (scratch mode: the lesson's in-memory batches)"),
         (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
          f"--image-size {cfg.image_size} is too small for {cfg.model} (at least 14)"),
+        (cfg.val_split or not cfg.best_by.startswith("val_"),
+         f"--best-by {cfg.best_by} needs --val-split (the part of the training set it scores)"),
         (not is_code(cfg.lr_schedule) or not cfg.warmup_epochs,
          f"--lr-schedule {cfg.lr_schedule} sets every step's rate: it takes no --warmup-epochs"),
         (not is_code(cfg.lr_schedule) or cfg.mode != "scratch",
@@ -2036,21 +2052,58 @@ class DataInfo:
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     """The data loaded on the driver, before any worker starts: (config normalised, DataInfo)."""
     train_set, test_set = load_dataset(cfg)
-    if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
-                          f"training samples of {cfg.dataset} allow for one step")
     if cfg.dataset == "folder":
         cfg = with_data_statistics(cfg, train_set)
         train_set.transform, test_set.transform = image_transforms(cfg)
+    train_set, test_set, val_set = held_out(cfg, (train_set, test_set))
+    if len(train_set) // cfg.processes < cfg.micro_batch * cfg.accum_steps:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(train_set)} "
+                          f"training samples of {cfg.dataset} allow for one step")
     with failing(DataError, lambda why: f"--dataset {cfg.dataset}: a target is a class index or "
                  f"a tensor of values: {why}", (TypeError, ValueError, RuntimeError)):
         classes = class_names(train_set) if classifies(train_set) else []
     check_targets(cfg, (train_set, test_set), classes)
     check_sendable(cfg, (train_set, test_set))
-    train_set, test_set = shared(train_set), shared(test_set)
-    return cfg, DataInfo((len(train_set), len(test_set)), input_shape(cfg, train_set), classes,
-                         not isinstance(train_set, TensorDataset), (train_set, test_set),
+    splits = tuple(shared(split) for split in (train_set, test_set, val_set))
+    return cfg, DataInfo(tuple(len(split) for split in splits if split is not None),
+                         input_shape(cfg, train_set), classes,
+                         not isinstance(train_set, TensorDataset), splits,
                          samples_fingerprint(train_set), outputs(train_set, classes))
+
+
+def held_out(cfg: Config, data: tuple) -> tuple:
+    """(train, test, val): --val-split of the training set held out, the same on every rank and
+    rerun (from --seed), stratified by class where the labels are at hand; val None without."""
+    train, test = data
+    if not cfg.val_split:
+        return train, test, None
+    seed = stream_seed(cfg.seed, VALIDATION_STREAM)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+    if classifies(train) and (isinstance(train, TensorDataset) or hasattr(train, "targets")):
+        order = order[torch.as_tensor(labels_of(train))[order].argsort(stable=True)]  # by class
+    marks = torch.arange(len(order) + 1, dtype=torch.float64).mul(cfg.val_split).floor()
+    kept, val = (order[part].sort().values for part in (marks[1:] == marks[:-1],
+                                                          marks[1:] > marks[:-1]))  # spread evenly
+    if not len(val):
+        raise ConfigError(f"--val-split {cfg.val_split:g} holds out none of the {len(train)} "
+                          f"training samples of {cfg.dataset}")
+    if isinstance(train, TensorDataset):
+        named = class_names(train) if classifies(train) else None
+        kept, val = (NamedTensors(*(t[part] for t in train.tensors), classes=named)
+                     for part in (kept, val))
+        return kept, test, val
+    scored = copy.copy(train)  # read as the test set is read: no augmentation
+    scored.transform = getattr(test, "transform", getattr(train, "transform", None))
+    return Part(train, kept.tolist()), test, Part(scored, val.tolist())
+
+
+class Part(Subset):
+    """Some samples of a data set read per sample, its attributes kept (classes, root, samples)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "dataset":  # (unpickling: not set yet)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 def check_targets(cfg: Config, data: tuple, classes: list) -> None:
@@ -2157,9 +2210,9 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
 def check_training_choices(cfg: Config, data: DataInfo) -> None:
     """--best-by a metric the epochs report; your optimizer through a step, your schedule through
     every step of the run (a throw-away optimizer's)."""
-    if cfg.best_by == "test_acc" and not data.classes:
-        raise ConfigError(f"--best-by test_acc: {cfg.dataset} is a regression, whose epochs have "
-                          f"no accuracy; choose test_loss")
+    if cfg.best_by.endswith("_acc") and not data.classes:
+        raise ConfigError(f"--best-by {cfg.best_by}: {cfg.dataset} is a regression, whose epochs "
+                          f"have no accuracy; choose {cfg.best_by[:-3]}loss")
     if not (is_code(cfg.optimizer) or is_code(cfg.lr_schedule)):
         return
     net, flag = build_model(cfg.model, data.sample_shape, data.outputs), "optimizer"
@@ -2633,6 +2686,15 @@ def best_epoch(history: list, metric: str) -> Optional[dict]:
                key=lambda e: (sign * e[metric], e["epoch"]), default=None)
 
 
+def early_stop(history: list, cfg: Config) -> Optional[dict]:
+    """--early-stop: the epoch that makes PATIENCE without a better --best-by value, and the best."""
+    best = best_epoch(history, cfg.best_by)
+    if not (cfg.early_stop and best and history[-1]["epoch"] - best["epoch"] >= cfg.early_stop):
+        return None
+    return {"epoch": history[-1]["epoch"], "best_epoch": best["epoch"], "metric": cfg.best_by,
+            "value": best[cfg.best_by]}
+
+
 def checkpoint_dir_name(epoch: int, step: int = 0) -> str:
     """checkpoint_epoch_003: after epoch 3; checkpoint_epoch_003_step_000040: 40 steps into it."""
     return f"checkpoint_epoch_{epoch:03d}" + (f"_step_{step:06d}" if step else "")
@@ -2988,17 +3050,20 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
         sec_per_epoch=statistics.median(m["epoch_seconds"] for m in whole),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
         **{key: out[key] for key in ("started_at_epoch", "node_ranks", "first_step_at")},
-        recovery=recovery, resumed=out["resumed"], ledger=ledger, startup=out["startup"])
+        recovery=recovery, resumed=out["resumed"], ledger=ledger, startup=out["startup"],
+        early_stopped=out["early_stopped"])
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
 
 
 def finished_result(cfg: Config, resume: Resume) -> Optional[dict]:
-    if resume.done < cfg.epochs:
+    """The result.json of a run that trained --epochs, or stopped early as --early-stop says now."""
+    if resume.done < cfg.epochs and not cfg.early_stop:
         return None
     try:
         summary = json.loads(read_stored(os.path.join(cfg.run_dir, "result.json")))
-        return summary if summary["epochs"][-1]["epoch"] == resume.done else None
+        ended = resume.done >= cfg.epochs or early_stop(summary["epochs"], cfg)
+        return summary if ended and summary["epochs"][-1]["epoch"] == resume.done else None
     except (OSError, ValueError, AttributeError, KeyError, IndexError, TypeError):
         return None
 
@@ -3010,7 +3075,8 @@ def finished(cfg: Config, summary: dict, done: int) -> dict:
 
 def finished_run(cfg: Config, done: int) -> str:
     said = (f"has trained {done} epochs, more than --epochs {cfg.epochs}" if done > cfg.epochs
-            else f"already finished its {plural(done, 'epoch')}")
+            else f"already finished its {plural(done, 'epoch')}" if done == cfg.epochs
+            else f"stopped early after epoch {done} (--early-stop {cfg.early_stop})")
     further = (f"--epochs {max(done, cfg.epochs) + 10} trains it further" if not is_code(
         cfg.lr_schedule) else "its own --lr-schedule spans its epochs: --fresh starts it over")
     return f"run '{cfg.name}' {said}; nothing to train ({further})"
@@ -3267,6 +3333,7 @@ class Checkpointer:
         self.check_every = 0 if model is None or worker.world == 1 else int(replicas)
         self.check_seconds, self.last_check, self.slow, self.noted = 0.0, 0, [], False
         self.first_epoch, self.resumed_at, self.history, self.resume_record = 0, {}, [], None
+        self.early = None
         self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
         self.steps_done, self.next_agreement, self.agreed_steps, self.since_save = 0, 1, 0, 0
         self.agreed_at, self.last_save, self.lost, self.saved_count = 0.0, time.monotonic(), 0.0, 0
@@ -3313,6 +3380,22 @@ class Checkpointer:
                                f"{', '.join(differ)} differ from what it certifies")
         self.resume_record["certified"] = True
         return f"{line}: the same model, optimizer, history and data position as saved"
+
+    def epochs(self):
+        """The epochs left to train, until a stop: SIGTERM's, or --early-stop's (rank 0's, shared)."""
+        for epoch in range(self.first_epoch, self.cfg.epochs):
+            if self.stopped or self.cfg.early_stop and self.ended_early():
+                return
+            yield epoch
+
+    def ended_early(self) -> bool:
+        self.early = from_rank_0(early_stop(self.history, self.cfg), self.worker.device)
+        if self.early:
+            self.console.say(f"ray-dp: early stop after epoch {self.early['epoch']}: "
+                             f"{self.early['metric']} has not bettered epoch "
+                             f"{self.early['best_epoch']}'s {self.early['value']:.4g} in "
+                             f"--early-stop {self.cfg.early_stop} epochs (checkpoint_best holds it)")
+        return bool(self.early)
 
     def epoch_start(self, epoch: int) -> tuple[int, EpochLoss]:
         """The epoch's first step and its loss so far: 0 and none, or a mid-epoch save's."""
@@ -3479,7 +3562,8 @@ class Checkpointer:
                "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
                "first_step_at": marks.get("first_step"), "startup": marks,
                "node_ranks": node_ranks(self.worker), "stopped": self.stopped,
-               "resumed": self.resume_record, "ledger": {**self.snapshot(), "ended": time.time()}}
+               "resumed": self.resume_record, "ledger": {**self.snapshot(), "ended": time.time()},
+               "early_stopped": self.early}
         self.console.flush()
         if (self.stopped and self.stopped["by"] == [SIGTERM_VOTE] and not self.torchrun
                 and self.cfg.max_failures):
@@ -4108,7 +4192,8 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
     left_out = (f" ({plural(dropped, 'train sample')} left out per epoch: whole global batches "
                 f"only)" if dropped else "")
     return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
-            f"({data.sizes[0]} train / {data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
+            f"({data.sizes[0]} train{''.join(f' + {n} val' for n in data.sizes[2:])} / "
+            f"{data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
             f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, lr {cfg.lr} "
             f"({cfg.lr_schedule.rpartition(':')[2]}{own}), {', '.join(switches(cfg, data))}, "
@@ -4198,7 +4283,7 @@ def near_chance(cfg: Config, summary: dict) -> Optional[str]:
 
 
 EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "test_loss",
-                 "test/acc": "test_acc", "time/epoch_seconds": "epoch_seconds",
+                 "test/acc": "test_acc", "val/loss": "val_loss", "val/acc": "val_acc", "time/epoch_seconds": "epoch_seconds",
                  "time/samples_per_second": "samples_per_second",
                  "time/data_seconds": "data_seconds",
                  "comm/allreduce_seconds_per_step": "allreduce_seconds_per_step",

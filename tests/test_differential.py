@@ -104,6 +104,11 @@ COMBOS = [
     ("rerun-accum-adamw-2w-to-3w", 2, dict(TWO, accum_steps=2, optimizer="adamw", lr=0.002), 3),
     ("rerun-folder-augment-2w-to-3w", 2, dict(FOLDER), 3),
     ("rerun-sync-bn-2w-to-3w", 2, dict(SHUFFLENET, synthetic_size=12, epochs=2), 3),  # a step an epoch
+    # a quarter of the training set held out, scored every epoch; the same part on 2 workers, 3 and one process
+    ("val-split", 2, dict(TWO, val_split=0.25), None),
+    ("3w-folder-val-split", 3, dict(FOLDER, val_split=0.2, epochs=1), None),
+    ("own-wine-val-split", 2, dict(model=f"{OWN}:TabularMLP", dataset=f"{OWN}:wine", val_split=0.2), None),
+    ("rerun-val-split-2w-to-3w", 2, dict(TWO, val_split=0.25), 3),
 ]
 
 
@@ -127,30 +132,33 @@ class Recorder:
             self.saved = copy.deepcopy(state)
         if step:  # a mid-epoch checkpoint: no epoch's metrics
             return
-        self.reports.append({k: v for k, v in metrics.items() if k.startswith("test_") or k == "train_loss"})
+        self.reports.append({k: v for k, v in metrics.items() if k.startswith(("test_", "val_")) or k == "train_loss"})
         if epoch == self.stop_after:
             raise Stop
 
 
 @ray_dp.dataset("folder64")
 def load_folder64(cfg):
-    """--dataset folder, its images as fp64 (for the fp64 combinations): the same per-sample path."""
-    return tuple(AsDouble(split) for split in ray_dp.load_folder(cfg))
+    """--dataset folder, its images as fp64 (for the fp64 combinations): the same per-sample path, and the same
+    ImageFolders (a held-out part of train/ is read with the test set's transform, as in a real run)."""
+    splits = ray_dp.load_folder(cfg)
+    for split in splits:
+        split.transform = AsDouble(split.transform)
+    return splits
 
 
-class AsDouble(torch.utils.data.Dataset):
-    def __init__(self, data):
-        self.data, self.classes = data, data.classes
+class AsDouble:
+    def __init__(self, transform):
+        self.transform = transform
 
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, index):
+    def __call__(self, image):
         # torchvision's transforms draw in the default dtype, which loader processes started by spawn do not
         # inherit: fp32 here, as in every real run, so that every process draws the same crops
         with default_dtype(torch.float32):
-            image, label = self.data[index]
-        return image.double(), label
+            return self.transform(image).double()
+
+    def __repr__(self):
+        return f"AsDouble({self.transform!r})"
 
 
 @contextlib.contextmanager
@@ -253,9 +261,10 @@ def test_n_workers_end_where_one_process_does(name, runs):
             torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=lambda m: f"{key}: {m}")
         else:  # BatchNorm's step counts
             assert torch.equal(got, expected), key
-    test_size = len(ray_dp.load_dataset(cfg)[1])
+    _, test, val = ray_dp.held_out(cfg, ray_dp.load_dataset(cfg))
     for got, expected in zip(many["reports"][-1:], one["reports"][-1:]):
-        assert got["test_count"] == expected["test_count"] == test_size  # every sample scored once
+        assert got["test_count"] == expected["test_count"] == len(test)  # every sample scored once
+        assert got.get("val_count") == expected.get("val_count") == (len(val) if val is not None else None)
         assert ("test_acc" in got) is ("test_acc" in expected) is ray_dp.classifies(ray_dp.load_dataset(cfg)[1])
         for metric in set(expected) - {"test_count"}:
             assert got[metric] == pytest.approx(expected[metric], abs=atol, rel=rtol), metric

@@ -239,7 +239,7 @@ def lists_on_rank_0_only(data_dir):
     if worker.rank == 1:
         ray_dp.load_dataset = lambda cfg: (_ for _ in ()).throw(AssertionError("rank 1 listed the bucket"))
     cfg = ray_dp.Config(dataset="folder", data_dir=data_dir)
-    train_set, val_set = ray_dp.worker_data(cfg, ray_dp.LoopOptions(torchrun=True), worker)
+    train_set, val_set, _ = ray_dp.worker_data(cfg, ray_dp.LoopOptions(torchrun=True), worker)
     return train_set.samples, len(val_set)
 
 

@@ -220,7 +220,7 @@ BAD = [
     (["--model", "mlp", "--dataset", "{tmp}/mine.py:diabetes", "--loss", "mse", "--best-by", "test_acc"],
      "--best-by test_acc: {tmp}/mine.py:diabetes is a regression, whose epochs have no accuracy; choose test_loss"),
     (["--keep-checkpoints", "-1"], "--keep-checkpoints must be at least 0, got -1"),
-    (["--best-by", "val_loss"], "argument --best-by: invalid choice: 'val_loss'"),
+    (["--best-by", "val_loss"], "--best-by val_loss needs --val-split (the part of the training set it scores)"),
     (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/mine.py:wine", "--loss", "{tmp}/odd.py:WeightedLoss"],
      "--loss {tmp}/odd.py:WeightedLoss cannot be made without arguments (TypeError: "),
     (["--model", "{tmp}/odd.py:Mlp", "--dataset", "digits"], "--model {tmp}/odd.py:Mlp: {tmp}/odd.py has no Mlp; did "
@@ -490,7 +490,7 @@ def test_under_torchrun_every_rank_trains_rank_0s_own_data_set(code):
 
 
 def rank_0s_samples(cfg):
-    train, _ = ray_dp.worker_data(cfg, ray_dp.LoopOptions(torchrun=True), here())
+    train, _, _ = ray_dp.worker_data(cfg, ray_dp.LoopOptions(torchrun=True), here())
     return type(train).__name__, [train[i][0].item() for i in range(len(train))]
 
 

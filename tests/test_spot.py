@@ -138,7 +138,11 @@ def runs(tmp_path_factory):
              ("own-adam-one-cycle", config(tmp, optimizer=f"{OWN}:adam_betas", lr_schedule=f"{OWN}:one_cycle",
                                            lr=0.002), (7,)),
              # fp16's GradScaler: its scale and growth tracker in the checkpoint, with the optimizer's state
-             ("amp-fp16", config(tmp, model=f"{OWN}:OverflowsAtFirst", amp="fp16"), (2, 7))]
+             ("amp-fp16", config(tmp, model=f"{OWN}:OverflowsAtFirst", amp="fp16"), (2, 7)),
+             # a fifth of the training set held out: the same part, and the same steps after a resume
+             ("val-split", config(tmp, val_split=0.2, synthetic_size=75), (3, 6)),
+             ("scratch-val-split", config(tmp, mode="scratch", lr_schedule="constant", momentum=0.0,
+                                          checkpoint_every="2", val_split=0.2, synthetic_size=75), (5,))]
     return run_distributed(kills_and_resumes, 2, cases)[0]
 
 
@@ -158,7 +162,7 @@ def test_every_step_and_every_2_steps_are_saved_and_named_by_epoch_and_step(runs
 
 
 @pytest.mark.parametrize("name", ["in-memory-accum-2", "folder-augment-loader-process", "dropout-adamw", "scratch",
-                                  "own-adam-one-cycle", "amp-fp16"])
+                                  "own-adam-one-cycle", "amp-fp16", "val-split", "scratch-val-split"])
 def test_a_run_killed_at_any_step_and_resumed_ends_bitwise_where_the_uninterrupted_one_does(runs, name):
     out = runs[name]
     for micro_batches, resumed in out["resumed"].items():
