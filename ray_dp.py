@@ -62,6 +62,7 @@ from typing import Optional, get_args, get_type_hints
 
 import ray
 
+__version__ = "0.6.0"
 SUPPORTED_RAY = ("2.59", "2.61")  # Ray Train's V2 API: from, up to but not including
 
 
@@ -1395,28 +1396,44 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
         parser.add_argument("--inputs", required=True, metavar="DIR|FILE.py:NAME", help="images, "
                             "any layout; or your function (as --dataset's) returning a Dataset of "
                             "inputs or of (input, anything) pairs")
-        parser.add_argument("--out", dest="predict_out", required=True, metavar="FILE.csv")
+        parser.add_argument("--out", dest="predict_out", required=True, metavar="FILE.csv",
+                            help="the CSV file its rows go to")
+    parser.add_argument("--version", action="version", version=f"ray_dp {__version__}")
     shown = {"doctor": DOCTOR_FLAGS, "predict": PREDICT_FLAGS}.get(command, CLI_FIELDS) & CLI_FIELDS
+    sections = {title: parser.add_argument_group(title) for title in HELP_SECTIONS}
     for f in (f for f in fields(Config) if f.name in shown):
         flag = "--" + f.name.replace("_", "-")
+        section = sections[next(title for title, names in HELP_SECTIONS.items() if f.name in names)]
         kwargs = {"help": f.metadata["help"], **f.metadata["argparse"]}
         if f.name in LESSON_DEFAULTS:
             kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
         if f.default not in ("", None):
             kwargs["help"] += f" (default: {f.default})"
         if f.name == "workers":
-            parser.add_argument(flag, action=_WorkersAction, **kwargs)
+            section.add_argument(flag, action=_WorkersAction, **kwargs)
         elif f.name == "gpu":  # absent: Config's None, decided from the cluster
-            group = parser.add_mutually_exclusive_group()
+            group = section.add_mutually_exclusive_group()
             group.add_argument("--gpu", action="store_const", const=True, help=kwargs["help"])
             group.add_argument("--cpu", dest="gpu", action="store_const", const=False,
                                help="use CPU workers (gloo backend)")
         elif isinstance(f.default, bool):
             action = argparse.BooleanOptionalAction if f.default else "store_true"
-            parser.add_argument(flag, action=action, **kwargs)
+            section.add_argument(flag, action=action, **kwargs)
         else:
-            parser.add_argument(flag, **{"type": type(f.default), **kwargs})
+            section.add_argument(flag, **{"type": type(f.default), **kwargs})
     return parser
+
+
+HELP_SECTIONS = {title: names.split() for title, names in {  # --help's, in its order
+    "data": "dataset data_dir download synthetic_size val_split image_size augment loader_workers",
+    "model": "mode model weights loss sync_bn allreduce find_unused_parameters compile",
+    "optimisation": "epochs batch_size accum_steps lr lr_schedule warmup_epochs optimizer momentum "
+                    "weight_decay clip_grad_norm label_smoothing amp seed",
+    "workers and cluster": "workers cpus_per_worker gpu address start_timeout max_failures "
+                           "keep_freed_memory",
+    "checkpoints": "storage_path name fresh checkpoint_every keep_checkpoints best_by early_stop "
+                   "eval_only predict_out",
+    "health": "check_replicas timeout", "output": "logdir log_every quiet worker_output"}.items()}
 
 
 def with_absolute_paths(cfg: Config) -> Config:
@@ -1434,6 +1451,8 @@ def main(argv=None) -> int:
     """The command line: one command, one line for every way it can end."""
     CODE.clear()
     command, cfg = "train", None
+    if threading.current_thread() is threading.main_thread():  # not its default: it would kill
+        signal.signal(signal.SIGUSR1, no_stacks)
     try:
         command, cfg, options = parse_command(argv)
         if command == "predict" and not cfg.predict_out:  # ray_dp.predict() may return rows alone
@@ -1454,6 +1473,9 @@ def main(argv=None) -> int:
             raise
         return fail(f"error: {storage_full(cfg, exc)}", 1)
     except KeyboardInterrupt:
+        if command == "train" and "checked" in CLOCK:  # its time counts, as "other"
+            with contextlib.suppress(Exception):
+                record_ledger(cfg, None, None)
         return fail(interrupted(command, cfg), 130)
     return 1 if command == "doctor" and not outcome else 0
 
@@ -1643,7 +1665,8 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
         checkpoint_config=CheckpointConfig() if options.torchrun else checkpoint_config(cfg),
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         callbacks=[*([TensorBoardWriter(cfg)] if training and not options.torchrun else []),
-                   *([] if follower else [FailureLog(cfg, local_run_dir(cfg), board, done)])],
+                   *([FailureLog(cfg, local_run_dir(cfg), board, done)] if training and not follower
+                     else [])],
         failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         worker_runtime_env=worker_env(cfg))
     stop = graceful_stop() if training and board else None  # rank 0 hears it at its next beat
@@ -1723,6 +1746,8 @@ def connect(cfg: Config) -> Config:
         start_ray("", cpus, cfg.worker_output)
         return cfg
     start_ray(cfg.address, worker_output=cfg.worker_output)
+    if cfg.address == "auto":
+        print(f"ray-dp: attached to the Ray cluster at {ray.get_runtime_context().gcs_address}")
     return settle_device(cfg, cluster_of(cfg))
 
 
@@ -3051,7 +3076,7 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
         **{key: out[key] for key in ("started_at_epoch", "node_ranks", "first_step_at")},
         recovery=recovery, resumed=out["resumed"], ledger=ledger, startup=out["startup"],
-        early_stopped=out["early_stopped"])
+        early_stopped=out["early_stopped"], replica_checks=out["replica_checks"])
     write_json(os.path.join(cfg.run_dir, "result.json"), summary)
     return summary
 
@@ -3234,15 +3259,17 @@ def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict
 
 
 def recovery_summary(record_path: str) -> dict:
+    """The last command's failures and restarts (its events after its mark); every command's events."""
     try:
         events = json.loads(Path(record_path).read_text())["events"]
-    except FileNotFoundError:
+    except (OSError, ValueError):  # none yet, or one that cannot be read: from here on
         return {}
-    starts = [e for e in events if e["event"] == "started"]
-    return {"failures": sum(e["event"] == "failed" for e in events),
+    ours = events[max((i for i, e in enumerate(events) if e["event"] == "command"), default=-1):]
+    starts = [e for e in ours if e["event"] == "started"]
+    return {"failures": sum(e["event"] == "failed" for e in ours),
             "restarts": max(len(starts) - 1, 0),
             "world_sizes": [[e["at"], e["workers"]] for e in starts],
-            "epochs_redone": [epoch for e in events for epoch in e.get("redone", [])],
+            "epochs_redone": [epoch for e in ours for epoch in e.get("redone", [])],
             "events": events}
 
 
@@ -3252,6 +3279,8 @@ class FailureLog(ray.train.UserCallback):
     def __init__(self, cfg: Config, logs: str, board=None, done: int = 0):
         self.cfg, self.logs, self.board, self.done, self.save_failed = cfg, logs, board, done, False
         self.events, self.failures, self.node_ips, self.seen = [], 0, {}, None
+        self.before = recovery_summary(os.path.join(logs, "recovery.json")).get("events", [])
+        self.add(None, event="command")  # the earlier commands' events kept, this one's marked
 
     def __setstate__(self, state: dict) -> None:  # unpickled in Ray Train's controller
         self.__dict__.update(state)
@@ -3259,13 +3288,14 @@ class FailureLog(ray.train.UserCallback):
 
     def after_report(self, run_context, metrics: list, checkpoint) -> None:
         epoch = metrics[0]["epoch"]
-        if not self.events or self.events[-1]["event"] == "failed":
+        if (last := self.events[-1]["event"]) in ("command", "failed"):
             for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
                 failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
             self.node_ips = {rank: m.get("node") for rank, m in enumerate(metrics)}
             nodes = sorted(set(self.node_ips.values()) - {None})
             self.add(f"{plural(len(metrics), 'worker')} started on {', '.join(nodes)}"
-                     if self.events else None, event="started", workers=len(metrics), nodes=nodes)
+                     if last == "failed" else None, event="started", workers=len(metrics),
+                     nodes=nodes)
         self.done = epoch - 1 if "step" in metrics[0] else epoch
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
@@ -3290,7 +3320,7 @@ class FailureLog(ray.train.UserCallback):
             self.say(f"ray-dp: {message}")
         self.events.append({"at": time.time(), **event})
         try:
-            write_json(os.path.join(self.logs, "recovery.json"), {"events": self.events})
+            write_json(os.path.join(self.logs, "recovery.json"), {"events": self.before + self.events})
         except OSError as exc:
             if not self.save_failed:
                 self.say(f"ray-dp: cannot write {self.logs}/recovery.json ({exc}); training goes "
@@ -3333,7 +3363,7 @@ class Checkpointer:
         self.check_every = 0 if model is None or worker.world == 1 else int(replicas)
         self.check_seconds, self.last_check, self.slow, self.noted = 0.0, 0, [], False
         self.first_epoch, self.resumed_at, self.history, self.resume_record = 0, {}, [], None
-        self.early = None
+        self.early, self.checks = None, 0
         self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
         self.steps_done, self.next_agreement, self.agreed_steps, self.since_save = 0, 1, 0, 0
         self.agreed_at, self.last_save, self.lost, self.saved_count = 0.0, time.monotonic(), 0.0, 0
@@ -3481,6 +3511,7 @@ class Checkpointer:
         """Every rank's digest is the same, or the run stops here, nothing saved."""
         try:
             compare_replicas(named, hashes, slots, self.worker, where)
+            self.checks += 1
         except RunFailed as exc:
             self.stopped = {"by": ["replicas"], "error": str(exc)}
 
@@ -3563,7 +3594,7 @@ class Checkpointer:
                "first_step_at": marks.get("first_step"), "startup": marks,
                "node_ranks": node_ranks(self.worker), "stopped": self.stopped,
                "resumed": self.resume_record, "ledger": {**self.snapshot(), "ended": time.time()},
-               "early_stopped": self.early}
+               "early_stopped": self.early, "replica_checks": self.checks}
         self.console.flush()
         if (self.stopped and self.stopped["by"] == [SIGTERM_VOTE] and not self.torchrun
                 and self.cfg.max_failures):
@@ -3670,6 +3701,11 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
         done.set()
 
 
+def no_stacks(*_) -> None:
+    """SIGUSR1 to a command whose workers do not train (yet, or any more)."""
+    tqdm.write("ray-dp: SIGUSR1: no rank trains now, so none writes its stacks")
+
+
 @contextlib.contextmanager
 def dumps_asked(cfg: Config, board):
     """SIGUSR1 to the driver while it trains: every rank writes its stacks (Watchdog)."""
@@ -3677,7 +3713,7 @@ def dumps_asked(cfg: Config, board):
         yield
         return
 
-    def ask(*_):
+    def ask(*_):  # (rank N's watchdog, started later, answers it then)
         board.ask_dump.remote()
         tqdm.write(f"ray-dp: SIGUSR1: each rank writes its stacks to {cfg.run_dir}/hang/"
                    f"rank<N>.txt (and torch's flight recorder to rank<N>.json)")
@@ -3905,8 +3941,9 @@ def run_ledger(clock: dict, attempts: list, failed: int, ended: float,
     wall, before = ended - begun, before or {}
     seconds["other"] = wall - sum(seconds.values())
     totals = {what: seconds[what] + before.get(what, 0.0) for what in LEDGER}
-    wall += before.get("wall", 0.0)
+    this, wall = wall, wall + before.get("wall", 0.0)
     return {**{what: round(spent, 3) for what, spent in totals.items()}, "wall": round(wall, 3),
+            "this_command": round(this, 3), "commands": before.get("commands", bool(before)) + 1,
             "goodput": round(totals["training steps"] / wall, 4) if wall else 0.0,
             "failed": failed + before.get("failed", 0),
             "saved": sum(attempt.get("saves", 0) for attempt in attempts) + before.get("saved", 0)}
@@ -3915,7 +3952,9 @@ def run_ledger(clock: dict, attempts: list, failed: int, ended: float,
 def format_ledger(ledger: dict) -> str:
     parts = ", ".join(f"{what} {ledger[what]:.1f} s" for what in LEDGER[2:]
                       if what != "training steps" and ledger[what] >= 0.05)
-    return (f"time: {ledger['wall']:.1f} s, {ledger['training steps']:.1f} s of it training steps "
+    over = (f" (the run over its {ledger['commands']} commands; this one {ledger['this_command']:.1f} "
+            f"s)" if ledger.get("commands", 1) > 1 else "")
+    return (f"time{over}: {ledger['wall']:.1f} s, {ledger['training steps']:.1f} s of it training steps "
             f"(goodput {ledger['goodput']:.0%}); driver {ledger['driver']:.1f} s, cluster "
             f"{ledger['cluster']:.1f} s" + (f", {parts}" if parts else ""))
 
@@ -4247,12 +4286,13 @@ def format_epoch(m: dict, epochs: int) -> str:
 
 
 def format_summary(summary: dict, launcher: str = "") -> str:
-    """`test acc: 0.97, 0.3 sec/epoch on 2 workers (cpu)`, and what it survived."""
-    final = summary["final"]
+    """`test acc: 0.97, 0.3 sec/epoch on 2 workers (cpu)`, the replica checks, what it survived."""
+    final, checks = summary["final"], summary.get("replica_checks")
     score = (f"test acc: {final['test_acc']:.2f}" if "test_acc" in final
              else f"test loss: {final['test_loss']:.4g}")
     line = (f"{score}, {summary['sec_per_epoch']:.1f} sec/epoch on "
-            f"{plural(summary['world_size'], 'worker')} ({summary['device']}{launcher})")
+            f"{plural(summary['world_size'], 'worker')} ({summary['device']}{launcher})"
+            + (f", replicas alike at all {plural(checks, 'check')}" if checks else ""))
     if (recovery := summary.get("recovery") or {}).get("failures"):
         line += (f"; survived {plural(recovery['failures'], 'failure')}, "
                  f"{plural(recovery['restarts'], 'restart')} (workers "
@@ -4510,7 +4550,7 @@ def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
     width = checkpoint.get("outputs") or len(names) or [
         t for t in checkpoint["model"].values() if t.ndim][-1].shape[0]
     inputs, keys = predict_inputs(cfg, torch.tensor(0) if names else torch.zeros(width),
-                                  checkpoint["config"]["dataset"])
+                                  checkpoint)
     cfg, out = scored(cfg, checkpoint, inputs, names, width, f"predicting "
                       f"{plural(len(inputs), 'input')} with {cfg.eval_only} ({cfg.model})")
     columns = ["predicted"] if width == 1 else [f"predicted_{j}" for j in range(width)]
@@ -4521,14 +4561,19 @@ def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
         os.unlink(os.path.join(cfg.run_dir, ".validate_storage_marker"))
         os.rmdir(cfg.run_dir)
     if cfg.predict_out:
-        write_csv(cfg.predict_out, [list(rows[0]), *map(dict.values, rows)])
+        shown = [[f"{v:.6f}" if k == "probability" else f"{v:.6g}" if isinstance(v, float) else v
+                  for k, v in row.items()] for row in rows]  # as --predict-out writes them
+        write_csv(cfg.predict_out, [list(rows[0]), *shown])
         print(f"wrote {cfg.predict_out} ({plural(len(rows), 'prediction')})", flush=True)
     return rows
 
 
-def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
-    """predict's inputs (a folder's images, sorted, or your Dataset) with stand-in targets; keys."""
+def predict_inputs(cfg: Config, target: torch.Tensor, checkpoint: dict) -> tuple:
+    """predict's inputs (a folder's images, sorted, or your Dataset) with stand-in targets; keys.
+    Images for a run of another data set are read as its inputs were: channels, size, [0, 1]."""
+    from torchvision import transforms as T
     from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+    trained, shape = checkpoint["config"]["dataset"], tuple(checkpoint.get("inputs") or ())
     if is_code(where := cfg.dataset):
         data = your_data(where, "inputs", cfg)
         if not (isinstance(data, torch.utils.data.Dataset) and hasattr(data, "__len__")):
@@ -4541,17 +4586,21 @@ def predict_inputs(cfg: Config, target: torch.Tensor, trained: str) -> tuple:
         files = sorted(os.path.relpath(os.path.join(folder, name), where) for folder, _, names
                        in os.walk(where) for name in names  # linked folders: not walked
                        if has_file_allowed_extension(name, IMG_EXTENSIONS))
-        read = image_transforms(cfg)[1]
+        if trained != "folder" and shape[:1] not in ((1,), (3,)):
+            raise DataError(f"--inputs {where}: this run trained on --dataset {trained}, whose "
+                            f"inputs it does not record as images of 1 or 3 channels: give "
+                            f"--inputs FILE.py:NAME returning inputs as it trained on them")
+        read = image_transforms(cfg)[1] if trained == "folder" else T.Compose(
+            [*[T.Grayscale()] * (shape[0] == 1), T.Resize(shape[1:]), T.ToTensor()])
         read.transforms.insert(0, functools.partial(read_image, data_dir=where))
         keys = [{"path": file} for file in files]
         inputs = Unlabelled([os.path.join(where, file) for file in files], read, target)
     if not keys:
         raise DataError(f"--inputs {where} holds no inputs" if is_code(where) else
                         f"--inputs {where} holds no image ({', '.join(IMG_EXTENSIONS)})")
-    if not is_code(where) and trained != "folder":  # its size, channels and scaling unknown
-        raise DataError(f"--inputs {where}: images are read as a run of --dataset folder reads "
-                        f"its own, but this run trained on --dataset {trained}: give --inputs "
-                        f"FILE.py:NAME returning inputs as it trained on them")
+    if not is_code(where) and trained != "folder":
+        print(f"note: --inputs {where}: images read as the run's inputs were: "
+              f"{'grayscale' if shape[0] == 1 else 'RGB'}, {shape[1]} x {shape[2]} px, [0, 1]")
     check_sendable(cfg, (inputs,))
     return inputs, keys
 
@@ -4820,9 +4869,10 @@ def missing_dataset(dataset_class, root: str, download: bool, error: Exception) 
     else:
         names = ([name for name, _ in dataset_class.train_list + dataset_class.test_list]
                  + [dataset_class.meta["filename"]])
+    source = getattr(dataset_class, "url", None) or dataset_class.mirrors[0]
     return (f"{dataset_class.__name__} is not in {root}{tried}: put its files there ({folder}/ "
-            f"holding {', '.join(names)}) or --data-dir where they are, or use --dataset digits "
-            f"(offline)")
+            f"holding {', '.join(names)}, from {source}) or --data-dir where they are, or use "
+            f"--dataset digits (offline)")
 
 
 def own_entries(dataset_class) -> tuple:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ray_dp
-from helpers import REPO
+from helpers import DIGIT_NAMES, REPO, digits_folder
 
 DIGITS_INFO = ray_dp.DataInfo((1437, 360), (1, 28, 28), [str(c) for c in range(10)], False)
 
@@ -76,6 +76,10 @@ BAD_INPUTS = [
     (["--dataset", "digits", "--batch-size", "4096"], "larger than the 1437 training samples"),
     (["--dataset", "fashion-mnist", "--data-dir", "{tmp}"], "could not be downloaded"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}", "--no-download"], "(--no-download): put its files there"),
+    (["--dataset", "cifar10", "--data-dir", "{tmp}", "--no-download"],  # where they come from, offline too
+     "data_batch_5, test_batch, batches.meta, from https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz)"),
+    (["--dataset", "fashion-mnist", "--data-dir", "{tmp}", "--no-download"],
+     "t10k-labels-idx1-ubyte, from http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/)"),
     (["--data-dir", "{file}"], "is a file, not a directory"),
     (["--mode", "dp", "--dataset", "digits"], "--mode dp needs CUDA GPUs"),
     (["--mode", "dp", "--workers", "4", "--model", "resnet18"],  # before the data (Fashion-MNIST: no download)
@@ -241,9 +245,9 @@ PREDICT_BAD_INPUTS = [
                                                          "(1, 28, 28)"),
     (lambda d: [str(d), "--inputs", f"{d.parent}/colour.py:cifar_like"], "error: the inputs are (3, 32, 32) where the "
                                                                          "run trained on (1, 28, 28)"),
-    (lambda d: [str(d), "--inputs", str(d.parent / "colour")],  # its tensors' size, channels and scaling: unknown
-     "error: --inputs {d.parent}/colour: images are read as a run of --dataset folder reads its own, but this run "
-     "trained on --dataset digits: give --inputs FILE.py:NAME returning inputs as it trained on them"),
+    (lambda d: [str(d.parent / "wine"), "--model", f"{OWN}:TabularMLP", "--inputs", str(d.parent / "colour")],
+     "error: --inputs {d.parent}/colour: this run trained on --dataset " + OWN + ":wine, whose inputs it does not "
+     "record as images of 1 or 3 channels: give --inputs FILE.py:NAME returning inputs as it trained on them"),
     (lambda d: [str(d.parent / "wine"), "--inputs", f"{OWN}:new_wines"],
      f"error: the checkpoint trained your own code: name it again, --model {OWN}:TabularMLP (ray_dp.train(): "),
     (lambda d: [str(d.parent / "wine"), "--model", f"{OWN}:HeadFirstMLP", "--inputs", f"{OWN}:new_wines"],
@@ -288,10 +292,11 @@ def test_predict_under_torchrun_says_to_run_it_with_python(run_dir, no_cluster, 
 def test_predict_reads_your_inputs_alone_and_a_folders_images_in_path_order(run_dir, tmp_path):
     # (input, anything) pairs: the input alone, with a stand-in target; a TensorDataset stays in memory
     cfg = ray_dp.Config(dataset=f"{OWN}:new_patients")
-    inputs, keys = ray_dp.predict_inputs(cfg, torch.zeros(2), "folder")
+    inputs, keys = ray_dp.predict_inputs(cfg, torch.zeros(2), {"config": {"dataset": "folder"}})
     assert len(inputs) == len(keys) == 89 and keys[:2] == [{"index": 0}, {"index": 1}]
     assert inputs[5][0].shape == (9,) and torch.equal(inputs[5][1], torch.zeros(2))
-    inputs, _ = ray_dp.predict_inputs(ray_dp.Config(dataset=f"{OWN}:new_wines"), torch.tensor(0), "wine")
+    inputs, _ = ray_dp.predict_inputs(ray_dp.Config(dataset=f"{OWN}:new_wines"), torch.tensor(0),
+                                      {"config": {"dataset": "wine"}})
     assert isinstance(inputs, ray_dp.TensorDataset) and inputs.tensors[1].tolist() == [0] * 36
     # images in any layout, every one under the folder once, sorted by their path; other files left out
     from PIL import Image
@@ -302,9 +307,27 @@ def test_predict_reads_your_inputs_alone_and_a_folders_images_in_path_order(run_
     (tmp_path / "new" / "a" / "loop").symlink_to(tmp_path / "new")  # a linked folder is not walked: no input twice
     cfg = ray_dp.Config(dataset="folder", data_dir=str(tmp_path / "new"), image_size=28,
                         normalize=((0.5,) * 3, (0.2,) * 3))
-    inputs, keys = ray_dp.predict_inputs(cfg, torch.tensor(0), "folder")
+    inputs, keys = ray_dp.predict_inputs(cfg, torch.tensor(0), {"config": {"dataset": "folder"}})
     assert [key["path"] for key in keys] == ["0.png", "a b/1.jpg", "a/z/3.png", "b/2.png"]
     assert inputs[0][0].shape == (3, 28, 28) and inputs[0][0].min() == -2.5  # resized, cropped, normalised
+
+
+def test_predict_reads_a_folder_of_images_for_a_digits_run_as_its_digits_were_read(tmp_path, capsys):
+    # the README's `predict runs/myrun --inputs new_images/` after the offline quick start: PNGs of any size and
+    # colour, converted to the run's inputs (1, 28, 28) in [0, 1]; the digits saved as PNGs come back as they were
+    folder = digits_folder(tmp_path / "digits", sizes=(0, 40))
+    from PIL import Image
+    Image.open(sorted((folder / "val").rglob("*.png"))[0]).convert("RGB").resize((56, 56)).save(folder / "big.png")
+    cfg = ray_dp.Config(dataset="folder", data_dir=str(folder))
+    inputs, keys = ray_dp.predict_inputs(cfg, torch.tensor(0), {"config": {"dataset": "digits"},
+                                                                 "inputs": [1, 28, 28]})
+    assert "note: --inputs " in capsys.readouterr().out and len(keys) == 41
+    by_path = {key["path"]: inputs[i][0] for i, key in enumerate(keys)}
+    _, test = ray_dp.load_digits()
+    for i, (image, label) in enumerate(zip(test.tensors[0][:40], test.tensors[1][:40].tolist())):
+        got = by_path[f"val/{DIGIT_NAMES[label]}/{i:04d}.png"]
+        assert got.shape == (1, 28, 28) and (got - image).abs().max() <= 0.5 / 255 + 1e-6
+    assert by_path["big.png"].shape == (1, 28, 28)
 
 
 def test_missing_fashion_mnist_says_how_to_fix(no_cluster, tmp_path, capsys):
@@ -328,6 +351,40 @@ def test_help_documents_every_flag_with_its_default():
                  "--storage-path", "--name", "--address", "--mode"]:
         assert flag in text
     assert "GLOBAL batch" in text and "(default: 64)" in text
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "doctor", "predict"])
+def test_every_flag_of_every_command_has_help_and_a_training_flag_its_section(command, capsys):
+    parser = ray_dp.build_parser(command)
+    assert all(action.help for action in parser._actions), [a.dest for a in parser._actions if not a.help]
+    sections = [group.title for group in parser._action_groups if group._group_actions]
+    assert sections == ["options", *ray_dp.HELP_SECTIONS] or command != "train"  # data, model, ..., output
+    named = [name for names in ray_dp.HELP_SECTIONS.values() for name in names]
+    assert sorted(named) == sorted(ray_dp.CLI_FIELDS)  # each flag in one section
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"ray_dp {ray_dp.__version__}\n"
+
+
+def test_address_auto_names_the_cluster_it_attached_to(monkeypatch, capsys):
+    from types import SimpleNamespace
+    monkeypatch.setattr(ray_dp, "start_ray", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ray_dp.ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="10.0.0.5:6379"))
+    monkeypatch.setattr(ray_dp, "cluster_of", lambda cfg: ray_dp.Cluster({"CPU": 8.0}, None))
+    assert ray_dp.connect(ray_dp.Config(address="auto", gpu=False)).gpu is False
+    assert capsys.readouterr().out == "ray-dp: attached to the Ray cluster at 10.0.0.5:6379\n"
+
+
+def test_a_sigusr1_to_a_command_whose_ranks_do_not_train_says_so_and_the_command_goes_on(no_cluster, capsys):
+    import os
+    import signal
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        assert ray_dp.main(["--workers", "0"]) == 2  # before (or after) its workers train: not SIGUSR1's default
+        os.kill(os.getpid(), signal.SIGUSR1)  # which would end the process, result.json unwritten
+        assert capsys.readouterr().out == "ray-dp: SIGUSR1: no rank trains now, so none writes its stacks\n"
+    finally:
+        signal.signal(signal.SIGUSR1, before)
 
 
 def test_scratch_and_compare_train_the_lessons_recipe_unless_told_otherwise():

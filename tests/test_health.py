@@ -332,6 +332,22 @@ def test_the_ledger_sums_to_the_wall_clock_and_charges_a_failure_its_lost_steps_
     assert (ledger["failed"], ledger["saved"]) == (1, 4)
     again = ray_dp.run_ledger(clock, [final], 0, 195.0, before=ledger)  # a rerun of the same --name adds up
     assert again["wall"] == 190.0 and again["failed"] == 1 and again["training steps"] == 62.0
+    assert (ledger["commands"], again["commands"], again["this_command"]) == (1, 2, 95.0)
+    assert ray_dp.format_ledger(ledger).startswith("time: 95.0 s, 42.0 s of it training steps")
+    assert ray_dp.format_ledger(again).startswith("time (the run over its 2 commands; this one 95.0 s): 190.0 s, ")
+
+
+def test_a_command_stopped_by_ctrl_c_counts_its_time_in_the_runs_ledger(tmp_path, no_cluster, monkeypatch, capsys):
+    def interrupted(cfg, **options):  # Ctrl-C once the run was checked (Ray starting, or training)
+        ray_dp.CLOCK["checked"] = time.time()
+        time.sleep(0.2)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ray_dp, "run", interrupted)
+    argv = ["--dataset", "digits", "--storage-path", str(tmp_path), "--name", "r"]
+    assert ray_dp.main(argv) == 130 and ray_dp.main(argv) == 130
+    assert capsys.readouterr().err.count("ray_dp.py: interrupted; nothing was saved") == 2
+    ledger = json.loads((tmp_path / "r" / "ledger.json").read_text())
+    assert ledger["commands"] == 2 and ledger["wall"] >= 0.4 and ledger["other"] >= 0.4
 
 
 def test_checkpoint_advice_is_young_and_dalys_interval_when_the_run_saves_far_more_or_less_often():
@@ -460,3 +476,16 @@ def test_eval_only_scores_only_replicas_that_agree():
         "the replicas differ before scoring: rank 0 and rank 1 differ, and no majority of the 2 ranks tells which "
         "drifted, first in classifier.0.bias; "
         "nothing is saved from them, and the same command resumes from the last checkpoint"] * 2
+
+
+def counted_checks(cfg):
+    return train_worker(cfg, here(), Saves(), ray_dp.LoopOptions(), {})["replica_checks"]
+
+
+def test_a_run_counts_its_replica_checks_and_its_last_line_says_they_all_agreed():
+    cfg = ray_dp.Config(dataset="synthetic", synthetic_size=64, batch_size=16, epochs=2, workers=2, check_replicas="1",
+                        checkpoint_every="0", quiet=True)
+    assert run_distributed(counted_checks, 2, cfg) == [10, 10]  # after each of an epoch's 4 steps, and at its end
+    summary = {"final": {"test_acc": 0.5}, "sec_per_epoch": 1.0, "world_size": 2, "device": "cpu", "replica_checks": 10}
+    assert ray_dp.format_summary(summary) == ("test acc: 0.50, 1.0 sec/epoch on 2 workers (cpu), replicas alike at all "
+                                              "10 checks")

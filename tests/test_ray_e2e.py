@@ -257,4 +257,5 @@ def test_predict_on_your_own_inputs_as_one_process_does(trained_on, inputs, work
         assert not (tmp_path / "p.csv").exists()
         return
     with open(tmp_path / "p.csv") as f:
-        assert list(csv.DictReader(f)) == [{key: str(value) for key, value in row.items()} for row in rows]
+        assert list(csv.DictReader(f)) == [  # probabilities with --predict-out's precision
+            {key: f"{value:.6f}" if key == "probability" else str(value) for key, value in row.items()} for row in rows]

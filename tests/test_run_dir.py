@@ -374,6 +374,19 @@ def test_a_lost_worker_is_failure_k_of_max_failures_and_the_epochs_redone_are_re
     assert "Connection reset by peer" in (tmp_path / "ray.log").read_text()  # the full errors, off the console
 
 
+def test_recovery_json_keeps_every_commands_events_and_counts_the_last_ones_alone(tmp_path, capsys):
+    first = recovery_log(tmp_path, max_failures=3)
+    first.after_exception(None, lost_rank_1())  # the first command: a failure, then stopped (Ctrl-C)
+    second = recovery_log(tmp_path, max_failures=3)  # the same --name again: a clean run
+    events = json.loads((tmp_path / "recovery.json").read_text())["events"]
+    assert [e["event"] for e in events] == ["command", "started", "failed", "command", "started"]
+    record = ray_dp.recovery_summary(str(tmp_path / "recovery.json"))
+    assert (record["failures"], record["restarts"], len(record["events"])) == (0, 0, 5)
+    assert "workers started" not in capsys.readouterr().out  # a command's first start is no restart
+    second.after_exception(None, lost_rank_1())
+    assert ray_dp.recovery_summary(str(tmp_path / "recovery.json"))["failures"] == 1
+
+
 def test_a_failure_beyond_max_failures_says_the_run_stops(tmp_path, capsys):
     log = recovery_log(tmp_path, max_failures=1)
     log.after_exception(None, {0: RuntimeError("boom")})
