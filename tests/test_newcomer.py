@@ -103,7 +103,8 @@ def test_a_failed_download_names_the_files_and_takes_away_what_it_made(tmp_path,
     err = error_of(["--data-dir", str(data), *runs(tmp_path)], capsys)
     assert f"FashionMNIST is not in {data} and could not be downloaded (<urlopen error no network>): put its files there " in err
     assert f"({data}/FashionMNIST/raw/ holding train-images-idx3-ubyte, train-labels-idx1-ubyte, " \
-           f"t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte)" in err
+           f"t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, from " \
+           f"http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/)" in err
     assert "download=True" not in err and not data.exists()  # no lock file, no empty folders
     # A data directory that was there keeps what it had, and the lock (another process may wait on it).
     data.mkdir()
