@@ -113,7 +113,8 @@ def test_a_failed_download_names_the_files_and_takes_away_what_it_made(tmp_path,
     assert sorted(p.name for p in data.iterdir()) == [".FashionMNIST.lock", "mine.txt"]
     err = error_of(["--dataset", "cifar10", "--no-download", "--data-dir", str(data), *runs(tmp_path)], capsys)
     assert f"CIFAR10 is not in {data} (--no-download): put its files there ({data}/cifar-10-batches-py/ holding " \
-           f"data_batch_1, data_batch_2, data_batch_3, data_batch_4, data_batch_5, test_batch, batches.meta)" in err
+           f"data_batch_1, data_batch_2, data_batch_3, data_batch_4, data_batch_5, test_batch, batches.meta, from " \
+           f"https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz)" in err
 
 
 # 6, 7. The header says every switch; --help names the other commands.
