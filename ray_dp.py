@@ -2128,7 +2128,10 @@ class Part(Subset):
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "dataset":  # (unpickling: not set yet)
             raise AttributeError(name)
-        return getattr(self.dataset, name)
+        found = getattr(self.dataset, name)
+        if name == "prefetch":  # a batch's objects at once (a bucket's folder): the samples meant
+            return lambda indices: found([self.indices[i] for i in indices])
+        return found
 
 
 def check_targets(cfg: Config, data: tuple, classes: list) -> None:

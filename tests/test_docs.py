@@ -12,14 +12,13 @@ from dataclasses import dataclass
 import pytest
 
 import ray_dp
-from helpers import REPO
+from helpers import REPO, digits_folder
 
 DOCS = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
 # What a command needs that this machine has not: the first error parse_command gives for it here
 NOT_HERE = {"--mode dp": "--mode dp needs CUDA GPUs",
             "my_models.py": "there is no file",  # the reader's own files
             "runs/RUN": "does not exist",  # the reader's run
-            "new_images/": "is neither a folder nor FILE.py:NAME",  # the reader's new images
             "/data/flowers": "resnet50-11ad3fa6.pth is not a file"}  # the reader's images and weights
 # runnable here, and run as typed by another test
 RUN_ELSEWHERE = {"compare": "test_ray_e2e.py: compare --workers 2 --dataset digits --epochs 1",
@@ -120,9 +119,9 @@ def test_torchrun_and_tensorboard_lines_parse_with_their_own_programs_which_the_
 
 
 def runnable(command, cfg):
-    """Offline on one CPU machine: no cluster, no GPU, no download, no bucket."""
+    """Offline on one CPU machine: no cluster, no GPU, no download, no bucket (predict's new_images/: the test's)."""
     return (command.launcher == "python" and not cfg.address and not cfg.gpu
-            and cfg.dataset not in ("fashion-mnist", "cifar10", "folder"))
+            and (cfg.dataset not in ("fashion-mnist", "cifar10", "folder") or command.args[0] == "predict"))
 
 
 def as_run(args, cfg):
@@ -139,6 +138,8 @@ def test_every_ray_dp_command_of_the_docs_runs_or_validates_as_typed(tmp_path, m
     import json
     monkeypatch.chdir(tmp_path)  # ./runs, ./data, preds.csv: here
     (tmp_path / "tests").symlink_to(os.path.join(REPO, "tests"))  # tests/user_code.py, as from the repository
+    digits_folder(tmp_path / "digits", sizes=(0, 30))  # the README's new_images/: 30 digits as a reader's PNGs
+    (tmp_path / "digits" / "val").rename(tmp_path / "new_images")
     def same(cfg):  # what a run trains, or that it evaluates: a command that differs in settings alone (how it
         # runs, which checkpoint of the run it scores) is validated above, not run again
         return {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in SETTINGS}, "eval": bool(cfg.eval_only)}
@@ -179,6 +180,8 @@ def test_every_ray_dp_command_of_the_docs_runs_or_validates_as_typed(tmp_path, m
     print(f"ran {len(ran)} of the docs' commands")
     assert len(ran) >= 5  # the quick start, scratch, your own code twice, --eval-only
     assert (tmp_path / "preds.csv").read_text().startswith("index,label,predicted,probability")
+    predicted = (tmp_path / "new.csv").read_text().splitlines()  # predict on the quick start's digits run
+    assert predicted[0] == "path,predicted,predicted_name,probability" and len(predicted) == 31
     wine = next(tmp_path.glob("runs/ddp-TabularMLP-wine-*/result.json"))
     code = hashlib.sha256(open(os.path.join(REPO, "tests", "user_code.py"), "rb").read()).hexdigest()[:16]
     assert json.loads(wine.read_text())["code"]["model"]["sha256"] == code

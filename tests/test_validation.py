@@ -75,6 +75,21 @@ class Unlisted(torch.utils.data.Dataset):
         return torch.full((3,), float(i)), i % 2
 
 
+class Fetched(Unlisted):
+    """Fetches a batch's samples at once, as a folder in a bucket does (StoredImageFolder.prefetch)."""
+    asked = []
+
+    def prefetch(self, indices):
+        self.asked.append(indices)
+
+
+def test_a_held_out_part_of_a_bucket_folder_fetches_the_samples_its_indices_mean():
+    kept, _, val = ray_dp.held_out(ray_dp.Config(val_split=0.25), (Fetched(), None))
+    streams = ray_dp.SampleStreams(val, seed=0)  # as the training loop reads a per-sample set
+    batch = streams.__getitems__([(0, 0), (0, 1)])
+    assert Fetched.asked == [[val.indices[0], val.indices[1]]] and len(batch) == 2
+
+
 def test_your_data_set_read_per_sample_without_its_targets_is_split_at_random_keeping_its_attributes():
     kept, _, val = ray_dp.held_out(ray_dp.Config(val_split=0.25), (Unlisted(), None))
     assert (len(kept), len(val)) == (30, 10) and kept.classes == val.classes == ["even", "odd"]
