@@ -2738,8 +2738,7 @@ def checkpoint_order(name: str) -> Optional[tuple[int, int]]:
 def checkpoint_state(model_state: dict, optimizer_state: dict, epoch: int, cfg: Config,
                      history: list, classes: list, partial: Optional[dict] = None,
                      samples: Optional[str] = None, outputs: int = 0, inputs: tuple = ()) -> dict:
-    """The state after `epoch` epochs (and `partial`'s steps of the next), certified; `inputs`:
-    one input's shape."""
+    """The state after `epoch` epochs (and `partial`'s steps of the next), certified."""
     state = {"model": {key: value.contiguous() if value.layout == torch.strided else value
                        for key, value in model_state.items()},
              "optimizer": optimizer_state, "epoch": epoch, "config": asdict(cfg),
@@ -3417,18 +3416,16 @@ class Checkpointer:
     def epochs(self):
         """The epochs left to train, until a stop: SIGTERM's, or --early-stop's (rank 0's, shared)."""
         for epoch in range(self.first_epoch, self.cfg.epochs):
-            if self.stopped or self.cfg.early_stop and self.ended_early():
+            if self.cfg.early_stop and not self.stopped:
+                self.early = from_rank_0(early_stop(self.history, self.cfg), self.worker.device)
+            if self.early:
+                self.console.say(f"ray-dp: early stop after epoch {self.early['epoch']}: "
+                                 f"{self.early['metric']} has not bettered epoch "
+                                 f"{self.early['best_epoch']}'s {self.early['value']:.4g} in "
+                                 f"--early-stop {self.cfg.early_stop} epochs (checkpoint_best holds it)")
+            if self.stopped or self.early:
                 return
             yield epoch
-
-    def ended_early(self) -> bool:
-        self.early = from_rank_0(early_stop(self.history, self.cfg), self.worker.device)
-        if self.early:
-            self.console.say(f"ray-dp: early stop after epoch {self.early['epoch']}: "
-                             f"{self.early['metric']} has not bettered epoch "
-                             f"{self.early['best_epoch']}'s {self.early['value']:.4g} in "
-                             f"--early-stop {self.cfg.early_stop} epochs (checkpoint_best holds it)")
-        return bool(self.early)
 
     def epoch_start(self, epoch: int) -> tuple[int, EpochLoss]:
         """The epoch's first step and its loss so far: 0 and none, or a mid-epoch save's."""
@@ -3771,8 +3768,7 @@ def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
     and equal values changed together, where an xor cancels): int64 (n, 2), on its device."""
     rows = torch.zeros(len(named), 2, dtype=torch.int64, device=device)
     for row, (_, tensor) in zip(rows, named):
-        bits = tensor.detach()
-        bits = (bits if bits.layout == torch.strided else bits.to_dense()).reshape(-1)
+        bits = tensor.detach().to_dense().reshape(-1)  # (a sparse tensor: as its values)
         bits = torch.view_as_real(bits).reshape(-1) if bits.is_complex() else bits
         bits = bits.view(INT_OF_SIZE[bits.element_size()])  # floats, unsigned: as signed integers
         if bits.numel():

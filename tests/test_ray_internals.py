@@ -345,7 +345,7 @@ def test_a_run_trains_where_every_ray_internal_is_missing(ray_cluster, tmp_path,
     monkeypatch.setattr(ray_dp, "ray_internal", lambda module, name=None: None)
     result = train(tmp_path, "no-internals", "--dataset", "digits", "--workers", "2", "--epochs", "1")
     assert result["final"]["test_count"] == 360 and result["final"]["test_acc"] > 0.2  # chance: 0.1
-    assert [event["event"] for event in result["recovery"]["events"]] == ["started"]  # public callbacks: kept
+    assert [event["event"] for event in result["recovery"]["events"]] == ["command", "started"]  # public callbacks: kept
     assert ray_dp.SIGTERM_LOST in "\n".join(notes(capsys))
 
 
