@@ -3,6 +3,7 @@ import json
 import os
 
 import pytest
+import ray
 import torch
 
 import ray_dp
@@ -100,11 +101,14 @@ def test_scratch_mode_with_its_defaults_learns_digits_on_2_workers(tmp_path):
         result["final"]["test_acc"]
 
 
-def test_compare_writes_the_lessons_table_csv_and_markdown(tmp_path, capsys):
+def test_compare_writes_the_lessons_table_csv_and_markdown(tmp_path, capsys, monkeypatch):
     import csv
 
-    # One epoch: the rows' learning is the scratch test's and the README's; this checks the outputs.
-    assert ray_dp.main(["compare", "--workers", "2", "--dataset", "digits", "--epochs", "1",
+    # One epoch: the rows' learning is the scratch test's and the README's; this checks the outputs. Its rows hold out
+    # a tenth of the training set (--val-split) and choose their best by it, scratch's too; they start no Ray of their
+    # own: each attaches to the one running (here the tests' own; the one compare starts otherwise)
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: pytest.fail("a row started a Ray"))
+    assert ray_dp.main(["compare", "--workers", "2", "--dataset", "digits", "--epochs", "1", "--val-split", "0.1",
                         "--storage-path", str(tmp_path), "--name", "cmp", "--logdir", str(tmp_path / "tb")]) == 0
     out_dir = tmp_path / "cmp"
     with open(out_dir / "compare.csv") as f:
@@ -117,6 +121,7 @@ def test_compare_writes_the_lessons_table_csv_and_markdown(tmp_path, capsys):
         assert 0 <= float(r["test_acc"]) <= 1 and float(r["sec_per_epoch"]) > 0
         run = json.loads((out_dir / r["run"] / "result.json").read_text())
         assert float(r["test_acc"]) == round(run["final"]["test_acc"], 4)
+        assert (run["final"]["val_count"], run["final"]["test_count"], run["best"]["metric"]) == (143, 360, "val_loss")
         assert float(r["efficiency"]) == pytest.approx(float(r["speedup"]) / int(r["workers"]), abs=0.01)
         if r["mode"] == "scratch" and r["workers"] == "2":
             assert float(r["allreduce_ms_per_step"]) > 0 and float(r["busbw_GBps"]) > 0
