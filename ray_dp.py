@@ -227,9 +227,8 @@ class Config:
                            "every node or in object storage", metavar="DIR", rerun="adopt",
                            evaluation="adopt", doctor=True, path=True, store="read")
     download: bool = setting(True, "download a missing Fashion-MNIST or CIFAR-10", doctor=True)
-    val_split: float = option(0.0, "hold out this fraction of the training set (by --seed, each "
-                              "class alike) as a validation set, scored every epoch",
-                              metavar="FRACTION", bounds="[0, 1)")
+    val_split: float = option(0.0, "this fraction of the training set held out (by --seed, each "
+                              "class alike), scored each epoch", metavar="FRAC", bounds="[0, 1)")
     seed: int = option(0, "initial weights and data order; each sample's augmentation and each "
                        "worker's dropout draw streams of their own", metavar="N",
                        evaluation="checkpoint", bounds="[0, 4294967295]")
@@ -254,10 +253,10 @@ class Config:
                                    "best (--best-by) beside them", metavar="K", rerun="free",
                                    bounds="[0, inf)")
     best_by: str = option("test_loss", "the epoch metric checkpoint_best and --early-stop go by: "
-                          "the lowest loss or seconds, else the highest (val_loss with --val-split)",
-                          choices=BEST_BY)
+                          "the lowest loss or seconds, else the highest (with --val-split: "
+                          "val_loss)", choices=BEST_BY)
     early_stop: int = option(0, "stop after PATIENCE epochs without a better --best-by value (0: "
-                             "never)", metavar="PATIENCE", rerun="free", bounds="[0, inf)")
+                             "never)", metavar="PATIENCE", rerun="adopt", bounds="[0, inf)")
     check_replicas: str = setting("auto", "compare the workers' replicas (every parameter and "
                                   "buffer) at each save and every STEPS steps (auto: as often as "
                                   "costs 0.5%% of training; off: never)", metavar="off|auto|STEPS")
@@ -854,8 +853,7 @@ def loss_function(cfg: Config, training: bool = True):
 
 def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: int,
                 checkpointer: "Checkpointer", schedule=None, scaler=None) -> dict:
-    """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint); `scaler`:
-    --amp fp16's GradScaler (else a disabled one, which changes nothing)."""
+    """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint)."""
     criterion, tic = loss_function(cfg), time.perf_counter()
     scaler = scaler or torch.amp.GradScaler(worker.device.type, enabled=False)
     model.train()
@@ -908,9 +906,8 @@ class Waited:
 
 
 class EpochLoss:
-    """This rank's [loss sum, samples] of an epoch, and since the last logged point (`window`); a
-    mid-epoch checkpoint's totals of every rank so far count once, on rank 0. (And the steps fp16's
-    GradScaler skipped, alike on every rank.)"""
+    """This rank's [loss sum, samples] of an epoch (and fp16's skipped steps), and since the last
+    logged point (`window`); a mid-epoch checkpoint's totals of every rank count once, on rank 0."""
 
     def __init__(self, device: torch.device, partial: Optional[dict] = None, main: bool = True):
         partial = partial or {}
@@ -1429,10 +1426,9 @@ HELP_SECTIONS = {title: names.split() for title, names in {  # --help's, in its 
     "model": "mode model weights loss sync_bn allreduce find_unused_parameters compile",
     "optimisation": "epochs batch_size accum_steps lr lr_schedule warmup_epochs optimizer momentum "
                     "weight_decay clip_grad_norm label_smoothing amp seed",
-    "workers and cluster": "workers cpus_per_worker gpu address start_timeout max_failures "
-                           "keep_freed_memory",
+    "workers and cluster": "workers cpus_per_worker gpu address start_timeout keep_freed_memory",
     "checkpoints": "storage_path name fresh checkpoint_every keep_checkpoints best_by early_stop "
-                   "eval_only predict_out",
+                   "max_failures eval_only predict_out",
     "health": "check_replicas timeout", "output": "logdir log_every quiet worker_output"}.items()}
 
 
@@ -1451,8 +1447,9 @@ def main(argv=None) -> int:
     """The command line: one command, one line for every way it can end."""
     CODE.clear()
     command, cfg = "train", None
-    if threading.current_thread() is threading.main_thread():  # not its default: it would kill
-        signal.signal(signal.SIGUSR1, no_stacks)
+    if threading.current_thread() is threading.main_thread():  # not its default, which would kill
+        signal.signal(signal.SIGUSR1, lambda *_: tqdm.write(  # (training, dumps_asked's says more)
+            "ray-dp: SIGUSR1: no rank trains now, so none writes its stacks"))
     try:
         command, cfg, options = parse_command(argv)
         if command == "predict" and not cfg.predict_out:  # ray_dp.predict() may return rows alone
@@ -1519,7 +1516,7 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
     if under_torchrun():
         args = torchrun_launch(command, args, typed)
     cfg = with_absolute_paths(Config(**args))
-    if cfg.val_split and "best_by" not in typed:  # the held-out set chooses the best, not the test set
+    if cfg.val_split and "best_by" not in typed:  # the held-out set chooses, not the test set
         cfg = replace(cfg, best_by="val_loss")
     if command == "compare" and (cfg.eval_only or cfg.min_workers):
         raise ConfigError("compare trains its own rows at 1 and --workers N workers: give a fixed "
@@ -1638,7 +1635,8 @@ def failures_said(cfg: Config, options: "LoopOptions"):
         raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
     except RuntimeError as exc:  # a torchrun rank's collective that timed out, or lost its peers
         timed_out, lost = COLLECTIVE_TIMEOUT.search(str(exc)), PEER_LOST.search(str(exc))
-        if not (under_torchrun() and (timed_out or lost)):
+        ours = isinstance(exc, (DataError, RunFailed))  # ray_dp's own, each its own line
+        if ours or not (under_torchrun() and (timed_out or lost)):
             raise
         raise RunFailed(hang_report(cfg, exc) or f"rank {os.environ['RANK']} " + (
             first_line(exc) if timed_out else "lost its peers: another rank failed, and its own "
@@ -1723,9 +1721,11 @@ def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed) ->
     check_same_samples(cfg, resume, data)
     if resume.resumes and is_code(cfg.model):
         check_state_fits(cfg, data, load_checkpoint(resume.latest))
-    note = None if resume.resumes else check_weights(cfg, data)
+    notes = [None if resume.resumes else check_weights(cfg, data)] + [
+        f"--early-stop goes by --best-by {cfg.best_by}, of the test set: --val-split holds out "
+        f"part of the training set to stop by"] * bool(cfg.early_stop and "test" in cfg.best_by)
     check_training_choices(cfg, data)
-    return cfg, data, [note] if note else []
+    return cfg, data, [note for note in notes if note]
 
 
 def scaling_config(cfg: Config, workers) -> ScalingConfig:
@@ -2236,8 +2236,7 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
 
 
 def check_training_choices(cfg: Config, data: DataInfo) -> None:
-    """--best-by a metric the epochs report; your optimizer through a step, your schedule through
-    every step of the run (a throw-away optimizer's)."""
+    """--best-by a metric the epochs report; your optimizer through a step, your schedule all."""
     if cfg.best_by.endswith("_acc") and not data.classes:
         raise ConfigError(f"--best-by {cfg.best_by}: {cfg.dataset} is a regression, whose epochs "
                           f"have no accuracy; choose {cfg.best_by[:-3]}loss")
@@ -2296,6 +2295,10 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
         net = build_model(cfg.model, data.sample_shape, data.outputs)
         with torch.no_grad():
             output = net.eval()(x)
+    unsent = [n for n, b in net.named_buffers() if b.is_sparse or b.dtype in UNSIGNED_WIDE]
+    if unsent and cfg.workers > 1 and not cfg.eval_only:  # DDP broadcasts them at its start
+        raise ConfigError(f"--model {cfg.model}: DDP cannot send its buffer {unsent[0]} (sparse, "
+                          f"or unsigned of 16 bits or more) to the workers: make it dense, signed")
     if not torch.is_tensor(output):
         raise ConfigError(f"--model {cfg.model} returns {type(output).__name__} in eval mode: "
                           f"ray_dp scores a tensor (logits, or a regression's values)")
@@ -2715,7 +2718,7 @@ def best_epoch(history: list, metric: str) -> Optional[dict]:
 
 
 def early_stop(history: list, cfg: Config) -> Optional[dict]:
-    """--early-stop: the epoch that makes PATIENCE without a better --best-by value, and the best."""
+    """--early-stop: the epoch that makes PATIENCE with no better --best-by value, and the best."""
     best = best_epoch(history, cfg.best_by)
     if not (cfg.early_stop and best and history[-1]["epoch"] - best["epoch"] >= cfg.early_stop):
         return None
@@ -3104,8 +3107,9 @@ def finished_run(cfg: Config, done: int) -> str:
     said = (f"has trained {done} epochs, more than --epochs {cfg.epochs}" if done > cfg.epochs
             else f"already finished its {plural(done, 'epoch')}" if done == cfg.epochs
             else f"stopped early after epoch {done} (--early-stop {cfg.early_stop})")
-    further = (f"--epochs {max(done, cfg.epochs) + 10} trains it further" if not is_code(
-        cfg.lr_schedule) else "its own --lr-schedule spans its epochs: --fresh starts it over")
+    further = ("a larger --early-stop, or 0, trains it further" if done < cfg.epochs else
+               f"--epochs {done + 10} trains it further" if not is_code(cfg.lr_schedule)
+               else "its own --lr-schedule spans its epochs: --fresh starts it over")
     return f"run '{cfg.name}' {said}; nothing to train ({further})"
 
 
@@ -3146,8 +3150,8 @@ def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None
         reason = storage_full(cfg)
     else:
         append_log(logs, str(error))
-        reason = (f"{hang_report(cfg, error) or describe_training_error(error, node_ips)}; the full "
-                  f"errors are in {os.path.join(logs, 'ray.log')}")
+        reason = (f"{hang_report(cfg, error) or describe_training_error(error, node_ips)}; the "
+                  f"full errors are in {os.path.join(logs, 'ray.log')}")
     record_ledger(cfg, None, board)
     with contextlib.suppress(OSError):  # the disk that failed the run may refuse its record too
         write_json(os.path.join(cfg.run_dir, "result.json"),
@@ -3261,7 +3265,7 @@ def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict
 
 
 def recovery_summary(record_path: str) -> dict:
-    """The last command's failures and restarts (its events after its mark); every command's events."""
+    """The last command's failures and restarts (the events after its mark); all the events."""
     try:
         events = json.loads(Path(record_path).read_text())["events"]
     except (OSError, ValueError):  # none yet, or one that cannot be read: from here on
@@ -3295,9 +3299,8 @@ class FailureLog(ray.train.UserCallback):
                 failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
             self.node_ips = {rank: m.get("node") for rank, m in enumerate(metrics)}
             nodes = sorted(set(self.node_ips.values()) - {None})
-            self.add(f"{plural(len(metrics), 'worker')} started on {', '.join(nodes)}"
-                     if last == "failed" else None, event="started", workers=len(metrics),
-                     nodes=nodes)
+            self.add(f"{plural(len(metrics), 'worker')} started on {', '.join(nodes)}" if last ==
+                     "failed" else None, event="started", workers=len(metrics), nodes=nodes)
         self.done = epoch - 1 if "step" in metrics[0] else epoch
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
@@ -3322,7 +3325,8 @@ class FailureLog(ray.train.UserCallback):
             self.say(f"ray-dp: {message}")
         self.events.append({"at": time.time(), **event})
         try:
-            write_json(os.path.join(self.logs, "recovery.json"), {"events": self.before + self.events})
+            write_json(os.path.join(self.logs, "recovery.json"),
+                       {"events": self.before + self.events})
         except OSError as exc:
             if not self.save_failed:
                 self.say(f"ray-dp: cannot write {self.logs}/recovery.json ({exc}); training goes "
@@ -3389,7 +3393,7 @@ class Checkpointer:
         if state is not None:
             self.first_epoch, self.resumed_at = state["epoch"], state.get("partial") or {}
             self.history = list(state["history"])
-            done = self.first_epoch >= self.cfg.epochs
+            done = self.first_epoch >= self.cfg.epochs or early_stop(self.history, self.cfg)
             self.console.say("ray-dp: " + (finished_run(self.cfg, self.first_epoch) if done
                                            else self.describe_start(state)))
             self.ledger.charge("restores")
@@ -3414,15 +3418,15 @@ class Checkpointer:
         return f"{line}: the same model, optimizer, history and data position as saved"
 
     def epochs(self):
-        """The epochs left to train, until a stop: SIGTERM's, or --early-stop's (rank 0's, shared)."""
+        """The epochs left to train, until a stop: SIGTERM's, or --early-stop's (rank 0's)."""
         for epoch in range(self.first_epoch, self.cfg.epochs):
             if self.cfg.early_stop and not self.stopped:
                 self.early = from_rank_0(early_stop(self.history, self.cfg), self.worker.device)
             if self.early:
-                self.console.say(f"ray-dp: early stop after epoch {self.early['epoch']}: "
-                                 f"{self.early['metric']} has not bettered epoch "
-                                 f"{self.early['best_epoch']}'s {self.early['value']:.4g} in "
-                                 f"--early-stop {self.cfg.early_stop} epochs (checkpoint_best holds it)")
+                self.console.say("ray-dp: early stop after epoch {epoch}: {metric} not better than "
+                                 "epoch {best_epoch}'s {value:.4g} for {0} epochs (--early-stop; "
+                                 "checkpoint_best holds it)".format(self.cfg.early_stop,
+                                                                    **self.early))
             if self.stopped or self.early:
                 return
             yield epoch
@@ -3701,11 +3705,6 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
         done.set()
 
 
-def no_stacks(*_) -> None:
-    """SIGUSR1 to a command whose workers do not train (yet, or any more)."""
-    tqdm.write("ray-dp: SIGUSR1: no rank trains now, so none writes its stacks")
-
-
 @contextlib.contextmanager
 def dumps_asked(cfg: Config, board):
     """SIGUSR1 to the driver while it trains: every rank writes its stacks (Watchdog)."""
@@ -3759,16 +3758,16 @@ class DriverLink:
 
 CHECK_SHARE = 0.005  # --check-replicas auto aims its checks at this share of training (at most 1%)
 STRAGGLER = 1.5  # a rank whose forward passes take this much of the ranks' median, or more
-INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+INT_OF_SIZE = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.int8}  # 8: two words
+UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)  # (gloo's broadcast takes none)
 
 
 def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
-    """Each tensor's torch.hash_tensor (an xor of its elements' bits) and the sum of its bits
-    weighted by position, 1, 2, 3, ... (which sees a value moved within it, as a transposed weight,
-    and equal values changed together, where an xor cancels): int64 (n, 2), on its device."""
+    """Each tensor's torch.hash_tensor (an xor of its words) and the sum of its words weighted by
+    position (sees a value moved within it, equal values changed together): int64 (n, 2)."""
     rows = torch.zeros(len(named), 2, dtype=torch.int64, device=device)
     for row, (_, tensor) in zip(rows, named):
-        bits = tensor.detach().to_dense().reshape(-1)  # (a sparse tensor: as its values)
+        bits = (tensor.int_repr() if tensor.is_quantized else tensor).detach().to_dense().flatten()
         bits = torch.view_as_real(bits).reshape(-1) if bits.is_complex() else bits
         bits = bits.view(INT_OF_SIZE[bits.element_size()])  # floats, unsigned: as signed integers
         if bits.numel():
@@ -3777,9 +3776,8 @@ def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
 
 
 def position_sum(bits: torch.Tensor) -> torch.Tensor:
-    """The sum of (i + 1) x bits[i] in int64, which wraps alike on every device and in any order;
-    in chunks that a CPU's cache holds (bench/health.md)."""
-    chunk = 1 << (16 if bits.is_cpu else 24)
+    """The sum of (i + 1) x bits[i] in int64, which wraps alike on every device and in any order."""
+    chunk = 1 << (16 if bits.is_cpu else 24)  # what a CPU's cache holds (bench/health.md)
     weights = torch.arange(1, min(bits.numel(), chunk) + 1, device=bits.device)
     return sum((part * weights[:len(part)]).sum() + start * part.sum(dtype=torch.int64)
                for start, part in zip(range(0, bits.numel(), chunk), bits.split(chunk)))
@@ -3812,8 +3810,9 @@ def replicas_digest(named: list, worker: Worker) -> tuple:
     return hashes, slots
 
 
-def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Worker,
-                     where: str) -> None:
+def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Worker, where: str,
+                     then: str = "nothing is saved from them, and the same command resumes from "
+                                 "the last checkpoint") -> None:
     """RunFailed for ranks whose digest is not the most common, naming the first that differs."""
     prints = [tuple(slots[i:i + 2]) for i in range(0, len(slots), 2)]
     if len(set(prints)) == 1:
@@ -3829,17 +3828,15 @@ def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Wor
     who = (f"{ranks} of {worker.world} hold other values than rank {reference}"
            if 2 * prints.count(common) > len(prints) else f"rank {reference} and {ranks} differ, "
            f"and no majority of the {worker.world} ranks tells which drifted")
-    raise RunFailed(f"the replicas differ {where}: {who}, first in {first}; nothing is saved from "
-                    f"them, and the same command resumes from the last checkpoint")
+    raise RunFailed(f"the replicas differ {where}: {who}, first in {first}; {then}")
 
 
 CERTIFIED = ("model", "optimizer", "history", "data position")
 
 
 def certificate(state: dict) -> dict:
-    """A digest of each part of a checkpoint that a resume restores (CERTIFIED): the data position
-    is the epoch, --seed and a mid-epoch save's step, samples and loss sums. (The random streams
-    are no part: each is drawn anew from --seed and that position.)"""
+    """A digest of each part of a checkpoint a resume restores (CERTIFIED); the data position: the
+    epoch, --seed, a mid-epoch save's step, samples and loss sums (the random streams follow)."""
     def of(tree) -> str:
         tensors, values = [], []
         for key, value in sorted(flat_items(tree), key=lambda item: item[0]):
@@ -3900,8 +3897,8 @@ def straggler_note(window: list, worker_ranks: int) -> Optional[str]:
     if not slow:
         return None
     return (f"rank {slow[0]} is a straggler: its forward passes take {means[slow[0]]:.3g} s a "
-            f"step, the other ranks' median {others(means, slow[0]):.3g} s (a slower device, or one "
-            f"shared with other work): every step waits for it")
+            f"step, the other ranks' median {others(means, slow[0]):.3g} s (a slower device, or "
+            f"one shared with other work): every step waits for it")
 
 
 LEDGER = ("driver", "cluster", "data", "model", "restores", "training steps", "waits for data",
@@ -3953,10 +3950,10 @@ def run_ledger(clock: dict, attempts: list, failed: int, ended: float,
 def format_ledger(ledger: dict) -> str:
     parts = ", ".join(f"{what} {ledger[what]:.1f} s" for what in LEDGER[2:]
                       if what != "training steps" and ledger[what] >= 0.05)
-    over = (f" (the run over its {ledger['commands']} commands; this one {ledger['this_command']:.1f} "
-            f"s)" if ledger.get("commands", 1) > 1 else "")
-    return (f"time{over}: {ledger['wall']:.1f} s, {ledger['training steps']:.1f} s of it training steps "
-            f"(goodput {ledger['goodput']:.0%}); driver {ledger['driver']:.1f} s, cluster "
+    over = (f" (the run over its {ledger['commands']} commands; this one "
+            f"{ledger['this_command']:.1f} s)" if ledger.get("commands", 1) > 1 else "")
+    return (f"time{over}: {ledger['wall']:.1f} s, {ledger['training steps']:.1f} s of it training "
+            f"steps (goodput {ledger['goodput']:.0%}); driver {ledger['driver']:.1f} s, cluster "
             f"{ledger['cluster']:.1f} s" + (f", {parts}" if parts else ""))
 
 
@@ -4021,13 +4018,15 @@ class Watchdog:
 
     def __enter__(self) -> "Watchdog":
         if threading.current_thread() is threading.main_thread():  # torchrun's: SIGUSR1 to it
-            signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "asked", True))
+            self.before = signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "asked", True))
         self.thread.start()
         return self
 
     def __exit__(self, *error) -> None:
         self.done.set()
         self.thread.join()
+        if hasattr(self, "before"):
+            signal.signal(signal.SIGUSR1, self.before)
 
     def progress(self, where: str) -> None:
         self.alive, self.where, self.dumped = time.monotonic(), where, False
@@ -4280,10 +4279,10 @@ def format_epoch(m: dict, epochs: int) -> str:
     resumed = f" (from step {m['resumed_at_step'] + 1})" if m.get("resumed_at_step") else ""
     scores = "".join(f", {split} {what} {m[f'{split}_{what}']:.4f}" for split in ("val", "test")
                      for what in ("loss", "acc") if f"{split}_{what}" in m)
-    skipped = (f", {plural(m['skipped_steps'], 'step')} skipped (fp16 overflow)"
-               if m.get("skipped_steps") else "")
+    skipped = f", {plural(m.get('skipped_steps', 0), 'step')} skipped (fp16 overflow)"
     return (f"epoch {m['epoch']}/{epochs}: train loss {m['train_loss']:.4f}{scores}, "
-            f"{m['epoch_seconds']:.1f} s{resumed}, {m['samples_per_second']:.0f} samples/s{skipped}")
+            f"{m['epoch_seconds']:.1f} s{resumed}, {m['samples_per_second']:.0f} samples/s"
+            f"{skipped * bool(m.get('skipped_steps'))}")
 
 
 def format_summary(summary: dict, launcher: str = "") -> str:
@@ -4324,9 +4323,9 @@ def near_chance(cfg: Config, summary: dict) -> Optional[str]:
 
 
 EPOCH_SCALARS = {"train/loss": "train_loss", "train/lr": "lr", "test/loss": "test_loss",
-                 "test/acc": "test_acc", "val/loss": "val_loss", "val/acc": "val_acc", "time/epoch_seconds": "epoch_seconds",
+                 "test/acc": "test_acc", "val/loss": "val_loss", "val/acc": "val_acc",
+                 "time/epoch_seconds": "epoch_seconds", "time/data_seconds": "data_seconds",
                  "time/samples_per_second": "samples_per_second",
-                 "time/data_seconds": "data_seconds",
                  "comm/allreduce_seconds_per_step": "allreduce_seconds_per_step",
                  "comm/allreduce_busbw_gbps": "allreduce_busbw_gbps"}
 
@@ -4454,7 +4453,8 @@ def eval_loop_per_worker(config: dict) -> dict:
     model.load_state_dict(ray.get(options.weights))  # from Ray's object store: no shared disk
     on_device(model, worker.device, cfg.model).eval()
     hashes, slots = replicas_digest(named := replica_state(model, None, "epoch"), worker)
-    compare_replicas(named, hashes, all_reduce_sum(slots).tolist(), worker, "before scoring")
+    compare_replicas(named, hashes, all_reduce_sum(slots).tolist(), worker, "before scoring",
+                     "nothing is scored")
     with autocast(cfg, worker.device):
         metrics = evaluate(model, test_set, worker.device, eval_batch_size(test_set), details=True,
                            num_classes=classes, workers=loader_workers(cfg, test_set),
@@ -4587,10 +4587,11 @@ def predict_inputs(cfg: Config, target: torch.Tensor, checkpoint: dict) -> tuple
         files = sorted(os.path.relpath(os.path.join(folder, name), where) for folder, _, names
                        in os.walk(where) for name in names  # linked folders: not walked
                        if has_file_allowed_extension(name, IMG_EXTENSIONS))
-        if trained != "folder" and shape[:1] not in ((1,), (3,)):
-            raise DataError(f"--inputs {where}: this run trained on --dataset {trained}, whose "
-                            f"inputs it does not record as images of 1 or 3 channels: give "
-                            f"--inputs FILE.py:NAME returning inputs as it trained on them")
+        if trained != "folder" and (trained not in SAME_ON_EVERY_RANK or not shape):
+            raise DataError(f"--inputs {where}: images are read as --dataset folder and the "
+                            f"lessons' sets read theirs, and this run trained on --dataset "
+                            f"{trained}: give --inputs FILE.py:NAME returning inputs as it trained "
+                            f"on them")
         read = image_transforms(cfg)[1] if trained == "folder" else T.Compose(
             [*[T.Grayscale()] * (shape[0] == 1), T.Resize(shape[1:]), T.ToTensor()])
         read.transforms.insert(0, functools.partial(read_image, data_dir=where))

@@ -246,8 +246,9 @@ PREDICT_BAD_INPUTS = [
     (lambda d: [str(d), "--inputs", f"{d.parent}/colour.py:cifar_like"], "error: the inputs are (3, 32, 32) where the "
                                                                          "run trained on (1, 28, 28)"),
     (lambda d: [str(d.parent / "wine"), "--model", f"{OWN}:TabularMLP", "--inputs", str(d.parent / "colour")],
-     "error: --inputs {d.parent}/colour: this run trained on --dataset " + OWN + ":wine, whose inputs it does not "
-     "record as images of 1 or 3 channels: give --inputs FILE.py:NAME returning inputs as it trained on them"),
+     "error: --inputs {d.parent}/colour: images are read as --dataset folder and the lessons' sets read theirs, and "
+     "this run trained on --dataset " + OWN + ":wine: give --inputs FILE.py:NAME returning inputs as it trained on "
+     "them"),
     (lambda d: [str(d.parent / "wine"), "--inputs", f"{OWN}:new_wines"],
      f"error: the checkpoint trained your own code: name it again, --model {OWN}:TabularMLP (ray_dp.train(): "),
     (lambda d: [str(d.parent / "wine"), "--model", f"{OWN}:HeadFirstMLP", "--inputs", f"{OWN}:new_wines"],

@@ -127,6 +127,19 @@ class MLP(HalfUsed):  # named in capitals
     pass
 
 
+class Codes(HalfUsed):  # a lookup table of unsigned codes, which DDP's broadcast over gloo cannot send
+    def __init__(self, num_classes):
+        super().__init__(num_classes)
+        self.spare = nn.Identity()
+        self.register_buffer("codes", torch.arange(4).to(torch.uint32))
+
+
+class Sparse(Codes):
+    def __init__(self, num_classes):
+        super().__init__(num_classes)
+        self.codes = torch.eye(3).to_sparse()
+
+
 class DropRates(nn.Module):  # timm's stochastic depth: its rates read with .item() in __init__
     def __init__(self, num_classes):
         super().__init__()
@@ -223,6 +236,11 @@ BAD = [
     (["--best-by", "val_loss"], "--best-by val_loss needs --val-split (the part of the training set it scores)"),
     (["--model", "{tmp}/mine.py:TabularMLP", "--dataset", "{tmp}/mine.py:wine", "--loss", "{tmp}/odd.py:WeightedLoss"],
      "--loss {tmp}/odd.py:WeightedLoss cannot be made without arguments (TypeError: "),
+    (["--model", "{tmp}/odd.py:Codes", "--dataset", "{tmp}/mine.py:wine", "--workers", "2"],
+     "--model {tmp}/odd.py:Codes: DDP cannot send its buffer codes (sparse, or unsigned of 16 bits or more) to the "
+     "workers: make it dense, signed\n"),
+    (["--model", "{tmp}/odd.py:Sparse", "--dataset", "{tmp}/mine.py:wine", "--workers", "3", "--batch-size", "48"],
+     "--model {tmp}/odd.py:Sparse: DDP cannot send its buffer codes (sparse, or unsigned"),
     (["--model", "{tmp}/odd.py:Mlp", "--dataset", "digits"], "--model {tmp}/odd.py:Mlp: {tmp}/odd.py has no Mlp; did "
                                                              "you mean MLP?"),
     (["--model", "{tmp}/odd.py:FailsInTraining", "--dataset", "{tmp}/mine.py:wine"],

@@ -167,9 +167,32 @@ def test_through_ray_the_best_is_chosen_on_the_held_out_set_and_a_rerun_of_an_ea
     stopped = result["early_stopped"]
     assert stopped and stopped["epoch"] == len(result["epochs"]) < 40 and result["config"]["best_by"] == "val_loss"
     assert result["best"]["epoch"] == stopped["best_epoch"] and result["best"]["metric"] == "val_loss"
-    assert (f"ray-dp: early stop after epoch {stopped['epoch']}: val_loss has not bettered epoch "
+    assert (f"ray-dp: early stop after epoch {stopped['epoch']}: val_loss not better than epoch "
             f"{stopped['best_epoch']}'s") in out
     assert "(1294 train + 143 val / 360 test)" in out and result["final"]["val_count"] == 143
-    assert ray_dp.main(flags) == 0  # the same command: nothing to train
+    rerun = [flag for flag in flags if flag not in ("--early-stop", "1")]  # left out: the run's own
+    assert ray_dp.main(rerun) == 0  # nothing to train
     assert (f"run 'val' stopped early after epoch {stopped['epoch']} (--early-stop 1); nothing to train"
             in capsys.readouterr().out)
+
+
+def test_a_rerun_keeps_its_early_stop_and_an_early_stopped_run_says_how_to_go_on(capsys):
+    assert "early_stop" in ray_dp.RERUN_ADOPTS  # a rerun that leaves it out stops as the run did
+    cfg = ray_dp.Config(epochs=8, early_stop=1, val_split=0.1, best_by="val_loss", name="v", quiet=True)
+    assert ray_dp.finished_run(cfg, 2) == ("run 'v' stopped early after epoch 2 (--early-stop 1); nothing to train "
+                                           "(a larger --early-stop, or 0, trains it further)")
+    history = [{"epoch": 1, "val_loss": 0.5}, {"epoch": 2, "val_loss": 0.6}]
+    model = ray_dp.build_model("lenet", (1, 28, 28))
+    state = ray_dp.checkpoint_state(model.state_dict(), {}, 2, cfg, history, [])
+    checkpointer = ray_dp.Checkpointer(cfg, here())  # as torchrun's ranks resume it, where no driver has said so
+    checkpointer.resumed(state)
+    assert list(checkpointer.epochs()) == [] and checkpointer.early["epoch"] == 2
+    assert "ray-dp: run 'v' stopped early after epoch 2 (--early-stop 1); nothing to train" in capsys.readouterr().out
+
+
+def test_early_stop_by_the_test_set_says_so(tmp_path):
+    cfg = ray_dp.Config(dataset="digits", early_stop=2, workers=2, storage_path=str(tmp_path), name="e")
+    _, _, notes = ray_dp.preflight(cfg, ray_dp.Resume(), None, ())
+    assert notes == ["--early-stop goes by --best-by test_loss, of the test set: --val-split holds out part of the "
+                     "training set to stop by"]
+    assert ray_dp.preflight(ray_dp.replace(cfg, val_split=0.1, best_by="val_loss"), ray_dp.Resume(), None, ())[2] == []
