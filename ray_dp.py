@@ -2106,12 +2106,9 @@ def held_out(cfg: Config, data: tuple) -> tuple:
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     if classifies(train) and (isinstance(train, TensorDataset) or hasattr(train, "targets")):
         order = order[torch.as_tensor(labels_of(train))[order].argsort(stable=True)]  # by class
-    marks = torch.arange(len(order) + 1, dtype=torch.float64).mul(cfg.val_split).floor()
+    marks = torch.arange(len(order) + 1, dtype=torch.float64).mul(cfg.val_split).ceil()
     kept, val = (order[part].sort().values for part in (marks[1:] == marks[:-1],
                                                           marks[1:] > marks[:-1]))  # spread evenly
-    if not len(val):
-        raise ConfigError(f"--val-split {cfg.val_split:g} holds out none of the {len(train)} "
-                          f"training samples of {cfg.dataset}")
     if isinstance(train, TensorDataset):
         named = class_names(train) if classifies(train) else None
         kept, val = (NamedTensors(*(t[part] for t in train.tensors), classes=named)
@@ -2295,10 +2292,11 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
         net = build_model(cfg.model, data.sample_shape, data.outputs)
         with torch.no_grad():
             output = net.eval()(x)
-    unsent = [n for n, b in net.named_buffers() if b.is_sparse or b.dtype in UNSIGNED_WIDE]
-    if unsent and cfg.workers > 1 and not cfg.eval_only:  # DDP broadcasts them at its start
-        raise ConfigError(f"--model {cfg.model}: DDP cannot send its buffer {unsent[0]} (sparse, "
-                          f"or unsigned of 16 bits or more) to the workers: make it dense, signed")
+    states = [*net.named_parameters(), *net.named_buffers()]  # DDP broadcasts each as it starts
+    unsent = [n for n, t in states if t.layout != torch.strided or t.dtype not in GLOO_TAKES]
+    if unsent and cfg.workers > 1 and not (cfg.eval_only or cfg.gpu):
+        raise ConfigError(f"--model {cfg.model}: gloo cannot send its {unsent[0]} (sparse, or of a "
+                          f"dtype it lacks) to CPU workers: make it dense, int32, int64 or a float")
     if not torch.is_tensor(output):
         raise ConfigError(f"--model {cfg.model} returns {type(output).__name__} in eval mode: "
                           f"ray_dp scores a tensor (logits, or a regression's values)")
@@ -3424,9 +3422,8 @@ class Checkpointer:
                 self.early = from_rank_0(early_stop(self.history, self.cfg), self.worker.device)
             if self.early:
                 self.console.say("ray-dp: early stop after epoch {epoch}: {metric} not better than "
-                                 "epoch {best_epoch}'s {value:.4g} for {0} epochs (--early-stop; "
-                                 "checkpoint_best holds it)".format(self.cfg.early_stop,
-                                                                    **self.early))
+                                 "epoch {best_epoch}'s {value:.4g} for {0} (--early-stop)".format(
+                                     plural(self.cfg.early_stop, "epoch"), **self.early))
             if self.stopped or self.early:
                 return
             yield epoch
@@ -3759,15 +3756,15 @@ class DriverLink:
 CHECK_SHARE = 0.005  # --check-replicas auto aims its checks at this share of training (at most 1%)
 STRAGGLER = 1.5  # a rank whose forward passes take this much of the ranks' median, or more
 INT_OF_SIZE = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.int8}  # 8: two words
-UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)  # (gloo's broadcast takes none)
+GLOO_TAKES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128,
+              torch.complex64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)
 
 
 def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
-    """Each tensor's torch.hash_tensor (an xor of its words) and the sum of its words weighted by
-    position (sees a value moved within it, equal values changed together): int64 (n, 2)."""
+    """Each tensor's torch.hash_tensor (an xor of its words) and position_sum: int64 (n, 2)."""
     rows = torch.zeros(len(named), 2, dtype=torch.int64, device=device)
     for row, (_, tensor) in zip(rows, named):
-        bits = (tensor.int_repr() if tensor.is_quantized else tensor).detach().to_dense().flatten()
+        bits = (tensor.dequantize() if tensor.is_quantized else tensor).detach().to_dense().ravel()
         bits = torch.view_as_real(bits).reshape(-1) if bits.is_complex() else bits
         bits = bits.view(INT_OF_SIZE[bits.element_size()])  # floats, unsigned: as signed integers
         if bits.numel():
@@ -3776,11 +3773,15 @@ def tensor_hashes(named: list, device: torch.device) -> torch.Tensor:
 
 
 def position_sum(bits: torch.Tensor) -> torch.Tensor:
-    """The sum of (i + 1) x bits[i] in int64, which wraps alike on every device and in any order."""
-    chunk = 1 << (16 if bits.is_cpu else 24)  # what a CPU's cache holds (bench/health.md)
-    weights = torch.arange(1, min(bits.numel(), chunk) + 1, device=bits.device)
-    return sum((part * weights[:len(part)]).sum() + start * part.sum(dtype=torch.int64)
-               for start, part in zip(range(0, bits.numel(), chunk), bits.split(chunk)))
+    """The sum of w(i) x bits[i] in int64 (it wraps alike on every device and in any order), w(i)
+    splitmix64's finalizer of i: pseudo-random, where a linear w misses a tensor negated whole."""
+    total, chunk = 0, 1 << (16 if bits.is_cpu else 24)  # what a CPU's cache holds
+    for start, part in zip(range(0, bits.numel(), chunk), bits.split(chunk)):
+        w = (torch.arange(len(part), device=bits.device) + start + 1) * -7046029254386353131
+        w = (w ^ (w >> 30)) * -4658895280553007687
+        w = (w ^ (w >> 27)) * -7723592293110705685
+        total = total + (part * (w ^ (w >> 31))).sum()
+    return total
 
 
 def digest(hashes: torch.Tensor, extra: str = "") -> bytes:
@@ -4601,8 +4602,7 @@ def predict_inputs(cfg: Config, target: torch.Tensor, checkpoint: dict) -> tuple
         raise DataError(f"--inputs {where} holds no inputs" if is_code(where) else
                         f"--inputs {where} holds no image ({', '.join(IMG_EXTENSIONS)})")
     if not is_code(where) and trained != "folder":
-        print(f"note: --inputs {where}: images read as the run's inputs were: "
-              f"{'grayscale' if shape[0] == 1 else 'RGB'}, {shape[1]} x {shape[2]} px, [0, 1]")
+        print(f"note: --inputs {where}: images read as the run's inputs were, {shape} in [0, 1]")
     check_sendable(cfg, (inputs,))
     return inputs, keys
 

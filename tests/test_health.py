@@ -282,10 +282,24 @@ def test_a_64_bit_tensors_two_sign_flips_and_a_quantized_tensor_are_seen():
     flipped[0, 0], flipped[0, 2] = -flipped[0, 0], -flipped[0, 2]
     codes = torch.tensor([0, 5, -2 ** 63])
     quantized = torch.quantize_per_tensor(torch.tensor([0.1, 0.2, 0.3]), 0.1, 0, torch.qint8)
+    rescaled = torch.quantize_per_tensor(torch.tensor([0.2, 0.4, 0.6]), 0.2, 0, torch.qint8)  # its integers alike
     hashes = ray_dp.tensor_hashes([("w", weight), ("f", flipped), ("c", codes), ("r", codes.flip(0)),
-                                   ("q", quantized), ("s", quantized.flip(0))], CPU)
+                                   ("q", quantized), ("s", quantized.flip(0)), ("t", rescaled)], CPU)
     assert not torch.equal(hashes[0], hashes[1]) and not torch.equal(hashes[2], hashes[3])
-    assert not torch.equal(hashes[4], hashes[5])
+    assert not torch.equal(hashes[4], hashes[5]) and not torch.equal(hashes[4], hashes[6])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64])
+def test_a_tensor_negated_whole_or_a_permutation_transposed_is_seen_whatever_its_positions(dtype):
+    # a weight linear in the position misses both: [0.1, -0.2, -0.3, 0.4]'s positive and negative values' positions
+    # sum alike, and a permutation matrix's ones sit at positions that sum alike transposed
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.tensor([1, -2, -3, 4]).to(dtype), torch.eye(4)[[1, 2, 3, 0]].to(dtype),
+               *(torch.randn(4, generator=gen).mul(100).to(dtype) for _ in range(200))]
+    for tensor in tensors:
+        changed = -tensor if tensor.ndim == 1 else tensor.T.contiguous()
+        hashes = ray_dp.tensor_hashes([("a", tensor), ("b", changed)], CPU)
+        assert not torch.equal(hashes[0], hashes[1]), tensor
 
 
 ODD_BUFFERS = """

@@ -121,7 +121,7 @@ def test_compare_writes_the_lessons_table_csv_and_markdown(tmp_path, capsys, mon
         assert 0 <= float(r["test_acc"]) <= 1 and float(r["sec_per_epoch"]) > 0
         run = json.loads((out_dir / r["run"] / "result.json").read_text())
         assert float(r["test_acc"]) == round(run["final"]["test_acc"], 4)
-        assert (run["final"]["val_count"], run["final"]["test_count"], run["best"]["metric"]) == (143, 360, "val_loss")
+        assert (run["final"]["val_count"], run["final"]["test_count"], run["best"]["metric"]) == (144, 360, "val_loss")
         assert float(r["efficiency"]) == pytest.approx(float(r["speedup"]) / int(r["workers"]), abs=0.01)
         if r["mode"] == "scratch" and r["workers"] == "2":
             assert float(r["allreduce_ms_per_step"]) > 0 and float(r["busbw_GBps"]) > 0
