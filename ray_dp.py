@@ -852,14 +852,14 @@ def loss_function(cfg: Config, training: bool = True):
 
 
 def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: int,
-                checkpointer: "Checkpointer", schedule=None, scaler=None) -> dict:
+                ops: "Operations", schedule=None, scaler=None) -> dict:
     """One pass over this rank's shard (the rest of one, from a mid-epoch checkpoint)."""
     criterion, tic = loss_function(cfg), time.perf_counter()
     scaler = scaler or torch.amp.GradScaler(worker.device.type, enabled=False)
     model.train()
     for group in optimizer.param_groups if schedule is None else ():
         group["lr"] = learning_rate(cfg, epoch, group.get("initial_lr"))
-    first, losses = checkpointer.epoch_start(epoch)
+    first, losses = ops.start_epoch(epoch)
     batches.sampler.set_epoch(epoch, losses.done)  # 5. set_epoch: a new shuffle each epoch
     steps, micro_batches = first + len(batches) // cfg.accum_steps, Waited(batches)
     for step in range(first, steps):
@@ -883,7 +883,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
         optimizer.zero_grad(set_to_none=True)
         if schedule is not None:
             schedule.step()
-        if checkpointer.after_step(epoch, step, steps, losses):  # saved, and every rank stops
+        if ops.after_step(epoch, step, steps, losses):  # saved, and every rank stops
             break
     # 7. the loss all-reduced, for logging: a mean over every worker's samples of the epoch
     loss_sum, samples = all_reduce_sum(losses.sums.clone()).tolist()
@@ -1107,13 +1107,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker, epoch: int,
-                        checkpointer: "Checkpointer") -> dict:
+                        ops: "Operations") -> dict:
     images, labels = data.tensors
     # every worker draws the same global batches (same seed, same order) and keeps its slice
     order = torch.randperm(len(labels),
                            generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
     steps, lr = len(labels) // cfg.batch_size, learning_rate(cfg, epoch)
-    (first, losses), comm_seconds, nbytes = checkpointer.epoch_start(epoch), 0.0, 0
+    (first, losses), comm_seconds, nbytes = ops.start_epoch(epoch), 0.0, 0
     tic = time.perf_counter()
     for step in range(first, steps):
         index = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
@@ -1121,7 +1121,7 @@ def scratch_train_epoch(params, data: TensorDataset, cfg: Config, worker: Worker
                                             cfg.allreduce, worker)
         comm_seconds += seconds
         losses.add(torch.tensor(loss, device=worker.device), cfg.batch_size // worker.world)
-        if checkpointer.after_step(epoch, step, steps, losses):
+        if ops.after_step(epoch, step, steps, losses):
             break
     loss_sum, samples = all_reduce_sum(losses.sums.clone()).tolist()
     per_step, seconds = comm_seconds / max(steps, 1), time.perf_counter() - tic
@@ -1153,31 +1153,29 @@ def state_dict_to_params(state: dict) -> list:
 
 def scratch_loop_per_worker(config: dict) -> dict:
     """--mode scratch on every worker: the functional LeNet, hand-written all-reduce and SGD."""
-    cfg, worker, launcher, options = worker_setup(config)
-    if isinstance(data := worker_data(cfg, options, worker), DataError):
-        return {"data_error": str(data)}
-    train_set, test_set, val_set = data
-    state, shape = launcher.latest_checkpoint(), train_set.tensors[0].shape
+    ops = operations(config)
+    if ops.data is None:
+        return ops.result()
+    cfg, worker, (train_set, test_set, val_set) = ops.cfg, ops.worker, ops.data
+    state, shape = ops.restore(), train_set.tensors[0].shape
     params = get_params(init_lenet_params(cfg.seed, shape[1], shape[-1]) if state is None
                         else state_dict_to_params(state["model"]), worker.device)
 
     def checkpoint_of(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
-        return checkpoint_state(params_to_state_dict(params), {}, epoch, cfg, history,
-                                class_names(train_set), partial, inputs=shape[1:])
-    checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, params)
-    history = checkpointer.resumed(state)
-    with checkpointer:
-        for epoch in checkpointer.epochs():
-            trained = scratch_train_epoch(params, train_set, cfg, worker, epoch, checkpointer)
-            if checkpointer.stopped:
+        return ops.checkpoint(params_to_state_dict(params), {}, epoch, history, partial)
+    history = ops.track(params, None, checkpoint_of, state)
+    with ops:
+        for epoch in ops.epochs():
+            trained = scratch_train_epoch(params, train_set, cfg, worker, epoch, ops)
+            if ops.stopped:
                 break
             net = functools.partial(lenet, params=params)
             scores = evaluate(net, test_set, worker.device)
             if val_set is not None:
                 scores.update(evaluate(net, val_set, worker.device, split="val"))
             history.append({"epoch": epoch + 1, **trained, **scores})
-            checkpointer.save(checkpoint_of if worker.is_main else None)
-    return checkpointer.result()
+            ops.end_epoch(checkpoint_of if worker.is_main else None)
+    return ops.result()
 
 
 # ==================================================================================================
@@ -1185,45 +1183,21 @@ def scratch_loop_per_worker(config: dict) -> dict:
 # ==================================================================================================
 
 
-def worker_setup(config: dict) -> tuple:
-    """(cfg, worker, launcher, options) of this process; under torchrun rank 0's config is the
-    run's. A test hands its own worker and launcher."""
-    cfg, options = config["config"], config["options"]
-    worker = config.get("worker") or Worker.current(cfg)
-    worker.marks["loop"] = time.time()
-    if options.code is not None:
-        for registry, entries in zip((CODE, MODELS, DATASETS), ray.get(options.code)):
-            registry.update(entries)
-    if cfg.keep_freed_memory:
-        keep_freed_memory()
-    bound_collectives(cfg.timeout)
-    if options.torchrun and "worker" not in config:
-        cfg = from_rank_0(cfg, worker.device)
-    if cfg.min_workers:  # elastic: the same global batch over the workers there are now
-        cfg = replace(cfg, workers=worker.world)
-    launcher = config.get("launcher") or (TorchrunLauncher(cfg, worker) if options.torchrun
-                                          else RayLauncher(cfg.run_dir, options.resume_from))
-    return cfg, worker, launcher, options
-
-
 def train_loop_per_worker(config: dict) -> dict:
     """--mode ddp (and dp): the DDP tutorial's loop, its distributed lines numbered."""
-    # 1. this rank of the process group Ray Train (or torchrun) started: rank, world, device
-    cfg, worker, launcher, options = worker_setup(config)
-    if isinstance(data := worker_data(cfg, options, worker), DataError):
-        return {"data_error": str(data)}
-    train_set, test_set, val_set = data
-    classes = class_names(train_set) if classifies(train_set) else []
+    # 1. this rank of the process group Ray Train (or torchrun) started, with its data; the rest of
+    # what is not the tutorial's (resume, saves, stops, checks, progress) is asked of `ops`
+    ops = operations(config)
+    if ops.data is None:
+        return ops.result()
+    cfg, worker, (train_set, test_set, val_set) = ops.cfg, ops.worker, ops.data
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    width = outputs(train_set, classes)
-    model = build_model(cfg.model, input_shape(cfg, train_set), width)
-    state = launcher.latest_checkpoint()  # one checkpoint, the same on every rank
-    if state is None and cfg.weights:
-        load_weights(model, starting_weights(cfg, options))
+    model = build_model(cfg.model, ops.inputs, ops.outputs)
+    state = ops.restore(model)  # one checkpoint, the same on every rank (else --weights, if any)
     if cfg.sync_bn:  # 2. SyncBatchNorm: converted before DDP sees the modules
         model = convert_sync_bn(model, worker.device)
     if worker.device.type == "cuda":
-        train_set, test_set, val_set = cuda_fast_paths(cfg, data, worker.device)
+        train_set, test_set, val_set = cuda_fast_paths(cfg, ops.data, worker.device)
     model = wrap_model(on_device(model, worker.device, cfg.model), worker.device, cfg)  # 3.
     model = torch.compile(model) if cfg.compile else model
     optimizer = build_optimizer(cfg, model)
@@ -1237,31 +1211,27 @@ def train_loop_per_worker(config: dict) -> dict:
         optimizer.load_state_dict(state["optimizer"])  # and what steps with it:
         for name, stepper in steppers.items():
             stepper.load_state_dict(state["optimizer"].get(name, {}))
-    samples = samples_fingerprint(train_set)
 
     def checkpoint_of(epoch: int, history: list, partial: Optional[dict] = None) -> dict:
         # the bare model (model.module), not DDP's wrapper: what 9. saves
-        optimized = {**optimizer.state_dict(),
-                     **{name: stepper.state_dict() for name, stepper in steppers.items()}}
-        return checkpoint_state(unwrap(model).state_dict(), optimized, epoch, cfg, history,
-                                classes, partial, samples, width, input_shape(cfg, train_set))
-    checkpointer = Checkpointer(cfg, worker, launcher, options, checkpoint_of, model, optimizer)
-    history = checkpointer.resumed(state)
-    with checkpointer:
-        for epoch in checkpointer.epochs():  # to --epochs, unless a stop (SIGTERM, --early-stop)
-            trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, checkpointer,
-                                  schedule, scaler)
-            if checkpointer.stopped:
+        optimized = {**optimizer.state_dict(), **{n: s.state_dict() for n, s in steppers.items()}}
+        return ops.checkpoint(unwrap(model).state_dict(), optimized, epoch, history, partial)
+    history = ops.track(model, optimizer, checkpoint_of, state)
+    with ops:
+        for epoch in ops.epochs():  # to --epochs, unless a stop (SIGTERM, a check, --early-stop)
+            trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, ops, schedule,
+                                  scaler)
+            if ops.stopped:
                 break
             # 8. exact evaluation: each test (and validation) sample scored once over all ranks
-            scores = evaluate_as_saved(model, test_set, cfg, worker.device, len(classes))
+            scores = evaluate_as_saved(model, test_set, cfg, worker.device, len(ops.classes))
             if val_set is not None:
-                scores.update(evaluate_as_saved(model, val_set, cfg, worker.device, len(classes),
-                                                "val"))
+                scores.update(evaluate_as_saved(model, val_set, cfg, worker.device,
+                                                len(ops.classes), "val"))
             history.append({"epoch": epoch + 1, **trained, **scores})
             # 9. every rank reports; rank 0 alone hands its checkpoint over, to be saved once
-            checkpointer.save(checkpoint_of if worker.is_main else None)
-    return checkpointer.result()
+            ops.end_epoch(checkpoint_of if worker.is_main else None)
+    return ops.result()
 
 
 # ==================================================================================================
@@ -3336,65 +3306,88 @@ class FailureLog(ray.train.UserCallback):
 
 
 # ==================================================================================================
-# Mid-epoch saves and SIGTERM: the Checkpointer, which the loop asks once a step.
+# Operations: the one object the lesson's loop asks (its # 1.), and the ranks' agreement behind it.
 # ==================================================================================================
 
 VOTES = (SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE) = ("sigterm", "driver", "due")
 SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
-class Checkpointer:
-    """What the loop asks after each step: save now? stop now? The ranks agree (in agree())."""
+def operations(config: dict) -> "Operations":
+    """This process's operations (the loop's # 1.): its rank and launcher, the allocator, the
+    collectives' timeout, its data (under torchrun rank 0's config is the run's). A test hands its
+    own worker and launcher."""
+    cfg, options = config["config"], config["options"]
+    worker = config.get("worker") or Worker.current(cfg)
+    worker.marks["loop"] = time.time()
+    if options.code is not None:
+        for registry, entries in zip((CODE, MODELS, DATASETS), ray.get(options.code)):
+            registry.update(entries)
+    if cfg.keep_freed_memory:
+        keep_freed_memory()
+    bound_collectives(cfg.timeout)
+    if options.torchrun and "worker" not in config:
+        cfg = from_rank_0(cfg, worker.device)
+    if cfg.min_workers:  # elastic: the same global batch over the workers there are now
+        cfg = replace(cfg, workers=worker.world)
+    launcher = config.get("launcher") or (TorchrunLauncher(cfg, worker) if options.torchrun
+                                          else RayLauncher(cfg.run_dir, options.resume_from))
+    return Operations(cfg, worker, launcher, options, worker_data(cfg, options, worker))
 
-    AGREE_S = 1.0  # seconds of training between two agreements (each step, if steps are slower)
+
+class Operations:
+    """What the lesson's loop asks, in its order: restore, track, the epochs, an epoch's start,
+    after each step (save? stop?), its end, the result. Behind it: the ranks' Agreement, Progress,
+    Health's checks and the checkpoint store."""
 
     def __init__(self, cfg: Config, worker: Worker, launcher=None,
-                 options: Optional[LoopOptions] = None, checkpoint_of=None, model=None,
-                 optimizer=None):
-        options = options or LoopOptions()
-        self.cfg, self.worker, self.launcher, self.optimizer = cfg, worker, launcher, optimizer
-        self.checkpoint_of, self.torchrun = checkpoint_of, options.torchrun
-        self.console = Console(options, worker)
-        self.every_steps, self.every_seconds = (checkpoint_interval(cfg.checkpoint_every)
-                                                if checkpoint_of else (0, 0.0))
-        board = options.board if worker.is_main and ask_board(options.board, "restarted") else None
-        self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
-        self.watchdog, self.contexts = Watchdog(cfg, worker, options.board), contextlib.ExitStack()
-        self.model = unwrap(model) if isinstance(model, nn.Module) else model
-        self.forward = (ForwardClock(self.model, worker.device)
-                        if isinstance(self.model, nn.Module) and not cfg.compile else None)
-        replicas = {"off": "0", "auto": "1"}.get(cfg.check_replicas, cfg.check_replicas)
-        self.check_every = 0 if model is None or worker.world == 1 else int(replicas)
-        self.check_seconds, self.last_check, self.slow, self.noted = 0.0, 0, [], False
-        self.first_epoch, self.resumed_at, self.history, self.resume_record = 0, {}, [], None
-        self.early, self.checks = None, 0
-        self.stopped, self.stop_votes, self.totals, self.pending = None, set(), [0, 0], [0, 0]
-        self.steps_done, self.next_agreement, self.agreed_steps, self.since_save = 0, 1, 0, 0
-        self.agreed_at, self.last_save, self.lost, self.saved_count = 0.0, time.monotonic(), 0.0, 0
-        marks = worker.marks
-        marks["model"] = time.time()
-        restored = getattr(launcher, "restore_seconds", 0.0)  # a test's launcher may not time it
-        self.ledger = Ledger(data=marks["data"] - marks["loop"] if "data" in marks else 0.0,
-                             model=marks["model"] - marks.get("data", marks["model"]) - restored,
-                             restores=restored)
+                 options: Optional[LoopOptions] = None, data=None):
+        self.cfg, self.worker, self.launcher = cfg, worker, launcher
+        self.options = options = options or LoopOptions()
+        self.data, self.failed = (None, data) if isinstance(data, DataError) else (data, None)
+        if self.data and self.data[0] is not None:  # what the model is built for, and saved
+            train = self.data[0]
+            self.classes = class_names(train) if classifies(train) else []
+            self.outputs, self.inputs = outputs(train, self.classes), input_shape(cfg, train)
+        self.progress, self.agreement = Progress(cfg, worker, options), Agreement(cfg, worker)
+        self.health, self.checkpoint_of, self.first_epoch, self.resumed_at = [], None, 0, {}
+        self.history, self.resume_record, self.stopped, self.stop_votes = [], None, None, set()
+        self.early, self.saves, self.save_seconds = None, 0, 0.0
 
-    def __enter__(self) -> "Checkpointer":
-        for context in filter(None, (self.stop, self.link, self.watchdog)):
-            self.contexts.enter_context(context)
+    def __enter__(self) -> "Operations":
+        self.progress.__enter__()
         return self
 
     def __exit__(self, *error) -> None:
-        self.contexts.close()
+        self.progress.__exit__(*error)
 
-    def resumed(self, state: Optional[dict]) -> list:
-        """The run's history so far (the loop appends to it): the checkpoint's, certified."""
+    def restore(self, model: Optional[nn.Module] = None) -> Optional[dict]:
+        """The run's latest checkpoint, the same on every rank; else None (--weights in `model`)."""
+        state = self.launcher.latest_checkpoint()
+        if state is None and self.cfg.weights and model is not None:
+            load_weights(model, starting_weights(self.cfg, self.options))
+        return state
+
+    def checkpoint(self, model_state: dict, optimizer_state: dict, epoch: int, history: list,
+                   partial: Optional[dict] = None) -> dict:
+        """The state to save after `epoch` epochs (and `partial`'s steps of the next)."""
+        return checkpoint_state(model_state, optimizer_state, epoch, self.cfg, history,
+                                self.classes, partial, samples_fingerprint(self.data[0]),
+                                self.outputs, self.inputs)
+
+    def track(self, model, optimizer, checkpoint_of, state: Optional[dict]) -> list:
+        """What Health checks and rank 0 saves (checkpoint_of(epoch, history, partial)); the
+        run's history so far, the checkpoint's, certified (the loop appends to it)."""
+        self.checkpoint_of = checkpoint_of
+        self.health = [check(self.cfg, self.worker, model, optimizer) for check in HEALTH_CHECKS]
+        self.progress.started(getattr(self.launcher, "restore_seconds", 0.0))
         if state is not None:
             self.first_epoch, self.resumed_at = state["epoch"], state.get("partial") or {}
             self.history = list(state["history"])
             done = self.first_epoch >= self.cfg.epochs or early_stop(self.history, self.cfg)
-            self.console.say("ray-dp: " + (finished_run(self.cfg, self.first_epoch) if done
-                                           else self.describe_start(state)))
-            self.ledger.charge("restores")
+            self.progress.say("ray-dp: " + (finished_run(self.cfg, self.first_epoch) if done
+                                            else self.describe_start(state)))
+            self.progress.ledger.charge("restores")
         return self.history
 
     def describe_start(self, state: dict) -> str:
@@ -3416,130 +3409,94 @@ class Checkpointer:
         return f"{line}: the same model, optimizer, history and data position as saved"
 
     def epochs(self):
-        """The epochs left to train, until a stop: SIGTERM's, or --early-stop's (rank 0's)."""
+        """The epochs left to train, until a stop: SIGTERM's, a check's, --early-stop's (rank 0's)."""
         for epoch in range(self.first_epoch, self.cfg.epochs):
             if self.cfg.early_stop and not self.stopped:
                 self.early = from_rank_0(early_stop(self.history, self.cfg), self.worker.device)
             if self.early:
-                self.console.say("ray-dp: early stop after epoch {epoch}: {metric} not better than "
-                                 "epoch {best_epoch}'s {value:.4g} for {0} (--early-stop)".format(
-                                     plural(self.cfg.early_stop, "epoch"), **self.early))
+                self.progress.say("ray-dp: early stop after epoch {epoch}: {metric} not better "
+                                  "than epoch {best_epoch}'s {value:.4g} for {0} (--early-stop)"
+                                  .format(plural(self.cfg.early_stop, "epoch"), **self.early))
             if self.stopped or self.early:
                 return
             yield epoch
 
-    def epoch_start(self, epoch: int) -> tuple[int, EpochLoss]:
+    def start_epoch(self, epoch: int) -> tuple[int, EpochLoss]:
         """The epoch's first step and its loss so far: 0 and none, or a mid-epoch save's."""
         partial = self.resumed_at if epoch == self.first_epoch else {}
-        self.tic, self.first_step = time.perf_counter(), partial.get("step", 0)
         self.saves, self.save_seconds = 0, 0.0
-        self.ledger.charge("training steps")
-        return self.first_step, EpochLoss(self.worker.device, partial, self.worker.is_main)
+        self.progress.start_epoch(partial.get("step", 0))
+        return partial.get("step", 0), EpochLoss(self.worker.device, partial, self.worker.is_main)
 
     def after_step(self, epoch: int, step: int, steps: int, losses: EpochLoss) -> bool:
         """True once every rank has agreed to stop after this step (its checkpoint saved)."""
-        self.worker.marks.setdefault("first_step", time.time())
-        self.lost += self.ledger.charge("training steps")
-        self.steps_done, self.since_save = self.steps_done + 1, self.since_save + 1
-        done, last = epoch * steps + step + 1, step + 1 == steps
+        done, last, agreement = epoch * steps + step + 1, step + 1 == steps, self.agreement
         where = f"after step {step + 1} of epoch {epoch + 1} (the run's step {done})"
-        self.watchdog.progress(where)
+        self.progress.stepped(where)
+        agreement.stepped()
+        for check in self.health:
+            check.stepped(done, steps, losses)
         logged = done % self.cfg.log_every == 0
-        due = bool(self.every_steps) and (step + 1) % self.every_steps == 0 and not last
-        check = self.check_every and self.steps_done - self.last_check >= self.check_every
-        agreeing = logged or due or last or check or self.steps_done >= self.next_agreement
-        votes = self.agree(losses, done if logged else 0, last, check, where) if agreeing else set()
-        self.lost += self.ledger.charge("training steps")
-        rate = (step + 1 - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
-        loss = losses.logged[-1][1] if losses.logged else None
-        self.console.progress((epoch, step + 1, steps, loss, rate, self.cfg.epochs))
+        due = agreement.due(step + 1) and not last and self.checkpoint_of is not None
+        checking = any(check.due(agreement.steps_done) for check in self.health)
+        votes = (self.agree(losses, done if logged else 0, last, checking, where)
+                 if logged or due or last or checking or agreement.waited() else set())
+        self.progress.shown((epoch, step + 1, steps, losses, self.cfg.epochs))
         stop = votes - {DUE_VOTE}
         if stop:
-            self.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
+            self.progress.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
         if self.stopped is None and (due or votes) and not last and self.checkpoint_of:
             self.save_within(epoch, step + 1, steps, losses)
-            if stop and self.stopped is None:  # not over the replicas' stop, which saved nothing
+            if stop and self.stopped is None:  # not over a check's stop, which saved nothing
                 self.stopped = {"epoch": epoch + 1, "step": step + 1, "steps": steps,
                                 "by": sorted(stop)}
         self.stop_votes |= stop  # at the epoch's end, with its checkpoint
         if self.stopped is not None:
-            self.console.progress(None)
+            self.progress.shown(None)
         return self.stopped is not None
 
-    def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool, check: bool,
+    def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool, checking: bool,
               where: str) -> set:
-        """One all-reduce: votes, rank 0's pace, losses, forward seconds, a check's digests."""
-        mine = {SIGTERM_VOTE} if self.stop is not None and self.stop.asked else set()
-        main, world, device = self.worker.is_main, self.worker.world, self.worker.device
-        if check:  # the step's own GPU work is not the check's
-            synchronize(device)
-        tic = time.perf_counter()
-        if self.link is not None:
-            if epoch_end:
-                self.link.beat(timeout=10)
-            mine |= {DRIVER_VOTE} if self.link.asked else set()
-            self.link.board.stepped.remote(self.since_save, self.snapshot())
-        if main and self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds:
-            mine.add(DUE_VOTE)
-        steps = max(self.steps_done - self.agreed_steps, 1)
-        trained = self.ledger.seconds.get("training steps", 0.0)
-        step_seconds = max(trained - self.agreed_at, 1e-6) / steps
-        ahead = min(max(int(self.AGREE_S / step_seconds), 1), 10_000) if main else 0
-        checks = (max(math.ceil(self.check_seconds / (CHECK_SHARE * step_seconds)), 1)
-                  if self.cfg.check_replicas == "auto" else self.check_every) if main else 0
-        forward = torch.zeros(world, dtype=torch.float64, device=device)
-        forward[self.worker.rank] = self.forward.take() / steps if self.forward else 0.0
-        named = replica_state(self.model, self.optimizer, "step") if check else None
-        hashes, slots = replicas_digest(named, self.worker) if check else (None, forward[:0])
-        flags = torch.tensor([vote in mine for vote in VOTES] + [ahead, checks],
-                             dtype=torch.float64, device=device)
-        totals = all_reduce_sum(torch.cat([flags, losses.window, losses.sums, forward, slots]))
-        totals = totals.tolist()
-        self.next_agreement, self.agreed_steps = self.steps_done + int(totals[3]), self.steps_done
-        self.check_every = int(totals[4]) if self.check_every else 0
-        self.totals, self.pending = totals[7:9], [0, 0] if logged_step else totals[5:7]
+        """ONE all-reduce of named slots: votes, rank 0's pace, the losses, Health's slots."""
+        if checking:  # the step's own GPU work is not the check's
+            synchronize(self.worker.device)
+        tic, agreement = time.perf_counter(), self.agreement
+        mine = self.progress.votes(epoch_end, agreement.since_save)
+        mine |= {DUE_VOTE} if self.checkpoint_of and agreement.time_due() else set()
+        step_seconds = agreement.step_seconds(self.progress.ledger)
+        slots = {"votes": [vote in mine for vote in VOTES], "ahead": agreement.ahead(step_seconds),
+                 "window": losses.window, "sums": losses.sums}
+        for check in self.health:
+            slots.update(check.slots(checking, step_seconds, agreement))
+        totals = all_reduced(slots, self.worker.device)
+        agreement.agreed(totals, keep_window=not logged_step)
         if logged_step:
-            losses.logged.append([logged_step, totals[5] / totals[6]])
+            losses.logged.append([logged_step, totals["window"][0] / totals["window"][1]])
             losses.window.zero_()
-        self.note_stragglers(totals[9:9 + world])
-        if check:  # what a check costs: its digest and this all-reduce, for --check-replicas auto
-            self.last_check, self.check_seconds = self.steps_done, time.perf_counter() - tic
-            self.compared(named, hashes, totals[9 + world:], where)
-        self.agreed_at = trained
-        return {vote for vote, count in zip(VOTES, totals) if count}
+        for check in self.health:
+            error, note = check.read(totals, where, tic, agreement)
+            if error and self.stopped is None:
+                self.stopped = {"by": [check.name], "error": error}
+            if note:
+                self.progress.say(f"ray-dp: note: {note}")
+        return {vote for vote, count in zip(VOTES, totals["votes"]) if count}
 
-    def compared(self, named: list, hashes: torch.Tensor, slots: list, where: str) -> None:
-        """Every rank's digest is the same, or the run stops here, nothing saved."""
-        try:
-            compare_replicas(named, hashes, slots, self.worker, where)
-            self.checks += 1
-        except RunFailed as exc:
-            self.stopped = {"by": ["replicas"], "error": str(exc)}
-
-    def replicas_agree(self, stage: str, where: str) -> bool:
+    def checked(self, stage: str, where: str) -> bool:
         """At a save (none stopped), before rank 0 writes: every rank's replicas and optimizer."""
-        if self.check_every:
-            named = replica_state(self.model, self.optimizer, stage)
-            hashes, slots = replicas_digest(named, self.worker)
-            self.compared(named, hashes, all_reduce_sum(slots).tolist(), where)
+        for check in self.health:
+            if (error := check.at_save(stage, where)) and self.stopped is None:
+                self.stopped = {"by": [check.name], "error": error}
         return self.stopped is None
-
-    def note_stragglers(self, forward: list) -> None:
-        if not self.forward or self.noted or self.worker.world == 1 or not all(forward):
-            return
-        self.slow = [*self.slow[-4:], forward]
-        if len(self.slow) == 5 and (note := straggler_note(self.slow, self.worker.world)):
-            self.noted = True
-            self.console.say(f"ray-dp: note: {note}")
 
     def save_within(self, epoch: int, step: int, steps: int, losses: EpochLoss) -> None:
         """Every rank, at the same step: rank 0's checkpoint of the epoch so far."""
-        if not self.replicas_agree("save", f"at the save after step {step} of epoch {epoch + 1}"):
+        if not self.checked("save", f"at the save after step {step} of epoch {epoch + 1}"):
             return
-        tic = time.perf_counter()
-        partial = {"epoch": epoch, "step": step, "steps": steps, "samples": int(self.totals[1]),
-                   "loss_sum": self.totals[0], "step_log": [list(e) for e in losses.logged],
-                   "pending": self.pending, "skipped_steps": losses.skipped}
+        tic, agreement = time.perf_counter(), self.agreement
+        partial = {"epoch": epoch, "step": step, "steps": steps,
+                   "samples": int(agreement.totals[1]), "loss_sum": agreement.totals[0],
+                   "step_log": [list(e) for e in losses.logged], "pending": agreement.pending,
+                   "skipped_steps": losses.skipped}
         metrics = {"epoch": epoch + 1, "step": step, "steps": steps, "node": node_name(),
                    "keep": keep_score(epoch + 1, step, steps)}
         state = self.checkpoint_of(epoch, self.history, partial) if self.worker.is_main else None
@@ -3549,34 +3506,20 @@ class Checkpointer:
         self.saved()
 
     def saved(self) -> None:
-        self.ledger.charge("saves")
-        self.saved_count += 1
-        self.last_save, self.since_save, self.lost = time.monotonic(), 0, 0.0
-        if self.link is not None:
-            self.link.board.stepped.remote(0, self.snapshot())
+        self.agreement.saved()
+        self.progress.saved()
 
-    def snapshot(self) -> dict:
-        """What the driver's ledger takes from this attempt (since_save: a failure's loss)."""
-        marks = self.worker.marks
-        return {"seconds": dict(self.ledger.seconds), "began": marks.get("loop", 0.0),
-                "first_step": marks.get("first_step"), "at": time.time(),
-                "since_save": self.lost, "saves": self.saved_count}
-
-    def save(self, checkpoint_of) -> None:
+    def end_epoch(self, checkpoint_of) -> None:
         """History's last epoch ends on every rank: its line, rank 0's checkpoint (checkpoint_of
         (epoch, history) on rank 0, None elsewhere), a stop."""
-        self.ledger.charge("evaluation")
         metrics, marks = self.history[-1], self.worker.marks
-        self.watchdog.progress(f"at the end of epoch {metrics['epoch']}")
-        self.ledger.seconds["training steps"] -= metrics["data_seconds"]
-        self.ledger.charge("waits for data", metrics["data_seconds"])
+        self.progress.ended(metrics)
         metrics.update(checkpoints_within=self.saves, checkpoint_seconds=self.save_seconds,
                        first_step_at=marks.get("first_step"), ended_at=time.time())
         if metrics["epoch"] == self.first_epoch + 1:
             metrics["startup"] = dict(marks)
-        self.console.progress(None)
-        self.console.say(format_epoch(metrics, self.cfg.epochs))
-        if not self.replicas_agree("epoch", f"at the end of epoch {metrics['epoch']}"):
+        self.progress.say(format_epoch(metrics, self.cfg.epochs))
+        if not self.checked("epoch", f"at the end of epoch {metrics['epoch']}"):
             return
         best = best_epoch(self.history, self.cfg.best_by) is metrics
         state = checkpoint_of(metrics["epoch"], self.history) if checkpoint_of else None
@@ -3589,18 +3532,76 @@ class Checkpointer:
 
     def result(self) -> dict:
         """What the loop returns (rank 0's is the Result's), or RunStopped for Ray to restart it."""
+        if self.failed is not None:  # a run that cannot start is not retried
+            return {"data_error": str(self.failed)}
         marks = self.worker.marks
         out = {"history": self.history, "world_size": self.worker.world,
                "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
                "first_step_at": marks.get("first_step"), "startup": marks,
                "node_ranks": node_ranks(self.worker), "stopped": self.stopped,
-               "resumed": self.resume_record, "ledger": {**self.snapshot(), "ended": time.time()},
-               "early_stopped": self.early, "replica_checks": self.checks}
-        self.console.flush()
-        if (self.stopped and self.stopped["by"] == [SIGTERM_VOTE] and not self.torchrun
+               "resumed": self.resume_record, "early_stopped": self.early,
+               "ledger": {**self.progress.snapshot(), "ended": time.time()},
+               "replica_checks": sum(check.count for check in self.health)}
+        self.progress.console.flush()
+        if (self.stopped and self.stopped["by"] == [SIGTERM_VOTE] and not self.options.torchrun
                 and self.cfg.max_failures):
             raise RunStopped(f"{SIGTERM_STOPPED}; saved {position_of(self.stopped)} and stopped")
         return out
+
+
+class Agreement:
+    """When the ranks agree (every AGREE_S of training at rank 0's pace, or a log step, a save, a
+    check, an epoch's end), what they agreed on, and when a save is due (--checkpoint-every)."""
+
+    AGREE_S = 1.0  # seconds of training between two agreements (each step, if steps are slower)
+
+    def __init__(self, cfg: Config, worker: Worker):
+        self.worker, self.totals, self.pending = worker, [0, 0], [0, 0]
+        self.every_steps, self.every_seconds = checkpoint_interval(cfg.checkpoint_every)
+        self.steps_done, self.next, self.agreed_steps, self.agreed_at = 0, 1, 0, 0.0
+        self.since_save, self.last_save, self.trained = 0, time.monotonic(), 0.0
+
+    def stepped(self) -> None:
+        self.steps_done, self.since_save = self.steps_done + 1, self.since_save + 1
+
+    def waited(self) -> bool:
+        return self.steps_done >= self.next
+
+    def due(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def time_due(self) -> bool:
+        return bool(self.worker.is_main and self.every_seconds
+                    and time.monotonic() - self.last_save >= self.every_seconds)
+
+    def step_seconds(self, ledger: "Ledger") -> float:
+        """Seconds a step took since the last agreement, as the ledger timed its training."""
+        self.trained = ledger.seconds.get("training steps", 0.0)
+        return max(self.trained - self.agreed_at, 1e-6) / max(self.steps_done - self.agreed_steps, 1)
+
+    def ahead(self, step_seconds: float) -> list:
+        return [min(max(int(self.AGREE_S / step_seconds), 1), 10_000) if self.worker.is_main else 0]
+
+    def agreed(self, totals: dict, keep_window: bool) -> None:
+        self.next, self.agreed_steps = self.steps_done + int(totals["ahead"][0]), self.steps_done
+        self.totals, self.pending = totals["sums"], totals["window"] if keep_window else [0, 0]
+        self.agreed_at = self.trained
+
+    def saved(self) -> None:
+        self.since_save, self.last_save = 0, time.monotonic()
+
+
+def all_reduced(slots: dict, device: torch.device) -> dict:
+    """ONE all-reduce (a sum) of named float64 vectors, each given back by its name."""
+    parts = {name: torch.as_tensor(value, dtype=torch.float64, device=device).reshape(-1)
+             for name, value in slots.items()}
+    totals = iter(all_reduce_sum(torch.cat(list(parts.values()))).tolist())
+    return {name: [next(totals) for _ in range(len(part))] for name, part in parts.items()}
+
+
+# ==================================================================================================
+# Mid-epoch saves and SIGTERM: where a stop was, what Ray keeps, a stop within seconds.
+# ==================================================================================================
 
 
 def position_of(stopped: dict) -> str:
@@ -3902,6 +3903,122 @@ def straggler_note(window: list, worker_ranks: int) -> Optional[str]:
             f"one shared with other work): every step waits for it")
 
 
+class Check:
+    """A health check in the ranks' agreement: its named slots in each one, read back by name; a
+    stop is its one-line error (each method's default: nothing)."""
+
+    name, count = "check", 0
+
+    def stepped(self, done: int, steps: int, losses: EpochLoss) -> None:
+        return None
+
+    def due(self, steps_done: int) -> bool:
+        return False
+
+    def slots(self, checking: bool, step_seconds: float, agreement: "Agreement") -> dict:
+        return {}
+
+    def read(self, totals: dict, where: str, tic: float, agreement: "Agreement") -> tuple:
+        return None, None  # (the run's error, a note)
+
+    def at_save(self, stage: str, where: str) -> Optional[str]:
+        return None
+
+
+class ReplicaCheck(Check):
+    """--check-replicas: every rank's digest of its replicas in the agreement's slots, compared
+    (auto: as often as costs CHECK_SHARE of training); and a straggler, by its forward seconds."""
+
+    name = "replicas"
+
+    def __init__(self, cfg: Config, worker: Worker, model, optimizer):
+        self.cfg, self.worker, self.optimizer = cfg, worker, optimizer
+        self.model = unwrap(model) if isinstance(model, nn.Module) else model
+        self.forward = (ForwardClock(self.model, worker.device)
+                        if isinstance(self.model, nn.Module) and not cfg.compile else None)
+        every = {"off": "0", "auto": "1"}.get(cfg.check_replicas, cfg.check_replicas)
+        self.every = 0 if model is None or worker.world == 1 else int(every)
+        self.seconds, self.last, self.slow, self.noted, self.named = 0.0, 0, [], False, None
+
+    def due(self, steps_done: int) -> bool:
+        return bool(self.every) and steps_done - self.last >= self.every
+
+    def slots(self, checking: bool, step_seconds: float, agreement: "Agreement") -> dict:
+        steps = max(agreement.steps_done - agreement.agreed_steps, 1)
+        forward = torch.zeros(self.worker.world, dtype=torch.float64, device=self.worker.device)
+        forward[self.worker.rank] = self.forward.take() / steps if self.forward else 0.0
+        interval = (max(math.ceil(self.seconds / (CHECK_SHARE * step_seconds)), 1)
+                    if self.cfg.check_replicas == "auto" else self.every)
+        self.named = replica_state(self.model, self.optimizer, "step") if checking else None
+        self.hashes, digests = (replicas_digest(self.named, self.worker) if checking
+                                else (None, forward[:0]))
+        return {"forward seconds": forward, "digests": digests,
+                "check interval": [interval if self.worker.is_main else 0]}
+
+    def read(self, totals: dict, where: str, tic: float, agreement: "Agreement") -> tuple:
+        self.every = int(totals["check interval"][0]) if self.every else 0
+        forward, note = totals["forward seconds"], None
+        if self.forward and not self.noted and self.worker.world > 1 and all(forward):
+            self.slow = [*self.slow[-4:], forward]
+            note = len(self.slow) == 5 and straggler_note(self.slow, self.worker.world)
+            self.noted = bool(note)
+        if self.named is None:
+            return None, note
+        self.last, self.seconds = agreement.steps_done, time.perf_counter() - tic  # auto's cost
+        return self.compared(self.named, self.hashes, totals["digests"], where), note
+
+    def at_save(self, stage: str, where: str) -> Optional[str]:
+        """At a save, before rank 0 writes: the replicas, and at `stage` the buffers or the
+        optimizer's state too (replica_state)."""
+        if not self.every:
+            return None
+        named = replica_state(self.model, self.optimizer, stage)
+        hashes, digests = replicas_digest(named, self.worker)
+        return self.compared(named, hashes, all_reduce_sum(digests).tolist(), where)
+
+    def compared(self, named: list, hashes: torch.Tensor, digests: list, where: str):
+        try:
+            compare_replicas(named, hashes, digests, self.worker, where)
+        except RunFailed as exc:
+            return str(exc)
+        self.count += 1
+        return None
+
+
+class NonFiniteLoss(Check):
+    """A loss that is not finite (NaN, inf) stops the run at the next agreement on every rank,
+    naming where it first appeared: nothing is saved from it on (Lightning's terminate-on-NaN)."""
+
+    name = "loss"
+
+    def __init__(self, cfg: Config, worker: Worker, model, optimizer):
+        self.worker, self.steps = worker, 1
+        self.first = torch.zeros((), dtype=torch.float64, device=worker.device)
+
+    def stepped(self, done: int, steps: int, losses: EpochLoss) -> None:
+        """The step's losses, looked at on the device: no wait for it here."""
+        self.steps, window = steps, losses.window[0]
+        self.first = torch.where((self.first > 0) | window.isfinite(), self.first, float(done))
+
+    def slots(self, checking: bool, step_seconds: float, agreement: "Agreement") -> dict:
+        firsts = torch.zeros(self.worker.world, dtype=torch.float64, device=self.worker.device)
+        firsts[self.worker.rank] = self.first
+        return {"first non-finite loss": firsts}
+
+    def read(self, totals: dict, where: str, tic: float, agreement: "Agreement") -> tuple:
+        found = sorted((int(done), rank)
+                       for rank, done in enumerate(totals["first non-finite loss"]) if done)
+        if not found:
+            return None, None
+        done, rank = found[0]
+        return (f"the loss is not finite from step {(done - 1) % self.steps + 1} of epoch "
+                f"{(done - 1) // self.steps + 1} (the run's step {done}) on rank {rank}: nothing "
+                f"is saved from it, and the same command resumes from the last checkpoint"), None
+
+
+HEALTH_CHECKS = (ReplicaCheck, NonFiniteLoss)  # each one's slots ride on every agreement
+
+
 LEDGER = ("driver", "cluster", "data", "model", "restores", "training steps", "waits for data",
           "evaluation", "saves", "failures", "other")
 
@@ -4168,6 +4285,88 @@ class Console:
     def flush(self) -> None:
         if self.main:
             ask_board(self.board, "beat")
+
+
+class Progress:
+    """What a worker tells of its progress: rank 0's lines and bar, the ledger's clock, the
+    watchdog, and the driver's heartbeat with its stop (SIGTERM's too)."""
+
+    def __init__(self, cfg: Config, worker: Worker, options: LoopOptions):
+        self.cfg, self.worker, self.console = cfg, worker, Console(options, worker)
+        board = options.board if worker.is_main and ask_board(options.board, "restarted") else None
+        self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
+        self.watchdog, self.contexts = Watchdog(cfg, worker, options.board), contextlib.ExitStack()
+        self.ledger, self.lost, self.saved_count, self.tic, self.first_step = Ledger(), 0.0, 0, 0, 0
+
+    def __enter__(self) -> "Progress":
+        for context in filter(None, (self.stop, self.link, self.watchdog)):
+            self.contexts.enter_context(context)
+        return self
+
+    def __exit__(self, *error) -> None:
+        self.contexts.close()
+
+    def say(self, line: str) -> None:
+        self.console.say(line)
+
+    def started(self, restored: float) -> None:
+        """The model built (and restored: `restored` seconds): the ledger's set-up charged."""
+        marks = self.worker.marks
+        marks["model"] = time.time()
+        self.ledger = Ledger(data=marks["data"] - marks["loop"] if "data" in marks else 0.0,
+                             model=marks["model"] - marks.get("data", marks["model"]) - restored,
+                             restores=restored)
+
+    def start_epoch(self, first_step: int) -> None:
+        self.tic, self.first_step = time.perf_counter(), first_step
+        self.ledger.charge("training steps")
+
+    def stepped(self, where: str) -> None:
+        self.worker.marks.setdefault("first_step", time.time())
+        self.lost += self.ledger.charge("training steps")
+        self.watchdog.progress(where)
+
+    def shown(self, state: Optional[tuple]) -> None:
+        """After a step (its agreement charged as training): the bar; None: the bar closed."""
+        if state is None:
+            return self.console.progress(None)
+        self.lost += self.ledger.charge("training steps")
+        epoch, step, steps, losses, epochs = state
+        rate = (step - self.first_step) * self.cfg.batch_size / (time.perf_counter() - self.tic)
+        loss = losses.logged[-1][1] if losses.logged else None
+        self.console.progress((epoch, step, steps, loss, rate, epochs))
+
+    def votes(self, epoch_end: bool, since_save: int) -> set:
+        """This rank's stop votes (SIGTERM's; the driver's, by rank 0's heartbeat), and rank 0's
+        steps since its last save for the driver's ledger."""
+        mine = {SIGTERM_VOTE} if self.stop is not None and self.stop.asked else set()
+        if self.link is not None:
+            if epoch_end:
+                self.link.beat(timeout=10)
+            mine |= {DRIVER_VOTE} if self.link.asked else set()
+            self.link.board.stepped.remote(since_save, self.snapshot())
+        return mine
+
+    def saved(self) -> None:
+        self.ledger.charge("saves")
+        self.saved_count, self.lost = self.saved_count + 1, 0.0
+        if self.link is not None:
+            self.link.board.stepped.remote(0, self.snapshot())
+
+    def ended(self, metrics: dict) -> None:
+        """An epoch's training ended: its evaluation and waits for data charged; the bar closed."""
+        self.ledger.charge("evaluation")
+        self.watchdog.progress(f"at the end of epoch {metrics['epoch']}")
+        self.ledger.seconds["training steps"] -= metrics["data_seconds"]
+        self.ledger.charge("waits for data", metrics["data_seconds"])
+        self.console.progress(None)
+
+    def snapshot(self) -> dict:
+        """What the driver's ledger takes from this attempt (since_save: a failure's loss)."""
+        marks = self.worker.marks
+        return {"seconds": dict(self.ledger.seconds), "began": marks.get("loop", 0.0),
+                "first_step": marks.get("first_step"), "at": time.time(),
+                "since_save": self.lost, "saves": self.saved_count}
 
 
 class Bar:
@@ -4445,10 +4644,10 @@ def check_same_classes(cfg: Config, trained: list, found: list, then: str) -> No
 
 def eval_loop_per_worker(config: dict) -> dict:
     """--eval-only on every worker: the checkpoint's model scored on this rank's shard."""
-    cfg, worker, _, options = worker_setup(config)
-    if isinstance(data := worker_data(cfg, options, worker), DataError):
-        return {"data_error": str(data)}
-    test_set = data[1]
+    ops = operations(config)
+    if ops.data is None:
+        return ops.result()
+    cfg, worker, options, test_set = ops.cfg, ops.worker, ops.options, ops.data[1]
     classes = len(options.classes)  # the checkpoint's, not what the test labels reach
     model = build_model(cfg.model, input_shape(cfg, test_set), classes or options.outputs)
     model.load_state_dict(ray.get(options.weights))  # from Ray's object store: no shared disk

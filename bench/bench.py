@@ -486,7 +486,8 @@ def step_against_plain_loop(repeats, steps=6):
 
             worker = ray_dp.Worker(0, 1, torch.device("cpu"))
             # what train_epoch asks after each step, as a run's loop makes it (once: it hooks the model's forward)
-            checkpointer = ray_dp.Checkpointer(cfg, worker, model=ours, optimizer=ours_optimizer)
+            checkpointer = ray_dp.Operations(cfg, worker)
+            checkpointer.track(ours, ours_optimizer, None, None)
 
             def ray_dp_step():
                 begun = time.perf_counter()
@@ -734,11 +735,11 @@ def checkpointer_per_step(cfg, steps):
     the driver's Board of the Ray this process is attached to."""
     import ray
     board = ray.remote(num_cpus=0)(ray_dp.Board).remote()
-    checkpointer = ray_dp.Checkpointer(cfg, ray_dp.Worker(0, 1, torch.device("cpu")),
+    checkpointer = ray_dp.Operations(cfg, ray_dp.Worker(0, 1, torch.device("cpu")),
                                        options=ray_dp.LoopOptions(board=board))
     loss = torch.tensor(1.0)
     with checkpointer:
-        first, losses = checkpointer.epoch_start(0)
+        first, losses = checkpointer.start_epoch(0)
         ray.get(board.steps_redone.remote())
         tic = time.perf_counter()
         for step in range(first, steps):

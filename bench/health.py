@@ -97,7 +97,7 @@ def _rank(rank, world, store, out, repeats):
 def rank_figures(repeats):
     """On each of 2 gloo processes: the agreement's all-reduce alone; then the quick start's training (LeNet on
     digits, global batch 64) three ways, with the health checks as the defaults have them, with the replica checks
-    off (the forward clock on), and with both off (a Checkpointer told of no model), their epochs interleaved (4
+    off (the forward clock on), and with both off (Operations told of no model), their epochs interleaved (4
     epochs of each in turn, 4 x repeats epochs each, the first of each left out): samples/s (median), and within the
     defaults' run the seconds its checks took (digest and all-reduce, timed around each) as a share of its
     training."""
@@ -114,8 +114,8 @@ def rank_figures(repeats):
         model = ray_dp.wrap_model(ray_dp.on_device(ray_dp.build_model("lenet", (1, 28, 28)), CPU, "lenet"), CPU)
         optimizer = ray_dp.build_optimizer(cfg, model)
         checks = ray_dp.replace(cfg, check_replicas="off" if "checks off" in label else "auto")
-        checkpointer = ray_dp.Checkpointer(checks, worker, None, None, None,
-                                           None if label == "health off" else model, optimizer)
+        checkpointer = ray_dp.Operations(checks, worker)  # told of no model: health off
+        checkpointer.track(None if label == "health off" else model, optimizer, None, None)
         runs[label] = [model, optimizer, ray_dp.train_batches(train, cfg, worker.rank, world, CPU), checkpointer, []]
     spent = [0.0]
     checkpointer = runs["health on (the defaults)"][3]
@@ -140,7 +140,7 @@ def rank_figures(repeats):
         figures[f"quick start's training, {label}: samples/s"] = round(rate)
     off = medians["health off"]
     figures["health on against health off, %"] = round(100 * (off - medians["health on (the defaults)"]) / off, 2)
-    figures["health on: --check-replicas auto checked every N steps"] = checkpointer.check_every
+    figures["health on: --check-replicas auto checked every N steps"] = checkpointer.health[0].every
     figures["health on: its checks' seconds (digest and all-reduce), % of training"] = round(
         100 * spent[0] / trained, 2)
     plain, timed, x = nn.Identity(), nn.Identity(), torch.zeros(1)

@@ -27,7 +27,7 @@ def ddp_epochs(cfg_fields, data, epochs=1):
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     batches = ray_dp.train_batches(data, cfg, rank, world, CPU)
     for epoch in range(epochs):
-        stats = ray_dp.train_epoch(model, optimizer, batches, cfg, here(), epoch, ray_dp.Checkpointer(cfg, here()))
+        stats = ray_dp.train_epoch(model, optimizer, batches, cfg, here(), epoch, ray_dp.Operations(cfg, here()))
     return {"params": [p.detach().clone() for p in ray_dp.unwrap(model).parameters()], "stats": stats}
 
 
@@ -90,7 +90,7 @@ def step_logs_of_epochs(fields, data, epochs):
     model, _ = new_model_and_optimizer(cfg)
     model = ray_dp.wrap_model(model, CPU)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    batches, checkpointer = ray_dp.train_batches(data, cfg, rank, world, CPU), ray_dp.Checkpointer(cfg, here())
+    batches, checkpointer = ray_dp.train_batches(data, cfg, rank, world, CPU), ray_dp.Operations(cfg, here())
     return [ray_dp.train_epoch(model, optimizer, batches, cfg, here(), epoch, checkpointer)["step_log"]
             for epoch in range(epochs)]
 
@@ -306,7 +306,7 @@ def bn_model_trained_then_evaluated(data, test):
     model = ray_dp.wrap_model(ray_dp.build_model("resnet18", (1, 8, 8)), CPU)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     ray_dp.train_epoch(model, optimizer, ray_dp.train_batches(data, cfg, rank, world, CPU), cfg, here(), 0,
-                       ray_dp.Checkpointer(cfg, here()))
+                       ray_dp.Operations(cfg, here()))
     drifted = ray_dp.unwrap(model).state_dict()["1.running_mean"].clone()
     broadcast, dtypes = dist.broadcast, []
     dist.broadcast = lambda tensor, src: dtypes.append(tensor.dtype) or broadcast(tensor, src)
@@ -352,7 +352,7 @@ def all_reduces_per_epoch(compiled):
     wrapped = torch.compile(ddp, backend="eager") if compiled else ddp  # eager: the wrapper without inductor
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr)
     ray_dp.train_epoch(wrapped, optimizer, ray_dp.train_batches(random_images(32), cfg, rank, world, CPU), cfg, here(), 0,
-                       ray_dp.Checkpointer(cfg, here()))
+                       ray_dp.Operations(cfg, here()))
     return len(calls)
 
 

@@ -257,11 +257,11 @@ def test_a_checkpoint_without_its_certificate_resumes_with_a_note_that_nothing_w
         state = checkpoint_of(1, [{"epoch": 1}])
         if not kept:
             del state["certificate"]
-        checkpointer = ray_dp.Checkpointer(cfg, here(), checkpoint_of=checkpoint_of, model=model)
-        checkpointer.resumed(state)
+        ops = ray_dp.Operations(cfg, here())
+        ops.track(model, None, checkpoint_of, state)
         assert capsys.readouterr().out == (f"ray-dp: resuming at epoch 2 of 3 with 1 worker, from the checkpoint of "
                                            f"epoch 1{said}\n")
-        assert checkpointer.resume_record == {"from": "epoch 1", "certified": kept}
+        assert ops.resume_record == {"from": "epoch 1", "certified": kept}
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.int16,

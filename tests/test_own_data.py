@@ -139,7 +139,7 @@ def ddp_steps_with_knobs(fields, data):
     optimizer = ray_dp.build_optimizer(cfg, model)
     batches = ray_dp.train_batches(data, cfg, rank, world, CPU)
     for epoch in range(2):  # a warm-up epoch, then the peak
-        ray_dp.train_epoch(model, optimizer, batches, cfg, here(), epoch, ray_dp.Checkpointer(cfg, here()))
+        ray_dp.train_epoch(model, optimizer, batches, cfg, here(), epoch, ray_dp.Operations(cfg, here()))
     return [p.detach().clone() for p in ray_dp.unwrap(model).parameters()]
 
 

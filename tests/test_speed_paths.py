@@ -150,13 +150,14 @@ def test_a_users_own_malloc_settings_are_left_as_they_are(monkeypatch):
 
 
 def test_every_worker_loop_keeps_freed_memory(monkeypatch):
-    """worker_setup, which the training, teaching and evaluation loops all start with, under Ray and torchrun."""
+    """operations(), which the training, teaching and evaluation loops all start with, under Ray and torchrun."""
     kept = []
     monkeypatch.setattr(ray_dp, "keep_freed_memory", lambda: kept.append(True))  # not in pytest's own process
     monkeypatch.setattr(ray_dp.Worker, "current", classmethod(lambda cls, cfg: ray_dp.Worker(0, 1, CPU)))
-    cfg, *_ = ray_dp.worker_setup({"config": ray_dp.Config(dataset="synthetic"), "options": ray_dp.LoopOptions()})
-    assert kept == [True] and cfg.dataset == "synthetic"
-    ray_dp.worker_setup({"config": ray_dp.Config(keep_freed_memory=False), "options": ray_dp.LoopOptions()})
+    ops = ray_dp.operations({"config": ray_dp.Config(dataset="synthetic"), "options": ray_dp.LoopOptions()})
+    assert kept == [True] and ops.cfg.dataset == "synthetic"
+    ray_dp.operations({"config": ray_dp.Config(dataset="synthetic", keep_freed_memory=False),
+                       "options": ray_dp.LoopOptions()})
     assert kept == [True]  # --no-keep-freed-memory: glibc's defaults
 
 

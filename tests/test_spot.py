@@ -260,14 +260,14 @@ def test_scratch_mode_saves_at_epochs_ends_unless_told_otherwise(runs):
     assert [where for where, _ in runs["scratch"]["whole"]] == [(1, 2), (1, 4), (1, 0), (2, 2), (2, 4), (2, 0)]
 
 
-def sigterm_at(cfg, micro_batches, torchrun, loaders_too=False, agree_s=ray_dp.Checkpointer.AGREE_S):
+def sigterm_at(cfg, micro_batches, torchrun, loaders_too=False, agree_s=ray_dp.Agreement.AGREE_S):
     """On each rank: SIGTERM to rank 1 only (loaders_too: and to its loader processes, at once, as a shutdown signals
     every process), at its micro-batch `micro_batches`; the run saves at the next log step and stops (under Ray every
     rank raises then, for Ray to restart the workers). Then a resume from that checkpoint, to the end."""
     stopped, resumed_run = Saves(), None
     resized = ray_dp.resized
     count = [0]
-    ray_dp.Checkpointer.AGREE_S = agree_s
+    ray_dp.Agreement.AGREE_S = agree_s
 
     def signalling(x, size):
         count[0] += 1
@@ -492,9 +492,9 @@ def test_rank_0_tells_the_board_at_agreements_and_hears_the_drivers_stop_from_it
     monkeypatch.setattr(ray_dp.DriverLink, "BEAT_S", 0.01)
     monkeypatch.setattr(ray_dp, "graceful_stop", lambda: None)  # this process's SIGTERM stays pytest's
     board = FakeBoard()
-    checkpointer = ray_dp.Checkpointer(ray_dp.Config(checkpoint_every="0", log_every=2), here(), None,
+    checkpointer = ray_dp.Operations(ray_dp.Config(checkpoint_every="0", log_every=2), here(), None,
                                        ray_dp.LoopOptions(board=board))
-    _, losses = checkpointer.epoch_start(0)
+    _, losses = checkpointer.start_epoch(0)
     for step in range(3):
         losses.add(torch.tensor(1.0), 1)
         assert not checkpointer.after_step(0, step, 10, losses)
@@ -506,7 +506,7 @@ def test_rank_0_tells_the_board_at_agreements_and_hears_the_drivers_stop_from_it
         while len(board.beat.calls) < 3 and time.time() < deadline:
             time.sleep(0.01)
         board.stop = True
-        while not checkpointer.link.asked and time.time() < deadline:
+        while not checkpointer.progress.link.asked and time.time() < deadline:
             time.sleep(0.01)
     assert len(board.beat.calls) >= 3 and checkpointer.agree(losses, 0, False, False, None) == {ray_dp.DRIVER_VOTE}
     board.stop = False

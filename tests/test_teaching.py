@@ -61,7 +61,7 @@ def scratch_steps(cfg_fields, data, steps):
             gathered = [torch.empty_like(flat) for _ in range(world)]
             dist.all_gather(gathered, flat)
             assert all(torch.equal(g, gathered[0]) for g in gathered), f"ranks differ after step {step}"
-    epoch = ray_dp.scratch_train_epoch(params, data, cfg, worker, 0, ray_dp.Checkpointer(cfg, worker))  # plus one full epoch of batches
+    epoch = ray_dp.scratch_train_epoch(params, data, cfg, worker, 0, ray_dp.Operations(cfg, worker))  # plus one full epoch of batches
     return {"params": [p.detach().clone() for p in params], "epoch": epoch}
 
 

@@ -128,7 +128,7 @@ def dropout_masks():
         data = ray_dp.make_synthetic(0, 16)[0]
         batches = ray_dp.train_batches(data, cfg, dist.get_rank(), 2, torch.device("cpu"))
         ray_dp.train_epoch(ray_dp.wrap_model(net, torch.device("cpu")), torch.optim.SGD(net.parameters(), 0.1),
-                           batches, cfg, here(), 0, ray_dp.Checkpointer(cfg, here()))
+                           batches, cfg, here(), 0, ray_dp.Operations(cfg, here()))
         masks.append(seen[0])
     return masks
 
@@ -371,7 +371,7 @@ def test_in_memory_image_size_reaches_the_loader_process_path_too():
     net = ray_dp.build_model("mlp", ray_dp.input_shape(cfg, train))
     batches = ray_dp.train_batches(train, cfg, 0, 1, torch.device("cpu"))
     metrics = ray_dp.train_epoch(net, torch.optim.SGD(net.parameters(), 0.01), batches, cfg, here(), 0,
-                                 ray_dp.Checkpointer(cfg, here()))
+                                 ray_dp.Operations(cfg, here()))
     assert metrics["train_samples"] == 16  # a 28 px batch would not fit the 20 px model's first layer
     assert ray_dp.evaluate(net.eval(), test, torch.device("cpu"), image_size=20)["test_count"] == 100
 

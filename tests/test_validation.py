@@ -183,9 +183,9 @@ def test_a_rerun_keeps_its_early_stop_and_an_early_stopped_run_says_how_to_go_on
     history = [{"epoch": 1, "val_loss": 0.5}, {"epoch": 2, "val_loss": 0.6}]
     model = ray_dp.build_model("lenet", (1, 28, 28))
     state = ray_dp.checkpoint_state(model.state_dict(), {}, 2, cfg, history, [])
-    checkpointer = ray_dp.Checkpointer(cfg, here())  # as torchrun's ranks resume it, where no driver has said so
-    checkpointer.resumed(state)
-    assert list(checkpointer.epochs()) == [] and checkpointer.early["epoch"] == 2
+    ops = ray_dp.Operations(cfg, here())  # as torchrun's ranks resume it, where no driver has said so
+    ops.track(model, None, None, state)
+    assert list(ops.epochs()) == [] and ops.early["epoch"] == 2
     assert "ray-dp: run 'v' stopped early after epoch 2 (--early-stop 1); nothing to train" in capsys.readouterr().out
 
 
