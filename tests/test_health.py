@@ -536,3 +536,45 @@ def test_under_torchrun_a_lost_peer_is_one_line_and_ray_dps_own_errors_stay_as_t
     with pytest.raises(ray_dp.DataError, match="timed out"):  # its own line and exit status, not a rank's
         with ray_dp.failures_said(cfg, ray_dp.LoopOptions(torchrun=True)):
             raise ray_dp.DataError("reading s3://bucket/images/1.png timed out")
+
+
+NAN_AT = """
+import torch, torch.nn as nn
+class NaNAt(nn.Module):
+    '''A user's model whose rank 1 gives NaN outputs in its 22nd training forward pass (step 10 of epoch 2), unless
+    fixed.'''
+    fixed = False
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.calls = nn.Linear(784, 10), 0
+
+    def forward(self, x):
+        self.calls += self.training
+        out = self.layer(x.flatten(1))
+        broken = self.calls == 22 and not self.fixed and torch.distributed.get_rank() == 1
+        return out * float("nan") if broken else out
+"""
+
+
+def nan_then_fixed(cfg):
+    saves = Saves()
+    stopped = train_worker(cfg, here(), saves, ray_dp.LoopOptions(), {})["stopped"]
+    ray_dp.user_code(cfg.model, "model").fixed = True  # the model fixed, the same command again
+    last = ray_dp.from_rank_0(saves.checkpoints[-1] if saves.checkpoints else None, CPU)
+    again = Saves(last[1])
+    out = train_worker(cfg, here(), again, ray_dp.LoopOptions(), {})
+    return stopped, [where for where, _ in saves.checkpoints], out["resumed"], out["stopped"], len(out["history"])
+
+
+def test_a_loss_that_turns_nan_stops_every_rank_naming_where_and_the_fixed_model_resumes_from_before_it(tmp_path):
+    (tmp_path / "nan.py").write_text(NAN_AT)
+    cfg = ray_dp.with_absolute_paths(ray_dp.Config(
+        model=f"{tmp_path}/nan.py:NaNAt", dataset="synthetic", synthetic_size=96, batch_size=8, epochs=3, workers=2,
+        checkpoint_every="4", quiet=True, name="nan", storage_path=str(tmp_path)))  # 12 steps an epoch
+    (stopped, saved, resumed, again, epochs), other = run_distributed(nan_then_fixed, 2, cfg)
+    assert stopped == other[0] == {"by": ["loss"], "error": (
+        "the loss is not finite from step 10 of epoch 2 (the run's step 22) on rank 1: nothing is saved from it, and "
+        "the same command resumes from the last checkpoint")}
+    assert saved == [(1, 4), (1, 8), (1, 0), (2, 4), (2, 8)]  # none from step 10 of epoch 2 on
+    assert resumed["from"] == "epoch 2, step 8" and resumed["certified"] and again is None and epochs == 3
