@@ -1318,57 +1318,65 @@ class _WorkersAction(argparse.Action):
             namespace.min_workers = -1  # validate() says MIN must be >= 1
 
 
+class _ModelAction(argparse.Action):
+    def __call__(self, parser, namespace, name, option_string=None):
+        if name == "list":  # a listing, as --help is
+            list_models()
+            parser.exit()
+        namespace.model = name
+
+
+ACTIONS = {"workers": _WorkersAction, "model": _ModelAction}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise ConfigError(f"{message} (see --help)")
 
 
-COMMAND_HELP = {
-    "train": __doc__.split("\n\n")[0],
-    "compare": "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch with "
-               "each all-reduce), same global batch and seed, and print the lesson's table; "
-               "writes compare.csv and .md to <storage-path>/<name>/. Its rows set --mode "
-               "and --allreduce and train the lesson's LeNet with plain SGD in fp32: flags of "
-               "--mode ddp alone (--model, --optimizer, --amp, ...) are refused",
-    "doctor": "doctor: check a Ray cluster before training on it, one line per check: Ray "
-              "reachable, the same Python/Ray/torch/torchvision on every node, resources for "
-              "--workers, storage every node shares, a worker group of --workers started, the "
-              "data. Exits 0 only if every check passed.",
-    "predict": "predict: a run's model on new inputs, each scored once over --workers workers; a "
-               "row per input: its path or index, its class (number, name, probability) or values"}
+COMMANDS: dict = {}
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command: its handler, --help's words, the Config flags it takes, arguments of its own, and
+    its steps of the configuration before and after the Config is made."""
+    run: object  # (cfg, **options) -> its outcome; False exits 1
+    help: str
+    prog: str
+    flags: set
+    arguments: dict  # its own: argparse's name -> keywords
+    given: object  # (args) -> (args, options): its own arguments taken out
+    completed: object  # (cfg, options) -> cfg: after the checkpoint's flags are adopted
+    configure: object = None  # (command, args, typed) -> (cfg, options), in place of configured's
+    sets: frozenset = frozenset()  # Config fields it sets itself (predict's --inputs)
+    words: Optional[dict] = None  # its own words for flags an error names
+    resumes: bool = False  # it trains in a run directory, which a rerun resumes
+    usage: Optional[str] = None
+    epilog: Optional[str] = None
+
+
+def command(name: str, help: str, flags: set = CLI_FIELDS, arguments: Optional[dict] = None,
+            given=None, completed=None, **facts):
+    """Register `run(cfg, **options)` as `ray_dp.py NAME [flags]`, with its facts."""
+    def register(run):
+        COMMANDS[name] = Command(
+            run, help, facts.pop("prog", f"ray_dp.py {name}"), flags, arguments or {},
+            given or (lambda args: (args, {})), completed or (lambda cfg, options: cfg), **facts)
+        return run
+    return register
 
 
 def build_parser(command: str = "train") -> argparse.ArgumentParser:
     """A flag not typed is left out of what it parses (Config's default): what was typed."""
-    parser = _Parser(prog="ray_dp.py" if command == "train" else f"ray_dp.py {command}",
-                     usage="%(prog)s [compare | doctor | predict] [flags]" if command == "train"
-                     else None, description=COMMAND_HELP[command],
-                     argument_default=argparse.SUPPRESS, allow_abbrev=False, epilog=(
-                         "other commands: 'ray_dp.py compare [flags]' trains ddp and the scratch "
-                         "LeNet at 1 and N workers side by side and prints the lesson's table; "
-                         "'ray_dp.py doctor [flags]' checks a Ray cluster before training on it; "
-                         "'ray_dp.py predict RUN --inputs DIR|FILE.py:NAME' predicts on new data "
-                         "(each takes --help)") if command == "train" else None)
-    if command == "compare":
-        parser.add_argument("--scale-lr", action="store_true",
-                            help="N-worker rows keep the per-worker batch (global batch x N, as "
-                                 "the lesson did) and scale the learning rate by N with it")
-    if command == "doctor":
-        parser.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
-                            help="seconds every rank has to come to each probe collective before "
-                                 "the ones that did not are named; also the longest one probe "
-                                 "collective may take (the process group's timeout; default: 30)")
-    if command == "predict":
-        parser.add_argument("eval_only", metavar="RUN", help="a run or checkpoint (--eval-only's)")
-        parser.add_argument("--inputs", required=True, metavar="DIR|FILE.py:NAME", help="images, "
-                            "any layout; or your function (as --dataset's) returning a Dataset of "
-                            "inputs or of (input, anything) pairs")
-        parser.add_argument("--out", dest="predict_out", required=True, metavar="FILE.csv",
-                            help="the CSV file its rows go to")
+    spec = COMMANDS[command]
+    parser = _Parser(prog=spec.prog, usage=spec.usage, description=spec.help, epilog=spec.epilog,
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    for name, kwargs in spec.arguments.items():
+        parser.add_argument(name, **kwargs)
     parser.add_argument("--version", action="version", version=f"ray_dp {__version__}")
-    shown = {"doctor": DOCTOR_FLAGS, "predict": PREDICT_FLAGS}.get(command, CLI_FIELDS) & CLI_FIELDS
     sections = {title: parser.add_argument_group(title) for title in HELP_SECTIONS}
-    for f in (f for f in fields(Config) if f.name in shown):
+    for f in (f for f in fields(Config) if f.name in spec.flags & CLI_FIELDS):
         flag = "--" + f.name.replace("_", "-")
         section = sections[next(title for title, names in HELP_SECTIONS.items() if f.name in names)]
         kwargs = {"help": f.metadata["help"], **f.metadata["argparse"]}
@@ -1376,8 +1384,8 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
             kwargs["help"] += f" (scratch and compare: {LESSON_DEFAULTS[f.name]})"
         if f.default not in ("", None):
             kwargs["help"] += f" (default: {f.default})"
-        if f.name == "workers":
-            section.add_argument(flag, action=_WorkersAction, **kwargs)
+        if f.name in ACTIONS:
+            section.add_argument(flag, action=ACTIONS[f.name], **kwargs)
         elif f.name == "gpu":  # absent: Config's None, decided from the cluster
             group = section.add_mutually_exclusive_group()
             group.add_argument("--gpu", action="store_const", const=True, help=kwargs["help"])
@@ -1422,11 +1430,7 @@ def main(argv=None) -> int:
             "ray-dp: SIGUSR1: no rank trains now, so none writes its stacks"))
     try:
         command, cfg, options = parse_command(argv)
-        if command == "predict" and not cfg.predict_out:  # ray_dp.predict() may return rows alone
-            raise ConfigError("--out must name a .csv file, got ''")
-        commands = {"compare": compare, "eval": run_eval, "train": run, "models": list_models,
-                    "doctor": doctor, "finished": finished, "predict": run_predict}
-        outcome = commands[command](cfg, **options)
+        outcome = COMMANDS[command].run(cfg, **options)
     except (ConfigError, DataError) as exc:
         return fail(f"error: {exc}", 2)
     except RunFailed as exc:
@@ -1440,11 +1444,11 @@ def main(argv=None) -> int:
             raise
         return fail(f"error: {storage_full(cfg, exc)}", 1)
     except KeyboardInterrupt:
-        if command == "train" and "checked" in CLOCK:  # its time counts, as "other"
+        if trains(command, cfg) and "checked" in CLOCK:  # its time counts, as "other"
             with contextlib.suppress(Exception):
                 record_ledger(cfg, None, None)
         return fail(interrupted(command, cfg), 130)
-    return 1 if command == "doctor" and not outcome else 0
+    return 1 if outcome is False else 0
 
 
 def fail(message: str, status: int) -> int:
@@ -1452,66 +1456,53 @@ def fail(message: str, status: int) -> int:
     return status
 
 
+def trains(command: str, cfg: Optional[Config]) -> bool:
+    """The command trains in a run directory (not --eval-only's evaluation)."""
+    return command == "train" and cfg is not None and not cfg.eval_only
+
+
 def parse_command(argv) -> tuple[str, Config, dict]:
     """(command, final config, its options) of argv, validated once; the command's clock starts."""
     CLOCK.clear()
     CLOCK["imported"] = STARTED_AT if __name__ == "__main__" else time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv[:1] in (["compare"], ["doctor"], ["predict"]) else "train"
-    parser, flags = build_parser(command), argv if command == "train" else argv[1:]
-    args = vars(parser.parse_args(flags))
-    if command == "doctor":
-        return "doctor", *doctor_config(args)
+    command = argv[0] if argv[:1] and argv[0] in COMMANDS else "train"
+    spec = COMMANDS[command]
+    args = vars(build_parser(command).parse_args(argv[1:] if argv[:1] == [command] else argv))
     try:
-        return configured(command, args, set(args))
+        return command, *(spec.configure or configured)(command, args, set(args))
     except ConfigError as exc:
-        if command != "predict":
+        if not spec.words:
             raise
-        named = re.sub("|".join(PREDICT_WORDS), lambda word: PREDICT_WORDS[word[0]], str(exc))
+        named = re.sub("|".join(spec.words), lambda word: spec.words[word[0]], str(exc))
         raise ConfigError(named) from None
 
 
-def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]:
-    """(command, cfg, options) of the flags typed (args), with the lesson's, torchrun's, a run's."""
-    options = ({"scale_lr": args.pop("scale_lr", False), "typed": typed}
-               if command == "compare" else {})
-    if command == "predict":
-        inputs, typed = args.pop("inputs"), typed | PREDICT_OWN
-        args.update(dataset=inputs if is_code(inputs) else "folder",
-                    **({} if is_code(inputs) else {"data_dir": inputs}))
-    if args.get("model") == "list":
-        return "models", None, {}
-    if command == "compare" or args.get("mode") == "scratch":
+def configured(command: str, args: dict, typed: set) -> tuple[Config, dict]:
+    """(cfg, options) of the flags typed (args), with the lesson's, torchrun's, a run's."""
+    spec = COMMANDS[command]
+    args, options = spec.given(args)
+    typed = typed | spec.sets
+    if args.get("mode") == "scratch":
         args = {**LESSON_DEFAULTS, **args}
     if under_torchrun():
         args = torchrun_launch(command, args, typed)
     cfg = with_absolute_paths(Config(**args))
     if cfg.val_split and "best_by" not in typed:  # the held-out set chooses, not the test set
         cfg = replace(cfg, best_by="val_loss")
-    if command == "compare" and (cfg.eval_only or cfg.min_workers):
-        raise ConfigError("compare trains its own rows at 1 and --workers N workers: give a fixed "
-                          "--workers N, and run --eval-only on its own")
-    if command == "compare" and (cfg.model, cfg.loss) != ("lenet", "cross_entropy"):
-        raise ConfigError("compare trains the lesson's LeNet with cross-entropy (its scratch rows: "
-                          "d2l's functional one): drop --model and --loss")
     if cfg.eval_only:
-        own = PREDICT_OWN if command == "predict" else set()
-        cfg, options["checkpoint"] = eval_config(cfg, typed, own)
-        command = "eval" if command == "train" else command
-    if command == "predict" and not (is_code(cfg.dataset) or os.path.exists(cfg.data_dir)):
-        raise ConfigError(f"--inputs {cfg.data_dir} is neither a folder nor FILE.py:NAME")
-    if command == "predict":  # a built-in loss of stand-in targets, scored but never shown
-        cfg = replace(cfg, loss="cross_entropy" if options["checkpoint"]["classes"] else "mse")
-    model, data = (spec.rpartition(":")[2] for spec in (cfg.model, cfg.dataset))
-    prefix = {"compare": "compare", "eval": f"eval-{model}-{data}",
-              "predict": f"predict-{model}-{data}"}.get(command, f"{cfg.mode}-{model}-{data}")
-    cfg = replace(cfg, name=cfg.name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        cfg, options["checkpoint"] = eval_config(cfg, typed, spec.sets)
+    cfg = spec.completed(cfg, options)
+    model, data = (flag.rpartition(":")[2] for flag in (cfg.model, cfg.dataset))
+    kind = ("eval" if cfg.eval_only else cfg.mode) if spec.resumes else command
+    cfg = replace(cfg, name=cfg.name or f"{kind}-{model}-{data}-{time.strftime('%Y%m%d-%H%M%S')}"
+                  f"-{os.getpid()}")
     if torchrun_follower():  # rank 0 resolves and checks the run for every rank
-        return command, cfg, {"resume": Resume()}
+        return cfg, {"resume": Resume()}
     check_run_name(cfg)
     check_store("storage-path", cfg.storage_path)
     adopted = []
-    if command == "train":
+    if trains(command, cfg):
         typed_cfg, options["typed"] = cfg, typed
         cfg, options["resume"] = check_run_dir(cfg, typed)
         adopted = [as_flag(f, getattr(cfg, f)) for f in CONFIG_FIELDS
@@ -1524,21 +1515,34 @@ def configured(command: str, args: dict, typed: set) -> tuple[str, Config, dict]
             raise ConfigError(f"{exc}; run '{cfg.name}' trained with {', '.join(named)}, which "
                               f"this rerun takes from it") from None
         raise
-    if command == "train" and not under_torchrun() and (
-            summary := finished_result(cfg, options["resume"])):
-        return "finished", cfg, {"summary": summary, "done": options["resume"].done}
-    return command, cfg, options
+    return cfg, options
+
+
+@command("train", __doc__.split("\n\n")[0], prog="ray_dp.py", resumes=True,
+         usage="%(prog)s [compare | doctor | predict] [flags]", epilog=(
+             "other commands: 'ray_dp.py compare [flags]' trains ddp and the scratch LeNet at 1 "
+             "and N workers side by side and prints the lesson's table; 'ray_dp.py doctor "
+             "[flags]' checks a Ray cluster before training on it; 'ray_dp.py predict RUN "
+             "--inputs DIR|FILE.py:NAME' predicts on new data (each takes --help)"))
+def train_or_evaluate(cfg: Config, **options) -> Optional[dict]:
+    """Train the run (resumed; a finished one says so), or with --eval-only score a checkpoint."""
+    if cfg.eval_only:
+        return run_eval(cfg, **options)
+    resume = options["resume"]
+    if not under_torchrun() and (summary := finished_result(cfg, resume)):
+        return finished(cfg, summary, resume.done)
+    return run(cfg, **options)
 
 
 def train(**settings) -> dict:
     """ray_dp from Python: the flags as keyword arguments (ray_dp.train(workers=2, model=Net));
     what result.json holds, or ConfigError, RunFailed, RunStopped (the same call resumes)."""
     CODE.clear()
-    command, cfg, options = parse_command(settings_as_flags(settings))
-    if command == "models":
+    if settings.get("model") == "list":
         raise ConfigError("model='list' is the command line's listing (python ray_dp.py --model "
                           "list); ray_dp.train trains or evaluates")
-    return {"train": run, "eval": run_eval, "finished": finished}[command](cfg, **options)
+    command, cfg, options = parse_command(settings_as_flags(settings))
+    return COMMANDS[command].run(cfg, **options)
 
 
 def settings_as_flags(settings: dict) -> list:
@@ -1560,7 +1564,7 @@ def settings_as_flags(settings: dict) -> list:
     return flags
 
 
-def list_models(cfg: None) -> None:
+def list_models() -> None:
     print("ray_dp: " + " ".join(MODELS))
     print("torchvision (ImageNet-size; --weights to start from a downloaded .pth): "
           + " ".join(torchvision_names()))
@@ -3174,7 +3178,7 @@ def interrupted(command: str, cfg: Optional[Config]) -> str:
         return (f"interrupted; the same command with --name {cfg.name} resumes the rows "
                 f"(finished ones are kept)")
     try:
-        latest, place = last_saved(cfg) if command == "train" and cfg else (None, "")
+        latest, place = last_saved(cfg) if trains(command, cfg) else (None, "")
     except BrokenSnapshot as exc:
         return f"interrupted; {exc}"
     if latest is None:
@@ -4745,6 +4749,38 @@ def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dic
     return run_predict(cfg, **options)
 
 
+def predict_flags(args: dict) -> tuple[dict, dict]:
+    """predict's --inputs as the data set: a folder of images, or your function."""
+    inputs = args.pop("inputs")
+    if is_code(inputs):
+        return {**args, "dataset": inputs}, {}
+    return {**args, "dataset": "folder", "data_dir": inputs}, {}
+
+
+def predict_checked(cfg: Config, options: dict) -> Config:
+    """The inputs exist; a built-in loss of stand-in targets, scored but never shown."""
+    if not (is_code(cfg.dataset) or os.path.exists(cfg.data_dir)):
+        raise ConfigError(f"--inputs {cfg.data_dir} is neither a folder nor FILE.py:NAME")
+    return replace(cfg, loss="cross_entropy" if options["checkpoint"]["classes"] else "mse")
+
+
+@command("predict", "predict: a run's model on new inputs, each scored once over --workers "
+         "workers; a row per input: its path or index, its class (number, name, probability) or "
+         "values", PREDICT_FLAGS, given=predict_flags, completed=predict_checked,
+         sets=frozenset(PREDICT_OWN), words=PREDICT_WORDS, arguments={
+             "eval_only": dict(metavar="RUN", help="a run or checkpoint (--eval-only's)"),
+             "--inputs": dict(required=True, metavar="DIR|FILE.py:NAME", help="images, any "
+                              "layout; or your function (as --dataset's) returning a Dataset of "
+                              "inputs or of (input, anything) pairs"),
+             "--out": dict(dest="predict_out", required=True, metavar="FILE.csv",
+                           help="the CSV file its rows go to")})
+def predict_to_csv(cfg: Config, checkpoint: dict) -> list[dict]:
+    """The command line's predict: its rows go to --out."""
+    if not cfg.predict_out:  # ray_dp.predict() may return rows alone
+        raise ConfigError("--out must name a .csv file, got ''")
+    return run_predict(cfg, checkpoint)
+
+
 def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
     """predict: a row per input in their order (its path or index, its prediction); to --out."""
     names = list(checkpoint["classes"])  # a checkpoint from before "outputs": its last bias's width
@@ -4859,6 +4895,27 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
     return configs
 
 
+def compare_flags(args: dict) -> tuple[dict, dict]:
+    """compare's own --scale-lr taken out, the lesson's defaults under what was typed; what its
+    rows cannot honour refused."""
+    options = {"typed": set(args), "scale_lr": args.pop("scale_lr", False)}
+    if args.get("eval_only") or args.get("min_workers"):
+        raise ConfigError("compare trains its own rows at 1 and --workers N workers: give a fixed "
+                          "--workers N, and run --eval-only on its own")
+    if (args.get("model", Config.model), args.get("loss", Config.loss)) != ("lenet",
+                                                                             "cross_entropy"):
+        raise ConfigError("compare trains the lesson's LeNet with cross-entropy (its scratch rows: "
+                          "d2l's functional one): drop --model and --loss")
+    return {**LESSON_DEFAULTS, **args}, options
+
+
+@command("compare", "compare: train ddp and scratch LeNet at 1 and --workers N workers (scratch "
+         "with each all-reduce), same global batch and seed, and print the lesson's table; writes "
+         "compare.csv and .md to <storage-path>/<name>/. Its rows set --mode and --allreduce and "
+         "train the lesson's LeNet with plain SGD in fp32: flags of --mode ddp alone (--model, "
+         "--optimizer, --amp, ...) are refused", given=compare_flags, arguments={"--scale-lr": dict(
+             action="store_true", help="N-worker rows keep the per-worker batch (global batch x "
+             "N, as the lesson did) and scale the learning rate by N with it")})
 def compare(base: Config, scale_lr: bool, typed=()) -> list[dict]:
     configs, resolved = compare_configs(base, scale_lr), []
     for cfg in configs:  # every row resolved and checked before any cluster starts
@@ -5221,7 +5278,7 @@ def torchrun_launch(command: str, args: dict, typed: set) -> dict:
     world = int(world)
     if args.get("mode") == "dp":
         raise ConfigError("--mode dp drives all GPUs in one process; under torchrun use --mode ddp")
-    if command != "train" or args.get("eval_only"):
+    if not COMMANDS[command].resumes or args.get("eval_only"):
         raise ConfigError("under torchrun ray_dp trains; run compare and --eval-only with python "
                           "ray_dp.py, whose Ray workers need no torchrun")
     if "workers" in typed and (args["workers"], args.get("min_workers", 0)) != (world, 0):
@@ -5614,6 +5671,24 @@ class Doctor:
         return answers
 
 
+def doctor_config(command: str, args: dict, typed: set) -> tuple[Config, dict]:
+    """The doctor's flags checked as a run's, but --storage-path, which it tries on every node."""
+    hang = args.pop("hang_timeout")
+    if not (math.isfinite(hang) and hang >= 1):
+        raise ConfigError(f"--hang-timeout must be a number of seconds, at least 1, got {hang}")
+    cfg = with_absolute_paths(replace(Config(**args), min_workers=0))  # MIN:MAX: MAX must start
+    validate(cfg, doctor=True)
+    return cfg, {"hang_timeout": hang}
+
+
+@command("doctor", "doctor: check a Ray cluster before training on it, one line per check: Ray "
+         "reachable, the same Python/Ray/torch/torchvision on every node, resources for "
+         "--workers, storage every node shares, a worker group of --workers started, the data. "
+         "Exits 0 only if every check passed.", DOCTOR_FLAGS, configure=doctor_config,
+         arguments={"--hang-timeout": dict(
+             type=float, default=30.0, metavar="SECONDS", help="seconds every rank has to come to "
+             "each probe collective before the ones that did not are named; also the longest one "
+             "probe collective may take (the process group's timeout; default: 30)")})
 def doctor(cfg: Config, hang_timeout: float) -> bool:
     """The checks in order, a line each; one is skipped if one it needs failed."""
     where = f"the cluster at {cfg.address}" if cfg.address else "this machine (a local Ray)"
@@ -5643,16 +5718,6 @@ def doctor(cfg: Config, hang_timeout: float) -> bool:
           f"doctor: {failed} of {len(checks)} checks failed or were skipped ({seconds:.1f} s)"
           + (f"; Ray's errors are in {log}" if os.path.isfile(log) else ""), flush=True)
     return not failed
-
-
-def doctor_config(args: dict) -> tuple[Config, dict]:
-    """The doctor's flags checked as a run's, but --storage-path, which it tries on every node."""
-    hang = args.pop("hang_timeout")
-    if not (math.isfinite(hang) and hang >= 1):
-        raise ConfigError(f"--hang-timeout must be a number of seconds, at least 1, got {hang}")
-    cfg = with_absolute_paths(replace(Config(**args), min_workers=0))  # MIN:MAX: MAX must start
-    validate(cfg, doctor=True)
-    return cfg, {"hang_timeout": hang}
 
 
 def node_software() -> dict:

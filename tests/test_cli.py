@@ -183,7 +183,7 @@ def snapshot(root):
 def test_eval_only_takes_amp_and_refuses_compile(run_dir):
     # --amp evaluates under bf16 autocast (eval_loop_per_worker); compiling would not pay for one pass.
     command, cfg, _ = ray_dp.parse_command(["--eval-only", str(run_dir), "--amp"])
-    assert command == "eval" and cfg.amp == "bf16"
+    assert command == "train" and cfg.eval_only and cfg.amp == "bf16"
     assert ray_dp.parse_command(["--eval-only", str(run_dir), "--amp", "fp16"])[1].amp == "fp16"
     for saved, now in ((True, "bf16"), (False, None)):  # a run from before --amp fp16: --amp was bf16's alone
         state = torch.load(run_dir / "checkpoint_epoch_001" / ray_dp.CHECKPOINT_FILE, weights_only=True)
@@ -195,7 +195,7 @@ def test_eval_only_takes_amp_and_refuses_compile(run_dir):
 def test_eval_only_takes_model_and_data_from_the_checkpoint(run_dir):
     for path in [run_dir, run_dir / "checkpoint_epoch_001", run_dir / "checkpoint_epoch_001" / "checkpoint.pt"]:
         command, cfg, _ = ray_dp.parse_command(["--eval-only", str(path), "--workers", "3", "--dataset", "digits"])
-        assert command == "eval" and (cfg.model, cfg.dataset, cfg.workers) == ("lenet", "digits", 3)
+        assert command == "train" and cfg.eval_only and (cfg.model, cfg.dataset, cfg.workers) == ("lenet", "digits", 3)
         assert cfg.eval_only == str(run_dir / "checkpoint_epoch_001" / "checkpoint.pt")
 
 

@@ -79,8 +79,8 @@ SETTINGS = ray_dp.fields_where("rerun", "free")  # flags of how a run runs, not 
 
 def parsed(command):
     """ray_dp.py's parser's reading of the command (its errors are ConfigError)."""
-    name = command.args[0] if command.args[:1] in (["compare"], ["doctor"], ["predict"]) else "train"
-    return ray_dp.build_parser(name).parse_args(command.args[1:] if name != "train" else command.args)
+    name = command.args[0] if command.args[:1] and command.args[0] in ray_dp.COMMANDS else "train"
+    return ray_dp.build_parser(name).parse_args(command.args[1:] if command.args[:1] == [name] else command.args)
 
 
 def test_the_docs_commands_are_found_and_every_one_parses():
@@ -89,7 +89,7 @@ def test_the_docs_commands_are_found_and_every_one_parses():
             "tensorboard --logdir runs/tensorboard"} <= typed
     assert len([c for c in COMMANDS if c.launcher == "python"]) >= 40
     for command in COMMANDS:
-        if command.launcher != "tensorboard" and command.args != ["--help"]:
+        if command.launcher != "tensorboard" and command.args not in (["--help"], ["--model", "list"]):
             parsed(command)
 
 
@@ -149,7 +149,7 @@ def test_every_ray_dp_command_of_the_docs_runs_or_validates_as_typed(tmp_path, m
     assert ray_dp.main(quick_start) == 0
     for command in [c for c in COMMANDS if c.launcher == "python"]:
         try:
-            if command.args == ["--help"]:
+            if command.args in (["--help"], ["--model", "list"]):  # a listing: it exits 0
                 with pytest.raises(SystemExit) as done:
                     ray_dp.main(command.args)
                 assert done.value.code == 0
@@ -163,9 +163,6 @@ def test_every_ray_dp_command_of_the_docs_runs_or_validates_as_typed(tmp_path, m
                     ray_dp.parse_command(command.args)
                 continue
             name, cfg, _ = ray_dp.parse_command(command.args)  # validated: what a run checks before Ray
-            if name == "models":
-                assert ray_dp.main(command.args) == 0
-                continue
             if name in RUN_ELSEWHERE or not runnable(command, cfg):
                 continue
             _, cfg, _ = ray_dp.parse_command(as_run(command.args, cfg))

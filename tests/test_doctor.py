@@ -41,7 +41,7 @@ def test_an_unreachable_address_fails_the_first_check_and_skips_the_rest(no_clus
 ])
 def test_the_doctors_flags_are_checked_before_any_cluster_starts(no_cluster, flags, message):
     if message is None:
-        cfg, options = ray_dp.doctor_config(vars(ray_dp.build_parser("doctor").parse_args(flags)))
+        _, cfg, options = ray_dp.parse_command(["doctor", *flags])
         assert cfg.storage_path == "foo://bar" and options == {"hang_timeout": 30.0}
         return
     with pytest.raises(ray_dp.ConfigError, match=re.escape(message)):

@@ -144,7 +144,7 @@ def test_dropout_is_each_ranks_own_and_the_same_on_a_rerun():
 def test_eval_only_of_a_synthetic_run_uses_its_seed(tmp_path, no_cluster, capsys):
     run = save_run(tmp_path / "runs" / "syn", dataset="synthetic", seed=3)
     command, cfg, _ = ray_dp.parse_command(["--eval-only", str(run)])
-    assert (command, cfg.seed) == ("eval", 3)
+    assert (command, bool(cfg.eval_only), cfg.seed) == ("train", True, 3)
     assert "with --seed 3; --seed 0 contradicts it" in error_of(["--eval-only", str(run), "--seed", "0"], capsys)
     assert ray_dp.parse_command(["--eval-only", str(run), "--seed", "3"])[1].seed == 3
 
@@ -339,7 +339,7 @@ def test_torchvision_resnet18_is_listed_and_builds_torchvisions(tmp_path, no_clu
     assert "torchvision.resnet18" in ray_dp.torchvision_names()
     net = ray_dp.build_model("torchvision.resnet18", (3, 64, 64))
     assert {"conv1.weight", "fc.weight"} <= net.state_dict().keys()
-    ray_dp.list_models(None)
+    ray_dp.list_models()
     assert "torchvision.resnet18" in capsys.readouterr().out
     weights = tmp_path / "resnet18.pth"
     torch.save(net.state_dict(), weights)
