@@ -305,33 +305,40 @@ class DataError(RuntimeError):
 # ==================================================================================================
 
 DATASETS: dict = {}
-SAME_ON_EVERY_RANK = ("fashion-mnist", "cifar10", "digits", "synthetic")  # files, a fixed split
 
 
-def dataset(name: str):
-    """Register `load(cfg) -> (train, test)` under --dataset NAME. A TensorDataset takes the
-    in-memory fast path; any other Dataset is read per sample by loader processes."""
+@dataclass(frozen=True)
+class Source:
+    """A --dataset's loader and facts: read per sample by loader processes (else held in memory),
+    downloaded if missing, the same samples on every rank, allowed in object storage, image files
+    that ray_dp sizes, normalises and augments. Your FILE.py:NAME has the defaults."""
+    load: object = None
+    per_sample: bool = False
+    downloadable: bool = False
+    same_on_every_rank: bool = False
+    object_storage: bool = False
+    image_files: bool = False
+
+
+def dataset(name: str, **facts):
+    """Register `load(cfg) -> (train, test)` under --dataset NAME, with its facts (Source's). A
+    TensorDataset takes the in-memory fast path; any other Dataset is read per sample."""
     def register(load):
-        DATASETS[name] = load
+        DATASETS[name] = Source(load, **facts)
         return load
     return register
+
+
+def data_source(name: str) -> Source:
+    return DATASETS.get(name, Source())
 
 
 def load_dataset(cfg: Config) -> tuple:
     """(train, test) of --dataset: a built-in's, or your own function's, called with the config if
     its first argument has no default (or is named cfg)."""
     if cfg.dataset in DATASETS:
-        return DATASETS[cfg.dataset](cfg)
-    data = your_data(cfg.dataset, "dataset", cfg)
-    if not (isinstance(data, (tuple, list)) and len(data) == 2
-            and all(hasattr(split, "__getitem__") and hasattr(split, "__len__") for split in data)):
-        raise DataError(f"--dataset {cfg.dataset} returned {type(data).__name__}, not a pair "
-                        f"(train, test) of data sets")
-    if not all(isinstance(sample := split[0], (tuple, list)) and len(sample) == 2
-               for split in data if len(split)):
-        raise DataError(f"--dataset {cfg.dataset}: a sample is {type(sample).__name__}, not an "
-                        f"(input, target) pair")
-    return tuple(data)
+        return DATASETS[cfg.dataset].load(cfg)
+    return your_datasets(cfg)
 
 
 class NamedTensors(TensorDataset):
@@ -341,24 +348,24 @@ class NamedTensors(TensorDataset):
         self.classes = [str(c) for c in range(NUM_CLASSES)] if classes is None else classes
 
 
-@dataset("fashion-mnist")
+@dataset("fashion-mnist", downloadable=True, same_on_every_rank=True)
 def load_fashion_mnist(cfg: Config) -> tuple:
     from torchvision.datasets import FashionMNIST
     return load_torchvision(FashionMNIST, cfg.data_dir, cfg.download)
 
 
-@dataset("cifar10")
+@dataset("cifar10", downloadable=True, same_on_every_rank=True)
 def load_cifar10(cfg: Config) -> tuple:
     from torchvision.datasets import CIFAR10
     return load_torchvision(CIFAR10, cfg.data_dir, cfg.download)
 
 
-@dataset("synthetic")
+@dataset("synthetic", same_on_every_rank=True)
 def load_synthetic(cfg: Config) -> tuple:
     return make_synthetic(cfg.seed, cfg.synthetic_size)
 
 
-@dataset("digits")
+@dataset("digits", same_on_every_rank=True)
 def load_digits(cfg: Optional[Config] = None) -> tuple[TensorDataset, TensorDataset]:
     """scikit-learn's 1,797 real 8x8 digits (in its wheel), resized to 28x28 like MNIST; a fixed
     split, whatever --seed, so every run is scored on the same digits."""
@@ -389,28 +396,6 @@ def make_synthetic(seed: int, n_train: int = 512, n_test: int = 100) -> tuple:
     x = torch.rand(n_train + n_test, 1, 28, 28, generator=gen)
     y = torch.randint(0, NUM_CLASSES, (n_train + n_test,), generator=gen)
     return NamedTensors(x[:n_train], y[:n_train]), NamedTensors(x[n_train:], y[n_train:])
-
-
-def load_torchvision(dataset_class, root: str, download: bool) -> tuple:
-    """A torchvision data set as tensors, downloaded into root first if missing; a failed attempt
-    takes away what it made (its files; root too if it made root and holds only lock files)."""
-    before = set(os.listdir(root)) if os.path.isdir(root) else None
-    try:
-        with download_lock(root, dataset_class.__name__) if download else contextlib.nullcontext():
-            try:
-                splits = [dataset_class(root, train=train, download=download)
-                          for train in (True, False)]
-            except (RuntimeError, OSError) as exc:
-                for name in set(own_entries(dataset_class)) - (before or set()):
-                    with contextlib.suppress(OSError):
-                        remove_stored(os.path.join(root, name))
-                raise DataError(missing_dataset(dataset_class, root, download, exc)) from None
-    except DataError:
-        if before is None and os.path.isdir(root) and all(
-                re.fullmatch(r"\.\w+\.lock", name) for name in os.listdir(root)):
-            shutil.rmtree(root, ignore_errors=True)
-        raise
-    return tuple(images_to_tensors(split) for split in splits)
 
 
 def images_to_tensors(split) -> TensorDataset:
@@ -541,25 +526,10 @@ def build_mlp(sample_shape: tuple, num_classes: int) -> nn.Module:
 
 
 def build_model(name: str, sample_shape: tuple, num_classes: int = NUM_CLASSES) -> nn.Module:
-    """A built-in, yours (given those of num_classes and sample_shape it takes), torchvision's."""
+    """A built-in; else yours or torchvision's (named_model)."""
     if name in MODELS:
         return MODELS[name](tuple(sample_shape), num_classes)
-    if is_code(name):
-        build = user_code(name, "model")
-        given = {"num_classes": num_classes, "sample_shape": tuple(sample_shape)}
-        net = build(**{k: v for k, v in given.items() if takes_arguments(build, k)})
-        if not isinstance(net, nn.Module):
-            raise ConfigError(f"--model {name} returned {type(net).__name__}, not an nn.Module")
-        if any(nn.parameter.is_lazy(p) for p in net.parameters()):  # nn.LazyLinear: shaped by
-            with torch.no_grad():  # a first forward pass, drawn from the seed alike on every rank
-                net.eval()(torch.zeros(2, *sample_shape))
-            net.train()
-        return net
-    import torchvision.models
-    name = name.removeprefix(TORCHVISION)
-    net = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
-                                       **TORCHVISION_OPTIONS.get(name, {}))
-    return with_input_channels(net, sample_shape[0])
+    return named_model(name, tuple(sample_shape), num_classes)
 
 
 # ==================================================================================================
@@ -684,6 +654,19 @@ def convert_sync_bn(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
+class NamingDDP(DDP):
+    """DDP whose error for parameters left without a gradient says so in its last line."""
+
+    def forward(self, *inputs, **kwargs):
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as exc:
+            if "find_unused_parameters=True" not in str(exc):
+                raise
+            raise RuntimeError("parameters of the model got no gradient in a step (DDP needs each "
+                               "one's): train with --find-unused-parameters") from exc
+
+
 def wrap_model(model: nn.Module, device: torch.device, cfg: Optional[Config] = None) -> nn.Module:
     if cfg and cfg.mode == "dp":
         return nn.DataParallel(model)
@@ -775,11 +758,16 @@ def train_batches(data, cfg: Config, rank: int, world: int, device: torch.device
     sampler, workers = train_sampler(data, rank, world, cfg.seed), loader_workers(cfg, data)
     if not workers and isinstance(data, TensorDataset):
         return InMemoryBatches(data, sampler, cfg.micro_batch)
-    if not isinstance(data, TensorDataset):
-        data, sampler = SampleStreams(data, cfg.seed), EpochKeys(sampler)
+    if not isinstance(data, TensorDataset):  # each sample's augmentation: a stream of its own
+        data, sampler = per_sample(data, sampler, cfg.seed)
     return DataLoader(data, batch_size=cfg.micro_batch, sampler=sampler, drop_last=True,
                       num_workers=workers, pin_memory=device.type == "cuda",
                       persistent_workers=workers > 0, worker_init_fn=leave_sigterm_to_the_rank)
+
+
+def leave_sigterm_to_the_rank(loader_id: int) -> None:
+    """A shutdown's SIGTERM reaches every process: a loader's rank saves, then its stop ends it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def loader_workers(cfg: Config, data) -> int:
@@ -819,8 +807,8 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     groups = params if not cfg.weight_decay else [
         {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
-    if is_code(cfg.optimizer):
-        return own_optimizer(cfg, groups)
+    if (own := own_optimizer(cfg, groups)) is not None:
+        return own
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
@@ -834,21 +822,10 @@ LOSSES = {"cross_entropy": lambda cfg: lambda output, target: F.cross_entropy(
 
 
 def loss_function(cfg: Config, training: bool = True):
-    """--loss as (output, target) -> the mean over the samples (label smoothing in training only);
-    yours on a regression's output shaped as its target, per-sample values averaged by count."""
+    """--loss as (output, target) -> the mean over samples (label smoothing in training only)."""
     if cfg.loss in LOSSES:
         return LOSSES[cfg.loss](cfg if training else replace(cfg, label_smoothing=0.0))
-    loss = user_code(cfg.loss, "loss")
-    with failing(ConfigError, lambda why: f"--loss {cfg.loss} cannot be made without arguments "
-                 f"({why}): give its arguments defaults, or name a function"):
-        loss = loss() if isinstance(loss, type) else loss
-
-    def mean_loss(output, target):  # torch's MSELoss would broadcast (B, 1) against (B,)
-        if torch.is_tensor(output) and target.is_floating_point() and output.numel() == len(target):
-            output = output.reshape(target.shape)
-        value = loss(output, target)
-        return value.mean() if torch.is_tensor(value) and value.ndim else value
-    return mean_loss
+    return own_loss(cfg)
 
 
 def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: int,
@@ -1196,8 +1173,6 @@ def train_loop_per_worker(config: dict) -> dict:
     state = ops.restore(model)  # one checkpoint, the same on every rank (else --weights, if any)
     if cfg.sync_bn:  # 2. SyncBatchNorm: converted before DDP sees the modules
         model = convert_sync_bn(model, worker.device)
-    if worker.device.type == "cuda":
-        train_set, test_set, val_set = cuda_fast_paths(cfg, ops.data, worker.device)
     model = wrap_model(on_device(model, worker.device, cfg.model), worker.device, cfg)  # 3.
     model = torch.compile(model) if cfg.compile else model
     optimizer = build_optimizer(cfg, model)
@@ -1235,19 +1210,8 @@ def train_loop_per_worker(config: dict) -> dict:
 
 
 # ==================================================================================================
-# The driver: check everything, start Ray (or attach), run the workers, summarize; main.
+# The launch: Ray Train's TorchTrainer starts the workers (under torchrun, this very process).
 # ==================================================================================================
-
-
-def run(cfg: Config, resume: "Resume", data: Optional["DataInfo"] = None,
-        typed: tuple = ()) -> Optional[dict]:
-    """Train the resolved and validated cfg from `resume`. Under torchrun every process runs this;
-    rank 0 alone checks, speaks and writes, and its loop decides for all."""
-    cfg, options = prepared(cfg, resume, data, typed)
-    loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
-    with failures_said(cfg, options):
-        result = fit(cfg, loop, options, resume.done)
-        return summary_of(cfg, result, options)
 
 
 def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.Result:
@@ -1574,6 +1538,17 @@ def list_models() -> None:
 # The driver's plumbing: Ray started or attached, what the workers are handed, how a run ends.
 # ==================================================================================================
 
+def run(cfg: Config, resume: "Resume", data: Optional["DataInfo"] = None,
+        typed: tuple = ()) -> Optional[dict]:
+    """Train the resolved and validated cfg from `resume`. Under torchrun every process runs this;
+    rank 0 alone checks, speaks and writes, and its loop decides for all."""
+    cfg, options = prepared(cfg, resume, data, typed)
+    loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
+    with failures_said(cfg, options):
+        result = fit(cfg, loop, options, resume.done)
+        return summary_of(cfg, result, options)
+
+
 def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -> tuple:
     """(cfg, LoopOptions) of a run: rank 0 checks the data, starts Ray, --fresh, the header."""
     torchrun = under_torchrun()
@@ -1626,7 +1601,7 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
         quiet_ray_train()
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
     board = None if options.torchrun else options.board or new_board()
-    for registered in (MODELS.get(cfg.model), DATASETS.get(cfg.dataset)):
+    for registered in (MODELS.get(cfg.model), data_source(cfg.dataset).load):
         travels(sys.modules.get(getattr(registered, "__module__", None)))
     options = replace(options, board=board,
                       code=None if options.torchrun else ray.put(code_for_workers(cfg)))
@@ -1796,7 +1771,7 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
     try:
         if options.data is not None:
             data = ray.get(options.data)
-        elif options.torchrun and cfg.dataset not in SAME_ON_EVERY_RANK:
+        elif options.torchrun and not data_source(cfg.dataset).same_on_every_rank:
             data = from_rank_0(held_out(cfg, load_dataset(cfg)) if worker.is_main else None,
                                worker.device)
         else:
@@ -1823,19 +1798,6 @@ def bound_collectives(seconds: float) -> None:
     """--timeout for every collective, the same under Ray (TorchConfig) and torchrun."""
     if dist.is_available() and dist.is_initialized():
         dist.set_timeout(timedelta(seconds=seconds))
-
-
-class NamingDDP(DDP):
-    """DDP whose error for parameters left without a gradient says so in its last line."""
-
-    def forward(self, *inputs, **kwargs):
-        try:
-            return super().forward(*inputs, **kwargs)
-        except RuntimeError as exc:
-            if "find_unused_parameters=True" not in str(exc):
-                raise
-            raise RuntimeError("parameters of the model got no gradient in a step (DDP needs each "
-                               "one's): train with --find-unused-parameters") from exc
 
 
 def cuda_fast_paths(cfg: Config, data: tuple, device: torch.device) -> tuple:
@@ -1907,7 +1869,7 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
          "--mode dp runs one worker; it cannot be elastic"),
         (all((cfg.storage_path, cfg.logdir, cfg.data_dir)),
          "--storage-path, --logdir and --data-dir cannot be empty"),
-        (not is_uri(cfg.data_dir) or cfg.dataset == "folder",
+        (not is_uri(cfg.data_dir) or data_source(cfg.dataset).object_storage,
          f"--data-dir {cfg.data_dir}: only --dataset folder reads its data from object storage; "
          f"{cfg.dataset} is kept in a local directory"),
         (re.fullmatch(r"off|auto|0*[1-9][0-9]*", cfg.check_replicas),
@@ -1917,7 +1879,7 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
          f"ends only), got {cfg.checkpoint_every}"),
         (not cfg.label_smoothing or cfg.loss == "cross_entropy",
          f"--label-smoothing is cross_entropy's; --loss {cfg.loss} does not smooth (drop it)"),
-        (not (cfg.mode == "scratch" and cfg.dataset == "folder"),
+        (not (cfg.mode == "scratch" and data_source(cfg.dataset).per_sample),
          "--dataset folder needs --mode ddp (scratch mode: the lesson's in-memory batches)"),
         (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
          f"--image-size {cfg.image_size} is too small for {cfg.model} (at least 14)"),
@@ -2051,7 +2013,7 @@ class DataInfo:
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     """The data loaded on the driver, before any worker starts: (config normalised, DataInfo)."""
     train_set, test_set = load_dataset(cfg)
-    if cfg.dataset == "folder":
+    if data_source(cfg.dataset).image_files:
         cfg = with_data_statistics(cfg, train_set)
         train_set.transform, test_set.transform = image_transforms(cfg)
     train_set, test_set, val_set = held_out(cfg, (train_set, test_set))
@@ -2161,7 +2123,7 @@ def check_images_only(cfg: Config, data: DataInfo, typed) -> None:
     if "image_size" in typed and not is_image(data.sample_shape):
         raise ConfigError(f"--image-size is for images; {cfg.dataset}'s inputs have the shape "
                           f"{tuple(data.sample_shape)}: not applicable (drop it)")
-    if "augment" in typed and cfg.augment and cfg.dataset != "folder":
+    if "augment" in typed and cfg.augment and not data_source(cfg.dataset).image_files:
         raise ConfigError(f"--augment is for --dataset folder's images; {cfg.dataset} is not "
                           f"augmented by ray_dp: not applicable (drop it)")
     if cfg.mode == "scratch" and not (is_image(data.sample_shape) and not data.per_sample
@@ -2450,13 +2412,30 @@ def your_data(spec: str, flag: str, cfg: Config):
         return load(cfg) if given else load()
 
 
+def your_datasets(cfg: Config) -> tuple:
+    """--dataset FILE.py:NAME's (train, test), each a data set of (input, target) pairs."""
+    data = your_data(cfg.dataset, "dataset", cfg)
+    if not (isinstance(data, (tuple, list)) and len(data) == 2
+            and all(hasattr(split, "__getitem__") and hasattr(split, "__len__") for split in data)):
+        raise DataError(f"--dataset {cfg.dataset} returned {type(data).__name__}, not a pair "
+                        f"(train, test) of data sets")
+    if not all(isinstance(sample := split[0], (tuple, list)) and len(sample) == 2
+               for split in data if len(split)):
+        raise DataError(f"--dataset {cfg.dataset}: a sample is {type(sample).__name__}, not an "
+                        f"(input, target) pair")
+    return tuple(data)
+
+
 def takes_arguments(function, name: str) -> bool:
     return any(p.kind == p.VAR_KEYWORD or p.name == name
                for p in inspect.signature(function).parameters.values())
 
 
 def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
-    """--optimizer FILE.py:NAME: a class called (params, lr=--lr), or (params, cfg) -> one."""
+    """--optimizer FILE.py:NAME: a class called (params, lr=--lr), or (params, cfg) -> one; else
+    None."""
+    if not is_code(cfg.optimizer):
+        return None
     made = user_code(cfg.optimizer, "optimizer")
     optimizer = made(groups, lr=cfg.lr) if isinstance(made, type) else made(groups, cfg)
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -2465,6 +2444,22 @@ def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
     for group in optimizer.param_groups:  # the peak that --lr-schedule cosine|constant scales
         group.setdefault("initial_lr", group["lr"])
     return optimizer
+
+
+def own_loss(cfg: Config):
+    """--loss FILE.py:NAME on a regression's output shaped as its target, per-sample values
+    averaged by count."""
+    loss = user_code(cfg.loss, "loss")
+    with failing(ConfigError, lambda why: f"--loss {cfg.loss} cannot be made without arguments "
+                 f"({why}): give its arguments defaults, or name a function"):
+        loss = loss() if isinstance(loss, type) else loss
+
+    def mean_loss(output, target):  # torch's MSELoss would broadcast (B, 1) against (B,)
+        if torch.is_tensor(output) and target.is_floating_point() and output.numel() == len(target):
+            output = output.reshape(target.shape)
+        value = loss(output, target)
+        return value.mean() if torch.is_tensor(value) and value.ndim else value
+    return mean_loss
 
 
 def own_schedule(cfg: Config, optimizer, steps_per_epoch: int):
@@ -2528,7 +2523,7 @@ def code_for_workers(cfg: Config) -> list:
 # ==================================================================================================
 
 
-@dataset("folder")
+@dataset("folder", per_sample=True, object_storage=True, image_files=True)
 def load_folder(cfg: Config) -> tuple:
     """--data-dir PATH/{train,val}/<class>/* as ImageFolders (per sample), on a disk or a URI."""
     from torchvision.datasets import ImageFolder
@@ -2617,9 +2612,8 @@ class SampleStreams(torch.utils.data.Dataset):
             return self.data[key[1]]
 
 
-def leave_sigterm_to_the_rank(loader_id: int) -> None:
-    """A shutdown's SIGTERM reaches every process: a loader's rank saves, then its stop ends it."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def per_sample(data, sampler: ResumableSampler, seed: int) -> tuple:
+    return SampleStreams(data, seed), EpochKeys(sampler)
 
 
 TORCHVISION = "torchvision."  # torchvision.resnet18: torchvision's, which ray_dp's name shadows
@@ -2648,6 +2642,26 @@ def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
                                         child.stride, child.padding, child.dilation,
                                         child.groups, child.bias is not None))
     return net
+
+
+def named_model(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
+    """Yours (given those of num_classes and sample_shape it takes), else torchvision's."""
+    if is_code(name):
+        build = user_code(name, "model")
+        given = {"num_classes": num_classes, "sample_shape": sample_shape}
+        net = build(**{k: v for k, v in given.items() if takes_arguments(build, k)})
+        if not isinstance(net, nn.Module):
+            raise ConfigError(f"--model {name} returned {type(net).__name__}, not an nn.Module")
+        if any(nn.parameter.is_lazy(p) for p in net.parameters()):  # nn.LazyLinear: shaped by
+            with torch.no_grad():  # a first forward pass, drawn from the seed alike on every rank
+                net.eval()(torch.zeros(2, *sample_shape))
+            net.train()
+        return net
+    import torchvision.models
+    name = name.removeprefix(TORCHVISION)
+    net = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
+                                       **TORCHVISION_OPTIONS.get(name, {}))
+    return with_input_channels(net, sample_shape[0])
 
 
 def model_outline(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
@@ -3336,7 +3350,10 @@ def operations(config: dict) -> "Operations":
         cfg = replace(cfg, workers=worker.world)
     launcher = config.get("launcher") or (TorchrunLauncher(cfg, worker) if options.torchrun
                                           else RayLauncher(cfg.run_dir, options.resume_from))
-    return Operations(cfg, worker, launcher, options, worker_data(cfg, options, worker))
+    data = worker_data(cfg, options, worker)
+    if worker.device.type == "cuda" and not isinstance(data, DataError):
+        data = cuda_fast_paths(cfg, data, worker.device)
+    return Operations(cfg, worker, launcher, options, data)
 
 
 class Operations:
@@ -4475,7 +4492,7 @@ def images(cfg: Config, data: DataInfo) -> str:
         return resized + ("" if data.classes else f", {kind}")
     mean, std = cfg.normalize or ([], [])
     folder = (f", {'' if cfg.augment else 'not '}augmented, normalised with mean {mean} std {std}"
-              if cfg.dataset == "folder" else "")
+              if data_source(cfg.dataset).image_files else "")
     return f", {kind}, images {size} x {size} px{folder}"
 
 
@@ -4641,7 +4658,7 @@ def checkpoint_classes(cfg: Config, checkpoint: dict, train_set, test_set) -> li
 
 def check_same_classes(cfg: Config, trained: list, found: list, then: str) -> None:
     if found != trained:
-        where = f"--data-dir {cfg.data_dir}" if cfg.dataset == "folder" else cfg.dataset
+        where = f"--data-dir {cfg.data_dir}" if data_source(cfg.dataset).image_files else cfg.dataset
         raise ConfigError(f"the checkpoint's classes are {', '.join(trained)}; {where} has "
                           f"{', '.join(found)}: {then} the data it was trained on")
 
@@ -4811,6 +4828,7 @@ def predict_inputs(cfg: Config, target: torch.Tensor, checkpoint: dict) -> tuple
     from torchvision import transforms as T
     from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
     trained, shape = checkpoint["config"]["dataset"], tuple(checkpoint.get("inputs") or ())
+    facts = data_source(trained)
     if is_code(where := cfg.dataset):
         data = your_data(where, "inputs", cfg)
         if not (isinstance(data, torch.utils.data.Dataset) and hasattr(data, "__len__")):
@@ -4823,12 +4841,12 @@ def predict_inputs(cfg: Config, target: torch.Tensor, checkpoint: dict) -> tuple
         files = sorted(os.path.relpath(os.path.join(folder, name), where) for folder, _, names
                        in os.walk(where) for name in names  # linked folders: not walked
                        if has_file_allowed_extension(name, IMG_EXTENSIONS))
-        if trained != "folder" and (trained not in SAME_ON_EVERY_RANK or not shape):
+        if not facts.image_files and (not facts.same_on_every_rank or not shape):
             raise DataError(f"--inputs {where}: images are read as --dataset folder and the "
                             f"lessons' sets read theirs, and this run trained on --dataset "
                             f"{trained}: give --inputs FILE.py:NAME returning inputs as it trained "
                             f"on them")
-        read = image_transforms(cfg)[1] if trained == "folder" else T.Compose(
+        read = image_transforms(cfg)[1] if facts.image_files else T.Compose(
             [*[T.Grayscale()] * (shape[0] == 1), T.Resize(shape[1:]), T.ToTensor()])
         read.transforms.insert(0, functools.partial(read_image, data_dir=where))
         keys = [{"path": file} for file in files]
@@ -4836,7 +4854,7 @@ def predict_inputs(cfg: Config, target: torch.Tensor, checkpoint: dict) -> tuple
     if not keys:
         raise DataError(f"--inputs {where} holds no inputs" if is_code(where) else
                         f"--inputs {where} holds no image ({', '.join(IMG_EXTENSIONS)})")
-    if not is_code(where) and trained != "folder":
+    if not is_code(where) and not facts.image_files:
         print(f"note: --inputs {where}: images read as the run's inputs were, {shape} in [0, 1]")
     check_sendable(cfg, (inputs,))
     return inputs, keys
@@ -5116,6 +5134,28 @@ def remove_stored(path: str) -> None:
 # ==================================================================================================
 
 
+def load_torchvision(dataset_class, root: str, download: bool) -> tuple:
+    """A torchvision data set as tensors, downloaded into root first if missing; a failed attempt
+    takes away what it made (its files; root too if it made root and holds only lock files)."""
+    before = set(os.listdir(root)) if os.path.isdir(root) else None
+    try:
+        with download_lock(root, dataset_class.__name__) if download else contextlib.nullcontext():
+            try:
+                splits = [dataset_class(root, train=train, download=download)
+                          for train in (True, False)]
+            except (RuntimeError, OSError) as exc:
+                for name in set(own_entries(dataset_class)) - (before or set()):
+                    with contextlib.suppress(OSError):
+                        remove_stored(os.path.join(root, name))
+                raise DataError(missing_dataset(dataset_class, root, download, exc)) from None
+    except DataError:
+        if before is None and os.path.isdir(root) and all(
+                re.fullmatch(r"\.\w+\.lock", name) for name in os.listdir(root)):
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+    return tuple(images_to_tensors(split) for split in splits)
+
+
 def missing_dataset(dataset_class, root: str, download: bool, error: Exception) -> str:
     reason = " ".join(str(error).split())
     tried = (f" and could not be downloaded ({reason})" if "download=True" not in reason
@@ -5152,7 +5192,7 @@ def download_lock(root: str, name: str):
 
 def check_node_holds(data: tuple, cfg: Config, worker: Worker, console: "Console") -> None:
     """A DataError on all ranks if a node's folder lacks one of the run's images; extras: a note."""
-    if cfg.dataset != "folder" or is_uri(cfg.data_dir):
+    if not data_source(cfg.dataset).image_files or is_uri(cfg.data_dir):
         return
     from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
     lacks, extra = [], 0
@@ -5636,7 +5676,7 @@ class Doctor:
         try:
             here = data_files(cfg)
         except DataError:
-            if self.cfg.download and cfg.dataset in ("fashion-mnist", "cifar10"):
+            if self.cfg.download and data_source(cfg.dataset).downloadable:
                 return (f"{cfg.dataset} is not in {cfg.data_dir} yet: a run downloads it there "
                         f"first (not tried here)")
             raise
