@@ -15,12 +15,12 @@
     tensorboard --logdir runs/tensorboard
 
 Part I, the lesson: Config, Data, Models, Distributed helpers, Train & evaluate, Teaching mode,
-    The worker loop, The driver.
+    The worker loop, The launch.
 Part II, operations: Command line, The driver's plumbing, Worker set-up, Pre-flight checks, Your own
-    model, data and loss, Image folders and torchvision models, Resume, Run-directory files,
-    result.json, Failure records, Mid-epoch saves and SIGTERM, Health, Console and monitoring,
-    Inference, compare, Object storage, Data on disk and on many nodes, Launchers and torchrun,
-    The cluster, Ray internals, doctor.
+    model, data and loss, Image folders and torchvision models, Checkpoints, Resume, Run-directory
+    files, result.json, Failure records, Operations, Mid-epoch saves and SIGTERM, Health, Console
+    and monitoring, Inference, compare, Object storage, Data on disk and on many nodes, Launchers
+    and torchrun, The cluster, Ray internals, doctor.
 """
 from __future__ import annotations
 
@@ -2686,7 +2686,7 @@ def load_weights(net: nn.Module, weights: dict) -> tuple[list, list]:
 
 
 # ==================================================================================================
-# Resume: the checkpoint a rerun starts from, what a rerun may change, --fresh.
+# Checkpoints: the one place their format lives: build, write, read, list, keep-K and the best.
 # ==================================================================================================
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -2710,6 +2710,11 @@ def early_stop(history: list, cfg: Config) -> Optional[dict]:
         return None
     return {"epoch": history[-1]["epoch"], "best_epoch": best["epoch"], "metric": cfg.best_by,
             "value": best[cfg.best_by]}
+
+
+def early_stopped(cfg: Config, early: dict) -> str:
+    return ("early stop after epoch {epoch}: {metric} not better than epoch {best_epoch}'s "
+            "{value:.4g} for {0} (--early-stop)".format(plural(cfg.early_stop, "epoch"), **early))
 
 
 def checkpoint_dir_name(epoch: int, step: int = 0) -> str:
@@ -2742,25 +2747,31 @@ def code_record(cfg: Config) -> dict:
     return {flag: record for flag in CODE_FLAGS if (record := code_file(getattr(cfg, flag)))}
 
 
-def note_code_changed(cfg: Config, state: dict, since: str) -> None:
-    """A note for each of your files (objects, where none) whose text changed since then."""
-    for flag in CODE_FLAGS:
-        if is_code(spec := getattr(cfg, flag)):
-            user_code(spec, flag)
-    changed = {now.get("file", now["spec"]) for flag, now in code_record(cfg).items()
-               if ((state.get("code") or {}).get(flag) or {}).get("sha256")
-               not in (None, now.get("sha256"))}
-    for path in sorted(changed):
-        print(f"note: {path} changed since {since}", flush=True)
+def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
+    """What Ray keeps checkpoints by: every epoch's above any mid-epoch one, later above earlier."""
+    return 1e9 + epoch if not step else epoch - 1 + step / (steps + 1)
 
 
-def check_code_named(stored: dict, typed: set, what: str, flags=CODE_FLAGS) -> None:
-    """A checkpoint never decides which code runs: your code's flags are typed again."""
-    unnamed = [as_flag(name, stored[name]) for name in CODE_FLAGS
-               if name in flags and is_code(stored[name]) and name not in typed]
-    if unnamed:
-        raise ConfigError(f"{what} trained your own code: name it again, {', '.join(unnamed)} "
-                          f"(ray_dp.train(): the same objects); a checkpoint never names the code")
+def checkpoint_bytes(state: dict) -> bytes:
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    return saved.getvalue()
+
+
+def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0, keep: int = 0,
+                    best: bool = False) -> None:
+    """Rank 0's checkpoint where Ray would commit it (and as the best); older ones Ray drops go."""
+    name, data = checkpoint_dir_name(epoch, step), checkpoint_bytes(state)
+    for target in [os.path.join(name, CHECKPOINT_FILE)] + [BEST_CHECKPOINT] * best:
+        write_stored(os.path.join(run_dir, target), data)
+    folders = [PurePosixPath(older).parent.name for older in epoch_checkpoints(run_dir)]
+    whole = [folder for folder in folders if not checkpoint_order(folder)[1]]
+    gone = [folder for folder in folders if folder != name and (
+        checkpoint_order(folder)[1] or keep and folder in whole[:-keep])]
+    for folder in gone:
+        remove_stored(f"{run_dir}/{folder}")
+    if gone:  # Ray's next run resumes from the highest
+        remove_stored(f"{run_dir}/{RAY_SNAPSHOT}")
 
 
 def load_checkpoint(path: str) -> dict:
@@ -2791,6 +2802,45 @@ def epoch_checkpoints(run_dir: str) -> list[str]:
     kinds = storage.get_file_info([f"{folder}/{CHECKPOINT_FILE}" for _, folder, _ in found])
     return [f"{str(run_dir).rstrip('/')}/{name}/{CHECKPOINT_FILE}"
             for (_, _, name), kind in zip(found, kinds) if kind.type == fs.FileType.File]
+
+
+def checkpoint_config(cfg: Config) -> CheckpointConfig:
+    """Ray keeps the best by keep_score (the latest --keep-checkpoints epochs'), and the latest."""
+    committed = (ray_snapshot(cfg.run_dir) or {}).get("checkpoint_results", [])
+    if not all("keep" in entry["metrics"] for entry in committed):
+        if cfg.keep_checkpoints:
+            print(f"note: run '{cfg.name}' began before --keep-checkpoints: Ray keeps every "
+                  f"checkpoint it lists (--fresh starts it over with the latest "
+                  f"{cfg.keep_checkpoints} kept)", flush=True)
+        return CheckpointConfig(num_to_keep=None)
+    return CheckpointConfig(num_to_keep=cfg.keep_checkpoints or cfg.epochs + 1,
+                            checkpoint_score_attribute="keep", checkpoint_score_order="max")
+
+
+# ==================================================================================================
+# Resume: the checkpoint a rerun starts from, what a rerun may change, --fresh.
+# ==================================================================================================
+
+
+def note_code_changed(cfg: Config, state: dict, since: str) -> None:
+    """A note for each of your files (objects, where none) whose text changed since then."""
+    for flag in CODE_FLAGS:
+        if is_code(spec := getattr(cfg, flag)):
+            user_code(spec, flag)
+    changed = {now.get("file", now["spec"]) for flag, now in code_record(cfg).items()
+               if ((state.get("code") or {}).get(flag) or {}).get("sha256")
+               not in (None, now.get("sha256"))}
+    for path in sorted(changed):
+        print(f"note: {path} changed since {since}", flush=True)
+
+
+def check_code_named(stored: dict, typed: set, what: str, flags=CODE_FLAGS) -> None:
+    """A checkpoint never decides which code runs: your code's flags are typed again."""
+    unnamed = [as_flag(name, stored[name]) for name in CODE_FLAGS
+               if name in flags and is_code(stored[name]) and name not in typed]
+    if unnamed:
+        raise ConfigError(f"{what} trained your own code: name it again, {', '.join(unnamed)} "
+                          f"(ray_dp.train(): the same objects); a checkpoint never names the code")
 
 
 def latest_committed(run_dir: str) -> Optional[str]:
@@ -3358,22 +3408,19 @@ def operations(config: dict) -> "Operations":
 
 class Operations:
     """What the lesson's loop asks, in its order: restore, track, the epochs, an epoch's start,
-    after each step (save? stop?), its end, the result. Behind it: the ranks' Agreement, Progress,
-    Health's checks and the checkpoint store."""
+    after each step (save? stop?), its end, the result; behind it: Agreement, Progress, Health's
+    checks, the Store."""
 
-    def __init__(self, cfg: Config, worker: Worker, launcher=None,
-                 options: Optional[LoopOptions] = None, data=None):
-        self.cfg, self.worker, self.launcher = cfg, worker, launcher
-        self.options = options = options or LoopOptions()
+    def __init__(self, cfg: Config, worker: Worker, launcher=None, options=LoopOptions(),
+                 data=None):
+        self.cfg, self.worker, self.store, self.options = cfg, worker, Store(launcher), options
         self.data, self.failed = (None, data) if isinstance(data, DataError) else (data, None)
-        if self.data and self.data[0] is not None:  # what the model is built for, and saved
-            train = self.data[0]
+        if self.data and (train := self.data[0]) is not None:  # what the model is built for
             self.classes = class_names(train) if classifies(train) else []
             self.outputs, self.inputs = outputs(train, self.classes), input_shape(cfg, train)
         self.progress, self.agreement = Progress(cfg, worker, options), Agreement(cfg, worker)
-        self.health, self.checkpoint_of, self.first_epoch, self.resumed_at = [], None, 0, {}
+        self.first_epoch, self.resumed_at, self.early = 0, {}, None
         self.history, self.resume_record, self.stopped, self.stop_votes = [], None, None, set()
-        self.early, self.saves, self.save_seconds = None, 0, 0.0
 
     def __enter__(self) -> "Operations":
         self.progress.__enter__()
@@ -3384,7 +3431,7 @@ class Operations:
 
     def restore(self, model: Optional[nn.Module] = None) -> Optional[dict]:
         """The run's latest checkpoint, the same on every rank; else None (--weights in `model`)."""
-        state = self.launcher.latest_checkpoint()
+        state = self.store.launcher.latest_checkpoint()
         if state is None and self.cfg.weights and model is not None:
             load_weights(model, starting_weights(self.cfg, self.options))
         return state
@@ -3397,47 +3444,29 @@ class Operations:
                                 self.outputs, self.inputs)
 
     def track(self, model, optimizer, checkpoint_of, state: Optional[dict]) -> list:
-        """What Health checks and rank 0 saves (checkpoint_of(epoch, history, partial)); the
-        run's history so far, the checkpoint's, certified (the loop appends to it)."""
-        self.checkpoint_of = checkpoint_of
-        self.health = [check(self.cfg, self.worker, model, optimizer) for check in HEALTH_CHECKS]
-        self.progress.started(getattr(self.launcher, "restore_seconds", 0.0))
+        """What Health checks and rank 0 saves; the run's history so far, certified."""
+        self.store.checkpoint_of = checkpoint_of
+        self.agreement.checks = [check(self.cfg, self.worker, model, optimizer)
+                                 for check in HEALTH_CHECKS]
+        self.progress.started(getattr(self.store.launcher, "restore_seconds", 0.0))
         if state is not None:
             self.first_epoch, self.resumed_at = state["epoch"], state.get("partial") or {}
             self.history = list(state["history"])
-            done = self.first_epoch >= self.cfg.epochs or early_stop(self.history, self.cfg)
-            self.progress.say("ray-dp: " + (finished_run(self.cfg, self.first_epoch) if done
-                                            else self.describe_start(state)))
+            if self.first_epoch >= self.cfg.epochs or early_stop(self.history, self.cfg):
+                self.progress.say(f"ray-dp: {finished_run(self.cfg, self.first_epoch)}")
+            else:
+                line, self.resume_record = resumed(self.cfg, self.worker, state, checkpoint_of)
+                self.progress.say(f"ray-dp: {line}")
             self.progress.ledger.charge("restores")
         return self.history
 
-    def describe_start(self, state: dict) -> str:
-        epoch, step = state["epoch"] + 1, self.resumed_at.get("step", 0)
-        at = f", step {step + 1} of {self.resumed_at['steps']}," if step else ""
-        since = f"at epoch {epoch}, step {step}" if step else f"of epoch {epoch - 1}"
-        line = (f"resuming at epoch {epoch} of {self.cfg.epochs}{at} with "
-                f"{plural(self.worker.world, 'worker')}, from the checkpoint {since}")
-        self.resume_record = {"from": since.split(" ", 1)[1], "certified": False}
-        if self.checkpoint_of is None:
-            return line
-        now = self.checkpoint_of(state["epoch"], self.history, self.resumed_at or None)
-        if (differ := uncertified(state, now["certificate"])) is None:
-            return f"{line}; it carries no certificate: what was restored is not checked"
-        if differ:  # the file was certified on the driver: this ray_dp restores it otherwise
-            raise RuntimeError(f"the checkpoint {since} did not restore as saved: "
-                               f"{', '.join(differ)} differ from what it certifies")
-        self.resume_record["certified"] = True
-        return f"{line}: the same model, optimizer, history and data position as saved"
-
     def epochs(self):
-        """The epochs left to train, until a stop: SIGTERM's, a check's, --early-stop's (rank 0's)."""
+        """The epochs left to train, until a stop: SIGTERM's, a check's, --early-stop's."""
         for epoch in range(self.first_epoch, self.cfg.epochs):
             if self.cfg.early_stop and not self.stopped:
                 self.early = from_rank_0(early_stop(self.history, self.cfg), self.worker.device)
             if self.early:
-                self.progress.say("ray-dp: early stop after epoch {epoch}: {metric} not better "
-                                  "than epoch {best_epoch}'s {value:.4g} for {0} (--early-stop)"
-                                  .format(plural(self.cfg.early_stop, "epoch"), **self.early))
+                self.progress.say(f"ray-dp: {early_stopped(self.cfg, self.early)}")
             if self.stopped or self.early:
                 return
             yield epoch
@@ -3445,7 +3474,7 @@ class Operations:
     def start_epoch(self, epoch: int) -> tuple[int, EpochLoss]:
         """The epoch's first step and its loss so far: 0 and none, or a mid-epoch save's."""
         partial = self.resumed_at if epoch == self.first_epoch else {}
-        self.saves, self.save_seconds = 0, 0.0
+        self.store.count, self.store.seconds = 0, 0.0
         self.progress.start_epoch(partial.get("step", 0))
         return partial.get("step", 0), EpochLoss(self.worker.device, partial, self.worker.is_main)
 
@@ -3454,20 +3483,20 @@ class Operations:
         done, last, agreement = epoch * steps + step + 1, step + 1 == steps, self.agreement
         where = f"after step {step + 1} of epoch {epoch + 1} (the run's step {done})"
         self.progress.stepped(where)
-        agreement.stepped()
-        for check in self.health:
-            check.stepped(done, steps, losses)
+        checking = agreement.stepped(done, steps, losses)
         logged = done % self.cfg.log_every == 0
-        due = agreement.due(step + 1) and not last and self.checkpoint_of is not None
-        checking = any(check.due(agreement.steps_done) for check in self.health)
+        due = agreement.due(step + 1) and not last and self.store.checkpoint_of is not None
         votes = (self.agree(losses, done if logged else 0, last, checking, where)
                  if logged or due or last or checking or agreement.waited() else set())
         self.progress.shown((epoch, step + 1, steps, losses, self.cfg.epochs))
         stop = votes - {DUE_VOTE}
         if stop:
             self.progress.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
-        if self.stopped is None and (due or votes) and not last and self.checkpoint_of:
-            self.save_within(epoch, step + 1, steps, losses)
+        if self.stopped is None and (due or votes) and not last and self.store.checkpoint_of:
+            if self.checked("save", f"at the save after step {step + 1} of epoch {epoch + 1}"):
+                self.store.save_within(epoch, step + 1, steps, losses, agreement, self.history,
+                                       self.worker.is_main)  # rank 0's checkpoint of it so far
+                agreement.saved(), self.progress.saved()
             if stop and self.stopped is None:  # not over a check's stop, which saved nothing
                 self.stopped = {"epoch": epoch + 1, "step": step + 1, "steps": steps,
                                 "by": sorted(stop)}
@@ -3478,64 +3507,26 @@ class Operations:
 
     def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool, checking: bool,
               where: str) -> set:
-        """ONE all-reduce of named slots: votes, rank 0's pace, the losses, Health's slots."""
-        if checking:  # the step's own GPU work is not the check's
-            synchronize(self.worker.device)
-        tic, agreement = time.perf_counter(), self.agreement
-        mine = self.progress.votes(epoch_end, agreement.since_save)
-        mine |= {DUE_VOTE} if self.checkpoint_of and agreement.time_due() else set()
-        step_seconds = agreement.step_seconds(self.progress.ledger)
-        slots = {"votes": [vote in mine for vote in VOTES], "ahead": agreement.ahead(step_seconds),
-                 "window": losses.window, "sums": losses.sums}
-        for check in self.health:
-            slots.update(check.slots(checking, step_seconds, agreement))
-        totals = all_reduced(slots, self.worker.device)
-        agreement.agreed(totals, keep_window=not logged_step)
-        if logged_step:
-            losses.logged.append([logged_step, totals["window"][0] / totals["window"][1]])
-            losses.window.zero_()
-        for check in self.health:
-            error, note = check.read(totals, where, tic, agreement)
-            if error and self.stopped is None:
-                self.stopped = {"by": [check.name], "error": error}
-            if note:
-                self.progress.say(f"ray-dp: note: {note}")
-        return {vote for vote, count in zip(VOTES, totals["votes"]) if count}
+        """The ranks agree on their votes (Agreement.agree); a check's error stops the run."""
+        mine = self.progress.votes(epoch_end, self.agreement.since_save)
+        mine |= {DUE_VOTE} if self.store.checkpoint_of and self.agreement.time_due() else set()
+        votes, error, notes = self.agreement.agree(mine, losses, logged_step,
+                                                   self.progress.ledger, checking, where)
+        for note in notes:
+            self.progress.say(f"ray-dp: note: {note}")
+        self.stopped = self.stopped or error
+        return votes
 
     def checked(self, stage: str, where: str) -> bool:
         """At a save (none stopped), before rank 0 writes: every rank's replicas and optimizer."""
-        for check in self.health:
-            if (error := check.at_save(stage, where)) and self.stopped is None:
-                self.stopped = {"by": [check.name], "error": error}
+        self.stopped = self.stopped or self.agreement.at_save(stage, where)
         return self.stopped is None
 
-    def save_within(self, epoch: int, step: int, steps: int, losses: EpochLoss) -> None:
-        """Every rank, at the same step: rank 0's checkpoint of the epoch so far."""
-        if not self.checked("save", f"at the save after step {step} of epoch {epoch + 1}"):
-            return
-        tic, agreement = time.perf_counter(), self.agreement
-        partial = {"epoch": epoch, "step": step, "steps": steps,
-                   "samples": int(agreement.totals[1]), "loss_sum": agreement.totals[0],
-                   "step_log": [list(e) for e in losses.logged], "pending": agreement.pending,
-                   "skipped_steps": losses.skipped}
-        metrics = {"epoch": epoch + 1, "step": step, "steps": steps, "node": node_name(),
-                   "keep": keep_score(epoch + 1, step, steps)}
-        state = self.checkpoint_of(epoch, self.history, partial) if self.worker.is_main else None
-        self.launcher.report(metrics, state, epoch + 1, step)
-        self.saves += 1
-        self.save_seconds += time.perf_counter() - tic
-        self.saved()
-
-    def saved(self) -> None:
-        self.agreement.saved()
-        self.progress.saved()
-
     def end_epoch(self, checkpoint_of) -> None:
-        """History's last epoch ends on every rank: its line, rank 0's checkpoint (checkpoint_of
-        (epoch, history) on rank 0, None elsewhere), a stop."""
+        """History's last epoch ends on every rank: its line, rank 0's checkpoint, a stop."""
         metrics, marks = self.history[-1], self.worker.marks
         self.progress.ended(metrics)
-        metrics.update(checkpoints_within=self.saves, checkpoint_seconds=self.save_seconds,
+        metrics.update(checkpoints_within=self.store.count, checkpoint_seconds=self.store.seconds,
                        first_step_at=marks.get("first_step"), ended_at=time.time())
         if metrics["epoch"] == self.first_epoch + 1:
             metrics["startup"] = dict(marks)
@@ -3543,10 +3534,8 @@ class Operations:
         if not self.checked("epoch", f"at the end of epoch {metrics['epoch']}"):
             return
         best = best_epoch(self.history, self.cfg.best_by) is metrics
-        state = checkpoint_of(metrics["epoch"], self.history) if checkpoint_of else None
-        self.launcher.report({**metrics, "keep": keep_score(metrics["epoch"]), "best": best,
-                              "node": node_name()}, state, metrics["epoch"])
-        self.saved()
+        self.store.save({**metrics, "best": best}, self.history, checkpoint_of)
+        self.agreement.saved(), self.progress.saved()
         if self.stop_votes and metrics["epoch"] < self.cfg.epochs:
             self.stopped = {"epoch": metrics["epoch"] + 1, "step": 0, "steps": None,
                             "by": sorted(self.stop_votes)}
@@ -3555,19 +3544,69 @@ class Operations:
         """What the loop returns (rank 0's is the Result's), or RunStopped for Ray to restart it."""
         if self.failed is not None:  # a run that cannot start is not retried
             return {"data_error": str(self.failed)}
-        marks = self.worker.marks
-        out = {"history": self.history, "world_size": self.worker.world,
-               "device": self.worker.device.type, "started_at_epoch": self.first_epoch + 1,
-               "first_step_at": marks.get("first_step"), "startup": marks,
-               "node_ranks": node_ranks(self.worker), "stopped": self.stopped,
+        marks, worker = self.worker.marks, self.worker
+        out = {"history": self.history, "world_size": worker.world, "device": worker.device.type,
+               "started_at_epoch": self.first_epoch + 1, "first_step_at": marks.get("first_step"),
+               "startup": marks, "node_ranks": node_ranks(worker), "stopped": self.stopped,
                "resumed": self.resume_record, "early_stopped": self.early,
                "ledger": {**self.progress.snapshot(), "ended": time.time()},
-               "replica_checks": sum(check.count for check in self.health)}
+               "replica_checks": sum(check.count for check in self.agreement.checks)}
         self.progress.console.flush()
         if (self.stopped and self.stopped["by"] == [SIGTERM_VOTE] and not self.options.torchrun
                 and self.cfg.max_failures):
             raise RunStopped(f"{SIGTERM_STOPPED}; saved {position_of(self.stopped)} and stopped")
         return out
+
+
+def resumed(cfg: Config, worker: Worker, state: dict, checkpoint_of) -> tuple[str, dict]:
+    """The resume's line and record: where it resumes, and whether what was restored is what the
+    checkpoint certifies (checkpoint_of made anew; a difference stops the run)."""
+    partial = state.get("partial") or {}
+    epoch, step = state["epoch"] + 1, partial.get("step", 0)
+    at = f", step {step + 1} of {partial['steps']}," if step else ""
+    since = f"at epoch {epoch}, step {step}" if step else f"of epoch {epoch - 1}"
+    line = (f"resuming at epoch {epoch} of {cfg.epochs}{at} with "
+            f"{plural(worker.world, 'worker')}, from the checkpoint {since}")
+    record = {"from": since.split(" ", 1)[1], "certified": False}
+    if checkpoint_of is None:
+        return line, record
+    now = checkpoint_of(state["epoch"], list(state["history"]), partial or None)
+    if (differ := uncertified(state, now["certificate"])) is None:
+        return f"{line}; it carries no certificate: what was restored is not checked", record
+    if differ:  # the file was certified on the driver: this ray_dp restores it otherwise
+        raise RuntimeError(f"the checkpoint {since} did not restore as saved: "
+                           f"{', '.join(differ)} differ from what it certifies")
+    return f"{line}: the same model, optimizer, history and data position as saved", {
+        **record, "certified": True}
+
+
+class Store:
+    """A worker's way to the checkpoint store: its launcher (the latest checkpoint; where a save
+    goes), rank 0's checkpoint_of, and this epoch's saves (count, seconds)."""
+
+    def __init__(self, launcher):
+        self.launcher, self.checkpoint_of, self.count, self.seconds = launcher, None, 0, 0.0
+
+    def save(self, metrics: dict, history: list, checkpoint_of, partial=None) -> None:
+        """Report an epoch's (or partial's steps') metrics with checkpoint_of's state (rank 0's),
+        kept by keep_score."""
+        tic, epoch, step = time.perf_counter(), metrics["epoch"], metrics.get("step", 0)
+        state = checkpoint_of(epoch - 1 if partial else epoch, history, partial) if (
+            checkpoint_of) else None
+        metrics = {**metrics, "keep": keep_score(epoch, step, metrics.get("steps", 1)),
+                   "node": node_name()}
+        self.launcher.report(metrics, state, epoch, step)
+        self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - tic
+
+    def save_within(self, epoch: int, step: int, steps: int, losses: EpochLoss,
+                    agreement: Agreement, history: list, rank_0: bool) -> None:
+        """The epoch so far (its agreed losses), after `step` of `steps`."""
+        partial = {"epoch": epoch, "step": step, "steps": steps,
+                   "samples": int(agreement.totals[1]), "loss_sum": agreement.totals[0],
+                   "step_log": [list(e) for e in losses.logged], "pending": agreement.pending,
+                   "skipped_steps": losses.skipped}
+        self.save({"epoch": epoch + 1, "step": step, "steps": steps}, history,
+                  self.checkpoint_of if rank_0 else None, partial)
 
 
 class Agreement:
@@ -3580,10 +3619,14 @@ class Agreement:
         self.worker, self.totals, self.pending = worker, [0, 0], [0, 0]
         self.every_steps, self.every_seconds = checkpoint_interval(cfg.checkpoint_every)
         self.steps_done, self.next, self.agreed_steps, self.agreed_at = 0, 1, 0, 0.0
-        self.since_save, self.last_save, self.trained = 0, time.monotonic(), 0.0
+        self.since_save, self.last_save, self.trained, self.checks = 0, time.monotonic(), 0.0, []
 
-    def stepped(self) -> None:
+    def stepped(self, done: int, steps: int, losses: EpochLoss) -> bool:
+        """A step ended; whether a check is due at the next agreement."""
         self.steps_done, self.since_save = self.steps_done + 1, self.since_save + 1
+        for check in self.checks:
+            check.stepped(done, steps, losses)
+        return any(check.due(self.steps_done) for check in self.checks)
 
     def waited(self) -> bool:
         return self.steps_done >= self.next
@@ -3598,15 +3641,40 @@ class Agreement:
     def step_seconds(self, ledger: "Ledger") -> float:
         """Seconds a step took since the last agreement, as the ledger timed its training."""
         self.trained = ledger.seconds.get("training steps", 0.0)
-        return max(self.trained - self.agreed_at, 1e-6) / max(self.steps_done - self.agreed_steps, 1)
+        steps = max(self.steps_done - self.agreed_steps, 1)
+        return max(self.trained - self.agreed_at, 1e-6) / steps
 
     def ahead(self, step_seconds: float) -> list:
         return [min(max(int(self.AGREE_S / step_seconds), 1), 10_000) if self.worker.is_main else 0]
 
-    def agreed(self, totals: dict, keep_window: bool) -> None:
+    def agree(self, votes: set, losses: EpochLoss, logged_step: int, ledger: "Ledger",
+              checking: bool, where: str) -> tuple[set, Optional[dict], list]:
+        """ONE all-reduce of named slots (votes, rank 0's pace, the losses, each check's own): the
+        votes agreed on, the first check's error ({"by", "error"}) and their notes."""
+        if checking:  # the step's own GPU work is not the check's
+            synchronize(self.worker.device)
+        tic, step_seconds = time.perf_counter(), self.step_seconds(ledger)
+        slots = {"votes": [vote in votes for vote in VOTES], "ahead": self.ahead(step_seconds),
+                 "window": losses.window, "sums": losses.sums}
+        for check in self.checks:
+            slots.update(check.slots(checking, step_seconds, self))
+        totals = all_reduced(slots, self.worker.device)
         self.next, self.agreed_steps = self.steps_done + int(totals["ahead"][0]), self.steps_done
-        self.totals, self.pending = totals["sums"], totals["window"] if keep_window else [0, 0]
+        self.totals, self.pending = totals["sums"], totals["window"] if not logged_step else [0, 0]
         self.agreed_at = self.trained
+        if logged_step:
+            losses.logged.append([logged_step, totals["window"][0] / totals["window"][1]])
+            losses.window.zero_()
+        read = [(check.name, *check.read(totals, where, tic, self)) for check in self.checks]
+        errors = [{"by": [name], "error": error} for name, error, _ in read if error]
+        return ({vote for vote, count in zip(VOTES, totals["votes"]) if count},
+                (errors or [None])[0], [note for _, _, note in read if note])
+
+    def at_save(self, stage: str, where: str) -> Optional[dict]:
+        """Every check at a save, on every rank; the first error ({"by", "error"})."""
+        errors = [{"by": [check.name], "error": error} for check in self.checks
+                  if (error := check.at_save(stage, where))]
+        return (errors or [None])[0]
 
     def saved(self) -> None:
         self.since_save, self.last_save = 0, time.monotonic()
@@ -3629,11 +3697,6 @@ def position_of(stopped: dict) -> str:
     if stopped["step"]:
         return f"epoch {stopped['epoch']}, step {stopped['step']} of {stopped['steps']}"
     return f"the end of epoch {stopped['epoch'] - 1}"
-
-
-def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
-    """What Ray keeps checkpoints by: every epoch's above any mid-epoch one, later above earlier."""
-    return 1e9 + epoch if not step else epoch - 1 + step / (steps + 1)
 
 
 class GracefulStop:
@@ -4658,7 +4721,8 @@ def checkpoint_classes(cfg: Config, checkpoint: dict, train_set, test_set) -> li
 
 def check_same_classes(cfg: Config, trained: list, found: list, then: str) -> None:
     if found != trained:
-        where = f"--data-dir {cfg.data_dir}" if data_source(cfg.dataset).image_files else cfg.dataset
+        folder = data_source(cfg.dataset).image_files
+        where = f"--data-dir {cfg.data_dir}" if folder else cfg.dataset
         raise ConfigError(f"the checkpoint's classes are {', '.join(trained)}; {where} has "
                           f"{', '.join(found)}: {then} the data it was trained on")
 
@@ -5256,12 +5320,11 @@ class RayLauncher:
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             if state is not None:
-                torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
+                Path(tmp, CHECKPOINT_FILE).write_bytes(data := checkpoint_bytes(state))
             ray.train.report(metrics, checkpoint_dir_name=checkpoint_dir_name(epoch, step),
                              checkpoint=None if state is None else ray.train.Checkpoint(tmp))
             if state is not None and metrics.get("best"):  # once Ray holds the epoch's
-                write_stored(os.path.join(self.run_dir, BEST_CHECKPOINT),
-                             Path(tmp, CHECKPOINT_FILE).read_bytes())
+                write_stored(os.path.join(self.run_dir, BEST_CHECKPOINT), data)
 
 
 class TorchrunLauncher:
@@ -5286,24 +5349,6 @@ class TorchrunLauncher:
             ray.train.report(metrics)
             if self.tensorboard:
                 self.tensorboard.write(metrics)
-
-
-def save_checkpoint(run_dir: str, state: dict, epoch: int, step: int = 0, keep: int = 0,
-                    best: bool = False) -> None:
-    """Rank 0's checkpoint where Ray would commit it (and as the best); older ones Ray drops go."""
-    saved = io.BytesIO()
-    torch.save(state, saved)
-    name = checkpoint_dir_name(epoch, step)
-    for target in [os.path.join(name, CHECKPOINT_FILE)] + [BEST_CHECKPOINT] * best:
-        write_stored(os.path.join(run_dir, target), saved.getvalue())
-    folders = [PurePosixPath(older).parent.name for older in epoch_checkpoints(run_dir)]
-    whole = [folder for folder in folders if not checkpoint_order(folder)[1]]
-    gone = [folder for folder in folders if folder != name and (
-        checkpoint_order(folder)[1] or keep and folder in whole[:-keep])]
-    for folder in gone:
-        remove_stored(f"{run_dir}/{folder}")
-    if gone:  # Ray's next run resumes from the highest
-        remove_stored(f"{run_dir}/{RAY_SNAPSHOT}")
 
 
 def torchrun_follower() -> bool:
@@ -5502,19 +5547,6 @@ def snapshot_shape(state) -> bool:
     latest = state.get("latest_checkpoint_result")
     return latest is None or (listed(latest) and latest["checkpoint_dir_name"] in {
         entry["checkpoint_dir_name"] for entry in committed})
-
-
-def checkpoint_config(cfg: Config) -> CheckpointConfig:
-    """Ray keeps the best by keep_score (the latest --keep-checkpoints epochs'), and the latest."""
-    committed = (ray_snapshot(cfg.run_dir) or {}).get("checkpoint_results", [])
-    if not all("keep" in entry["metrics"] for entry in committed):
-        if cfg.keep_checkpoints:
-            print(f"note: run '{cfg.name}' began before --keep-checkpoints: Ray keeps every "
-                  f"checkpoint it lists (--fresh starts it over with the latest "
-                  f"{cfg.keep_checkpoints} kept)", flush=True)
-        return CheckpointConfig(num_to_keep=None)
-    return CheckpointConfig(num_to_keep=cfg.keep_checkpoints or cfg.epochs + 1,
-                            checkpoint_score_attribute="keep", checkpoint_score_order="max")
 
 
 SIGTERM_SETTER = ("ray._private.utils", "set_sigterm_handler")
