@@ -677,7 +677,7 @@ def spot_costs(repeats):
     checkpoint of a model and its SGD momentum (checkpoint_state, then save_checkpoint: torch.save and the rename
     into place, on this machine's disk; under Ray the same bytes go through ray.train.report), median of the repeats,
     and what it costs as a share of training at the default --checkpoint-every 10m. Per step: the dropout stream
-    seeded per (rank, epoch, step), and, averaged over the steps, rank 0's Checkpointer as the loop asks it after
+    seeded per (rank, epoch, step), and, averaged over the steps, rank 0's operations (ops.after_step) as the loop asks them after
     each step (its ledger, watchdog and progress; at each agreement, here every --log-every 10 steps, its votes and
     its message to the driver's Board; a local Ray, one process, whose all-reduce is a no-op: bench/health.md times
     the agreement's on 2). Saves under Ray: the same uninterrupted
@@ -722,7 +722,7 @@ def spot_costs(repeats):
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
              runtime_env=ray_dp.RUNTIME_ENV)
     try:
-        figures["per step: rank 0's Checkpointer and the driver's Board (--log-every 10), us"] = round(
+        figures["per step: rank 0's operations (ops.after_step) and the driver's Board (--log-every 10), us"] = round(
             checkpointer_per_step(cfg, n) * 1e6, 1)
         figures.update(a_loss(max(1, repeats // 3)))
     finally:
@@ -731,7 +731,7 @@ def spot_costs(repeats):
 
 
 def checkpointer_per_step(cfg, steps):
-    """Seconds per step of rank 0's Checkpointer (one process), asked after each step as train_epoch asks it, with
+    """Seconds per step of rank 0's operations (one process), asked after each step as train_epoch asks it, with
     the driver's Board of the Ray this process is attached to."""
     import ray
     board = ray.remote(num_cpus=0)(ray_dp.Board).remote()

@@ -140,7 +140,7 @@ def rank_figures(repeats):
         figures[f"quick start's training, {label}: samples/s"] = round(rate)
     off = medians["health off"]
     figures["health on against health off, %"] = round(100 * (off - medians["health on (the defaults)"]) / off, 2)
-    figures["health on: --check-replicas auto checked every N steps"] = checkpointer.health[0].every
+    figures["health on: --check-replicas auto checked every N steps"] = checkpointer.agreement.checks[0].every
     figures["health on: its checks' seconds (digest and all-reduce), % of training"] = round(
         100 * spent[0] / trained, 2)
     plain, timed, x = nn.Identity(), nn.Identity(), torch.zeros(1)
