@@ -838,7 +838,7 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
         group["lr"] = learning_rate(cfg, epoch, group.get("initial_lr"))
     first, losses = ops.start_epoch(epoch)
     batches.sampler.set_epoch(epoch, losses.done)  # 5. set_epoch: a new shuffle each epoch
-    steps, micro_batches = first + len(batches) // cfg.accum_steps, Waited(batches)
+    steps, micro_batches = first + len(batches) // cfg.accum_steps, TimedBatches(batches)
     for step in range(first, steps):
         # this rank's own dropout: a stream of (seed, rank, epoch, step), which a resume redraws
         seed_generators(stream_seed(cfg.seed, RANK_STREAM, worker.rank, epoch, step),
@@ -853,10 +853,10 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
         if cfg.clip_grad_norm:  # after the all-reduce: every rank clips the same gradients
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        scale, lr = scaler.get_scale(), optimizer.param_groups[0]["lr"]  # this step's rate
+        scale, lr = scaler.get_scale(), optimizer.param_groups[0]["lr"]
         scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
         scaler.update()
-        losses.skipped += scaler.get_scale() < scale  # (then the scale is lowered)
+        losses.skipped += scaler.get_scale() < scale
         optimizer.zero_grad(set_to_none=True)
         if schedule is not None:
             schedule.step()
@@ -872,7 +872,9 @@ def train_epoch(model, optimizer, batches, cfg: Config, worker: Worker, epoch: i
             **({"skipped_steps": losses.skipped} if scaler.is_enabled() else {})}
 
 
-class Waited:
+class TimedBatches:
+    """The next batch, and the seconds spent waiting for them."""
+
     def __init__(self, batches):
         self.batches, self.seconds = iter(batches), 0.0
 
@@ -886,13 +888,13 @@ class EpochLoss:
     """This rank's [loss sum, samples] of an epoch (and fp16's skipped steps), and since the last
     logged point (`window`); a mid-epoch checkpoint's totals of every rank count once, on rank 0."""
 
-    def __init__(self, device: torch.device, partial: Optional[dict] = None, main: bool = True):
+    def __init__(self, device: torch.device, partial: Optional[dict] = None, rank_0: bool = True):
         partial = partial or {}
         self.done, self.skipped = partial.get("samples", 0), partial.get("skipped_steps", 0)
         self.logged = [list(entry) for entry in partial.get("step_log", [])]
         sums, window = [partial.get("loss_sum", 0.0), self.done], partial.get("pending", [0, 0])
-        self.sums = torch.tensor(sums if main else [0, 0], dtype=torch.float64, device=device)
-        self.window = torch.tensor(window if main else [0, 0], dtype=torch.float64, device=device)
+        self.sums = torch.tensor(sums if rank_0 else [0, 0], dtype=torch.float64, device=device)
+        self.window = torch.tensor(window if rank_0 else [0, 0], dtype=torch.float64, device=device)
 
     def add(self, loss_sum: torch.Tensor, samples: int) -> None:
         added = torch.stack([loss_sum.double(), self.sums.new_tensor(samples)])
@@ -1183,7 +1185,7 @@ def train_loop_per_worker(config: dict) -> dict:
     steppers = {"schedule": schedule, "scaler": scaler} if schedule else {"scaler": scaler}
     if state is not None:
         unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])  # and what steps with it:
+        optimizer.load_state_dict(state["optimizer"])
         for name, stepper in steppers.items():
             stepper.load_state_dict(state["optimizer"].get(name, {}))
 
@@ -1193,7 +1195,7 @@ def train_loop_per_worker(config: dict) -> dict:
         return ops.checkpoint(unwrap(model).state_dict(), optimized, epoch, history, partial)
     history = ops.track(model, optimizer, checkpoint_of, state)
     with ops:
-        for epoch in ops.epochs():  # to --epochs, unless a stop (SIGTERM, a check, --early-stop)
+        for epoch in ops.epochs():
             trained = train_epoch(model, optimizer, batches, cfg, worker, epoch, ops, schedule,
                                   scaler)
             if ops.stopped:
@@ -3415,7 +3417,7 @@ class Operations:
                  data=None):
         self.cfg, self.worker, self.store, self.options = cfg, worker, Store(launcher), options
         self.data, self.failed = (None, data) if isinstance(data, DataError) else (data, None)
-        if self.data and (train := self.data[0]) is not None:  # what the model is built for
+        if self.data and (train := self.data[0]) is not None:
             self.classes = class_names(train) if classifies(train) else []
             self.outputs, self.inputs = outputs(train, self.classes), input_shape(cfg, train)
         self.progress, self.agreement = Progress(cfg, worker, options), Agreement(cfg, worker)
@@ -3495,12 +3497,12 @@ class Operations:
         if self.stopped is None and (due or votes) and not last and self.store.checkpoint_of:
             if self.checked("save", f"at the save after step {step + 1} of epoch {epoch + 1}"):
                 self.store.save_within(epoch, step + 1, steps, losses, agreement, self.history,
-                                       self.worker.is_main)  # rank 0's checkpoint of it so far
+                                       self.worker.is_main)
                 agreement.saved(), self.progress.saved()
             if stop and self.stopped is None:  # not over a check's stop, which saved nothing
                 self.stopped = {"epoch": epoch + 1, "step": step + 1, "steps": steps,
                                 "by": sorted(stop)}
-        self.stop_votes |= stop  # at the epoch's end, with its checkpoint
+        self.stop_votes |= stop
         if self.stopped is not None:
             self.progress.shown(None)
         return self.stopped is not None
@@ -3710,7 +3712,7 @@ class GracefulStop:
         self.training, self.asked, self.heard = True, False, False
         return self
 
-    def __exit__(self, *error) -> None:  # nothing of the run it served stays behind
+    def __exit__(self, *error) -> None:
         self.training, self.on_ask = False, None
 
     def __call__(self, signum, frame) -> None:
@@ -3753,7 +3755,7 @@ def own_ray_watched(cfg: Config, stop: GracefulStop):
         return False
 
     def stopped() -> None:
-        with ending:  # once, from the watch or from the main thread
+        with ending:
             ours = []  # Ray Train's processes (its controller, its workers) that have not gone
             for process in me.children(recursive=True):
                 with contextlib.suppress(psutil.Error):
