@@ -4353,9 +4353,8 @@ class Console:
     """Rank 0's lines and progress bar: to the driver's Board under Ray, here under torchrun."""
 
     def __init__(self, options: LoopOptions, worker: Worker):
-        self.board, self.main, self.shown = options.board, worker.is_main, 0.0
+        self.board, self.main, self.shown, self.bar = options.board, worker.is_main, 0.0, Bar()
         self.progress_wanted = options.progress and worker.is_main
-        self.bar = Bar() if self.board is None else None
 
     def say(self, line: str) -> None:
         if self.main:
@@ -4373,24 +4372,21 @@ class Console:
             ask_board(self.board, "beat")
 
 
-class Progress:
-    """What a worker tells of its progress: rank 0's lines and bar, the ledger's clock, the
-    watchdog, and the driver's heartbeat with its stop (SIGTERM's too)."""
+class Progress(contextlib.ExitStack):
+    """Rank 0's lines and bar, the ledger's clock; held: SIGTERM's stop, the beat, the watchdog."""
 
     def __init__(self, cfg: Config, worker: Worker, options: LoopOptions):
+        super().__init__()
         self.cfg, self.worker, self.console = cfg, worker, Console(options, worker)
         board = options.board if worker.is_main and ask_board(options.board, "restarted") else None
         self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
-        self.watchdog, self.contexts = Watchdog(cfg, worker, options.board), contextlib.ExitStack()
+        self.watchdog = Watchdog(cfg, worker, options.board)
         self.ledger, self.lost, self.saved_count, self.tic, self.first_step = Ledger(), 0.0, 0, 0, 0
 
     def __enter__(self) -> "Progress":
         for context in filter(None, (self.stop, self.link, self.watchdog)):
-            self.contexts.enter_context(context)
+            self.enter_context(context)
         return self
-
-    def __exit__(self, *error) -> None:
-        self.contexts.close()
 
     def say(self, line: str) -> None:
         self.console.say(line)
@@ -4516,34 +4512,31 @@ def describe(cfg: Config, data: DataInfo, torchrun: bool = False) -> str:
     dropped = data.sizes[0] % cfg.batch_size  # check_batch_split: every rank's share is whole
     left_out = (f" ({plural(dropped, 'train sample')} left out per epoch: whole global batches "
                 f"only)" if dropped else "")
+    plain = cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum)
+    loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
+    switches = [(True, "plain SGD" if plain else "AdamW" if cfg.optimizer == "adamw"
+                 else f"SGD momentum {cfg.momentum}" if cfg.optimizer == "sgd"
+                 else f"optimizer {cfg.optimizer.rpartition(':')[2]}"),
+                (cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
+                (cfg.warmup_epochs, plural(cfg.warmup_epochs, "warm-up epoch")),
+                (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
+                (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}"),
+                (True, f"{plural(loaders, 'loader process')} per worker" if loaders
+                 else "batches indexed in memory"),
+                (cfg.accum_steps > 1,
+                 f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)"),
+                (cfg.sync_bn, "SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)")),
+                (cfg.amp, f"{cfg.amp} autocast" + " with a GradScaler" * (cfg.amp == "fp16")),
+                (cfg.compile, "torch.compile"),
+                (True, plural(cfg.threads, "thread") + " per worker")]
     return (f"ray-dp{' (torchrun)' if torchrun else ''}: {cfg.mode} {cfg.model} on {cfg.dataset} "
             f"({data.sizes[0]} train{''.join(f' + {n} val' for n in data.sizes[2:])} / "
             f"{data.sizes[1]} test{images(cfg, data)}), {workers}{extra}, "
             f"global batch {cfg.batch_size} = {cfg.micro_batch} per worker x "
             f"{plural(cfg.processes, 'worker')} x {cfg.accum_steps} accum{left_out}, lr {cfg.lr} "
-            f"({cfg.lr_schedule.rpartition(':')[2]}{own}), {', '.join(switches(cfg, data))}, "
+            f"({cfg.lr_schedule.rpartition(':')[2]}{own}), "
+            f"{', '.join(text for on, text in switches if on)}, "
             f"{plural(cfg.epochs, 'epoch')}, run dir {cfg.run_dir}")
-
-
-def switches(cfg: Config, data: DataInfo) -> list:
-    plain = cfg.mode == "scratch" or (cfg.optimizer == "sgd" and not cfg.momentum)
-    loaders = cfg.loader_workers if cfg.loader_workers is not None else 2 * data.per_sample
-    said = [(True, "plain SGD" if plain else "AdamW" if cfg.optimizer == "adamw"
-             else f"SGD momentum {cfg.momentum}" if cfg.optimizer == "sgd"
-             else f"optimizer {cfg.optimizer.rpartition(':')[2]}"),
-            (cfg.weight_decay, f"weight decay {cfg.weight_decay}"),
-            (cfg.warmup_epochs, plural(cfg.warmup_epochs, "warm-up epoch")),
-            (cfg.clip_grad_norm, f"gradient norm clipped at {cfg.clip_grad_norm}"),
-            (cfg.label_smoothing, f"label smoothing {cfg.label_smoothing}"),
-            (True, f"{plural(loaders, 'loader process')} per worker" if loaders
-             else "batches indexed in memory"),
-            (cfg.accum_steps > 1,
-             f"gradients all-reduced every {cfg.accum_steps} micro-batches (no_sync)"),
-            (cfg.sync_bn, "SyncBatchNorm" + ("" if cfg.gpu else " (ray_dp's, for gloo)")),
-            (cfg.amp, f"{cfg.amp} autocast" + " with a GradScaler" * (cfg.amp == "fp16")),
-            (cfg.compile, "torch.compile"),
-            (True, plural(cfg.threads, "thread") + " per worker")]
-    return [text for on, text in said if on]
 
 
 def images(cfg: Config, data: DataInfo) -> str:
