@@ -5469,18 +5469,16 @@ RAY_CHECKED, _noted = "2.60.0", set()
 
 
 def ray_internal(module: str, name: str):
-    try:
+    with contextlib.suppress(ImportError, AttributeError):
         return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
+    return None
 
 
 def internal_note(what: str, lost: str) -> None:
-    """One line, once per process: which of this Ray's internals ray_dp cannot use, what is lost.
-    (Not functools.cache: run as a script, functions travel to Ray's processes by value.)"""
+    """One line, once per process: which of this Ray's internals ray_dp cannot use, what is lost."""
     if (what, lost) in _noted:
         return
-    _noted.add((what, lost))
+    _noted.add((what, lost))  # not functools.cache: run as a script, functions travel by value
     checked = "" if ray.__version__ == RAY_CHECKED else f" (ray_dp was checked with {RAY_CHECKED})"
     print(f"note: ray_dp cannot use {what} of Ray {ray.__version__}{checked}: {lost}", flush=True)
 
@@ -5582,9 +5580,8 @@ def check_reachable(address: str) -> None:
     except (OSError, ValueError):
         where = (address if address != "auto" else "auto (none is recorded on this machine)"
                  if not resolved else f"{resolved} (--address auto found it on this machine)")
-        raise ConfigError(f"no Ray cluster answers at {where}: start one "
-                          f"(ray start --head, or ray up cluster.yaml), or drop --address to run "
-                          f"on this machine") from None
+        raise ConfigError(f"no Ray cluster answers at {where}: start one (ray start --head, or ray "
+                          f"up cluster.yaml), or drop --address to run on this machine") from None
 
 
 def set_ray_train_knobs(cfg: Config) -> None:
@@ -5771,13 +5768,12 @@ def doctor(cfg: Config, hang_timeout: float) -> bool:
             print(f"skipped {name:<10} (needs {needs})", flush=True)
             continue
         try:
-            ok, says = True, run()
+            says, passed = run(), passed | {name}
         except (ConfigError, DataError) as exc:
-            ok, says = False, str(exc)
+            says = str(exc)
         except Exception as exc:
-            ok, says = False, f"{first_line(exc)} (the check itself failed)"
-        passed.update([name] if ok else [])
-        print(f"{'ok' if ok else 'FAILED':<7} {name:<10} {says}", flush=True)
+            says = f"{first_line(exc)} (the check itself failed)"
+        print(f"{'ok' if name in passed else 'FAILED':<7} {name:<10} {says}", flush=True)
     failed, seconds = len(checks) - len(passed), time.time() - started
     if not os.path.isfile(log):  # only a failed workers check writes it
         shutil.rmtree(check.logs, ignore_errors=True)
