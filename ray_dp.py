@@ -3891,11 +3891,10 @@ def replica_state(model, optimizer, stage: str) -> list:
 def replicas_digest(named: list, worker: Worker) -> tuple:
     """This rank's tensor hashes, and its digest in its two slots of 2 x world (zeros elsewhere)."""
     hashes = tensor_hashes(named, worker.device)
-    slots = torch.zeros(2 * worker.world, dtype=torch.float64, device=worker.device)
     folded = digest(hashes)  # as two 48-bit integers: exact in the agreement's float64 all-reduce
-    slots[2 * worker.rank:2 * worker.rank + 2] = torch.tensor(
-        [int.from_bytes(folded[:6], "big"), int.from_bytes(folded[6:], "big")], dtype=torch.float64)
-    return hashes, slots
+    slots = torch.zeros(worker.world, 2, dtype=torch.float64, device=worker.device)
+    slots[worker.rank] = torch.tensor([int.from_bytes(folded[i:i + 6], "big") for i in (0, 6)])
+    return hashes, slots.ravel()
 
 
 def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Worker, where: str,
@@ -3907,9 +3906,7 @@ def compare_replicas(named: list, hashes: torch.Tensor, slots: list, worker: Wor
         return
     common = max(prints, key=lambda p: (prints.count(p), p == prints[0]))
     odd, reference = [r for r, p in enumerate(prints) if p != common], prints.index(common)
-    rows = torch.zeros(worker.world, *hashes.shape, dtype=torch.int64, device=worker.device)
-    rows[worker.rank] = hashes
-    rows = all_reduce_sum(rows)
+    rows = all_reduce_sum(torch.stack([hashes * (r == worker.rank) for r in range(worker.world)]))
     first = next((name for (name, _), mine, theirs in zip(named, rows[odd[0]], rows[reference])
                   if not torch.equal(mine, theirs)), "a tensor")
     ranks = f"rank{'s' * (len(odd) > 1)} {', '.join(map(str, odd))}"
@@ -3937,11 +3934,10 @@ def certificate(state: dict) -> dict:
 
 
 def flat_items(tree, prefix: str = "") -> list:
-    if isinstance(tree, (list, tuple)):
-        tree = dict(enumerate(tree))
-    if not isinstance(tree, dict):
+    items = dict(enumerate(tree)) if isinstance(tree, (list, tuple)) else tree
+    if not isinstance(items, dict):
         return [(prefix, tree)]
-    return [item for key, value in tree.items() for item in flat_items(value, f"{prefix}/{key}")]
+    return [item for key, value in items.items() for item in flat_items(value, f"{prefix}/{key}")]
 
 
 def uncertified(state: dict, now: Optional[dict] = None) -> Optional[list]:
@@ -3990,8 +3986,8 @@ def straggler_note(window: list, worker_ranks: int) -> Optional[str]:
 
 
 class Check:
-    """A health check in the ranks' agreement: its named slots in each one, read back by name; a
-    stop is its one-line error (each method's default: nothing)."""
+    """A health check in the ranks' agreement: slots() its named slots in each one, read() them
+    back by name: (a stop's one-line error, a note). The other methods' default: nothing."""
 
     name, count = "check", 0
 
@@ -4000,12 +3996,6 @@ class Check:
 
     def due(self, steps_done: int) -> bool:
         return False
-
-    def slots(self, checking: bool, step_seconds: float, agreement: "Agreement") -> dict:
-        return {}
-
-    def read(self, totals: dict, where: str, tic: float, agreement: "Agreement") -> tuple:
-        return None, None  # (the run's error, a note)
 
     def at_save(self, stage: str, where: str) -> Optional[str]:
         return None
@@ -4023,7 +4013,7 @@ class ReplicaCheck(Check):
         self.forward = (ForwardClock(self.model, worker.device)
                         if isinstance(self.model, nn.Module) and not cfg.compile else None)
         every = {"off": "0", "auto": "1"}.get(cfg.check_replicas, cfg.check_replicas)
-        self.every = 0 if model is None or worker.world == 1 else int(every)
+        self.every = int(every) if worker.world > 1 else 0
         self.seconds, self.last, self.slow, self.noted, self.named = 0.0, 0, [], False, None
 
     def due(self, steps_done: int) -> bool:
@@ -4036,8 +4026,7 @@ class ReplicaCheck(Check):
         interval = (max(math.ceil(self.seconds / (CHECK_SHARE * step_seconds)), 1)
                     if self.cfg.check_replicas == "auto" else self.every)
         self.named = replica_state(self.model, self.optimizer, "step") if checking else None
-        self.hashes, digests = (replicas_digest(self.named, self.worker) if checking
-                                else (None, forward[:0]))
+        self.hashes, digests = replicas_digest(self.named, self.worker) if checking else (None, [])
         return {"forward seconds": forward, "digests": digests,
                 "check interval": [interval if self.worker.is_main else 0]}
 
@@ -4054,8 +4043,7 @@ class ReplicaCheck(Check):
         return self.compared(self.named, self.hashes, totals["digests"], where), note
 
     def at_save(self, stage: str, where: str) -> Optional[str]:
-        """At a save, before rank 0 writes: the replicas, and at `stage` the buffers or the
-        optimizer's state too (replica_state)."""
+        """At a save, before rank 0 writes: what replica_state holds alike at `stage`."""
         if not self.every:
             return None
         named = replica_state(self.model, self.optimizer, stage)
@@ -4186,8 +4174,7 @@ def record_ledger(cfg: Config, out: Optional[dict], board) -> dict:
     """This command's ledger plus its run's earlier commands' (ledger.json, written back)."""
     failed = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json")).get("failures", 0)
     attempts = ask_board(board, "ledgers") or []
-    if out is not None:
-        attempts = [*attempts[:-1], out["ledger"]]
+    attempts = attempts if out is None else [*attempts[:-1], out["ledger"]]
     path, before = os.path.join(cfg.run_dir, "ledger.json"), None
     with contextlib.suppress(OSError, ValueError):
         before = json.loads(read_stored(path))
