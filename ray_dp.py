@@ -3922,22 +3922,21 @@ CERTIFIED = ("model", "optimizer", "history", "data position")
 def certificate(state: dict) -> dict:
     """A digest of each part of a checkpoint a resume restores (CERTIFIED); the data position: the
     epoch, --seed, a mid-epoch save's step, samples and loss sums (the random streams follow)."""
+    def flat(tree, prefix: str = "") -> list:
+        items = dict(enumerate(tree)) if isinstance(tree, (list, tuple)) else tree
+        if not isinstance(items, dict):
+            return [(prefix, tree)]
+        return [item for key, value in items.items() for item in flat(value, f"{prefix}/{key}")]
+
     def of(tree) -> str:
         tensors, values = [], []
-        for key, value in sorted(flat_items(tree), key=lambda item: item[0]):
+        for key, value in sorted(flat(tree), key=lambda item: item[0]):
             (tensors if torch.is_tensor(value) else values).append((key, value))
         return digest(tensor_hashes(tensors, torch.device("cpu")), repr(values)).hex()
     position = {"epoch": state["epoch"], "seed": state["config"].get("seed", 0),
                 **(state.get("partial") or {})}
     return dict(zip(CERTIFIED, map(of, (state["model"], state["optimizer"], state["history"],
                                         position))))
-
-
-def flat_items(tree, prefix: str = "") -> list:
-    items = dict(enumerate(tree)) if isinstance(tree, (list, tuple)) else tree
-    if not isinstance(items, dict):
-        return [(prefix, tree)]
-    return [item for key, value in items.items() for item in flat_items(value, f"{prefix}/{key}")]
 
 
 def uncertified(state: dict, now: Optional[dict] = None) -> Optional[list]:
@@ -4080,11 +4079,10 @@ class NonFiniteLoss(Check):
         return {"first non-finite loss": firsts}
 
     def read(self, totals: dict, where: str, tic: float, agreement: "Agreement") -> tuple:
-        found = sorted((int(done), rank)
-                       for rank, done in enumerate(totals["first non-finite loss"]) if done)
-        if not found:
+        done, rank = min(((int(done), rank) for rank, done in
+                          enumerate(totals["first non-finite loss"]) if done), default=(0, 0))
+        if not done:
             return None, None
-        done, rank = found[0]
         return (f"the loss is not finite from step {(done - 1) % self.steps + 1} of epoch "
                 f"{(done - 1) // self.steps + 1} (the run's step {done}) on rank {rank}: nothing "
                 f"is saved from it, and the same command resumes from the last checkpoint"), None
@@ -4260,7 +4258,7 @@ def hang_report(cfg: Config, error: BaseException) -> Optional[str]:
                 continue
             status = json.loads(read_stored(f"{folder}/rank{rank}.json"))["pg_status"]
             reached[rank] = int(status["0"]["last_enqueued_collective"])
-    if len(reached) < 2 or len(set(reached.values())) == 1:
+    if len(set(reached.values())) < 2:
         return None
     behind = [rank for rank, count in reached.items() if count == min(reached.values())]
     return (f"rank {', '.join(map(str, behind))} did not come to collective "
