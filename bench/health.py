@@ -113,7 +113,7 @@ def rank_figures(repeats):
         torch.manual_seed(0)
         model = ray_dp.wrap_model(ray_dp.on_device(ray_dp.build_model("lenet", (1, 28, 28)), CPU, "lenet"), CPU)
         optimizer = ray_dp.build_optimizer(cfg, model)
-        checks = ray_dp.replace(cfg, check_replicas="off" if "checks off" in label else "auto")
+        checks = ray_dp.replace(cfg, check_replicas="auto" if "defaults" in label else "off")
         checkpointer = ray_dp.Operations(checks, worker)  # told of no model: health off
         checkpointer.track(None if label == "health off" else model, optimizer, None, None)
         runs[label] = [model, optimizer, ray_dp.train_batches(train, cfg, worker.rank, world, CPU), checkpointer, []]
