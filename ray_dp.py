@@ -4060,12 +4060,15 @@ class ReplicaCheck(Check):
 
 class NonFiniteLoss(Check):
     """A loss that is not finite (NaN, inf) stops the run at the next agreement on every rank,
-    naming where it first appeared: nothing is saved from it on (Lightning's terminate-on-NaN)."""
+    naming where it first appeared, and weights that are not finite at a save: nothing is saved
+    from them on (Lightning's terminate-on-NaN)."""
 
     name = "loss"
 
     def __init__(self, cfg: Config, worker: Worker, model, optimizer):
         self.worker, self.steps = worker, 1
+        self.params = (list(unwrap(model).named_parameters()) if isinstance(model, nn.Module)
+                       else [(f"params[{i}]", p) for i, p in enumerate(model or [])])
         self.first = torch.zeros((), dtype=torch.float64, device=worker.device)
 
     def stepped(self, done: int, steps: int, losses: EpochLoss) -> None:
@@ -4086,6 +4089,20 @@ class NonFiniteLoss(Check):
         return (f"the loss is not finite from step {(done - 1) % self.steps + 1} of epoch "
                 f"{(done - 1) // self.steps + 1} (the run's step {done}) on rank {rank}: nothing "
                 f"is saved from it, and the same command resumes from the last checkpoint"), None
+
+    def at_save(self, stage: str, where: str) -> Optional[str]:
+        """Weights that are not finite (a gradient that was, with a finite loss) are not saved."""
+        finite = torch.stack([p.detach().isfinite().all() for _, p in self.params] or [
+            torch.tensor(True, device=self.worker.device)])
+        bad = torch.zeros(self.worker.world, dtype=torch.float64, device=self.worker.device)
+        bad[self.worker.rank] = (~finite).any().double()
+        if not (ranks := [rank for rank, b in enumerate(all_reduce_sum(bad).tolist()) if b]):
+            return None
+        first = next((f", first {name}" for (name, _), ok in zip(self.params, finite)
+                      if not ok), "")
+        return (f"the weights are not finite {where} on rank {ranks[0]}{first} (a gradient was "
+                f"not, though the loss was): nothing is saved from them, and the same command "
+                f"resumes from the last checkpoint")
 
 
 HEALTH_CHECKS = (ReplicaCheck, NonFiniteLoss)  # each one's slots ride on every agreement

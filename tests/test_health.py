@@ -557,6 +557,34 @@ class NaNAt(nn.Module):
 """
 
 
+GRAD_NAN_AT = """
+import torch, torch.nn as nn
+class Poison(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+class GradNaNAt(nn.Module):
+    '''A user's model whose rank 1 gives NaN gradients (a finite loss) in its 20th training pass (step 8 of epoch 2),
+    unless fixed: DDP's all-reduce makes every rank's weights NaN.'''
+    fixed = False
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.calls = nn.Linear(784, 10), 0
+
+    def forward(self, x):
+        self.calls += self.training
+        out = self.layer(x.flatten(1))
+        broken = self.calls == 20 and not self.fixed and torch.distributed.get_rank() == 1
+        return Poison.apply(out) if broken else out
+"""
+
+
 def nan_then_fixed(cfg):
     saves = Saves()
     stopped = train_worker(cfg, here(), saves, ray_dp.LoopOptions(), {})["stopped"]
@@ -578,3 +606,16 @@ def test_a_loss_that_turns_nan_stops_every_rank_naming_where_and_the_fixed_model
         "the same command resumes from the last checkpoint")}
     assert saved == [(1, 4), (1, 8), (1, 0), (2, 4), (2, 8)]  # none from step 10 of epoch 2 on
     assert resumed["from"] == "epoch 2, step 8" and resumed["certified"] and again is None and epochs == 3
+
+
+def test_weights_made_nan_by_a_gradient_under_a_finite_loss_are_not_saved_and_the_fixed_model_resumes(tmp_path):
+    (tmp_path / "grad_nan.py").write_text(GRAD_NAN_AT)
+    cfg = ray_dp.with_absolute_paths(ray_dp.Config(
+        model=f"{tmp_path}/grad_nan.py:GradNaNAt", dataset="synthetic", synthetic_size=96, batch_size=8, epochs=3,
+        workers=2, checkpoint_every="4", quiet=True, name="grad-nan", storage_path=str(tmp_path)))  # 12 steps an epoch
+    (stopped, saved, resumed, again, epochs), other = run_distributed(nan_then_fixed, 2, cfg)
+    assert stopped == other[0] == {"by": ["loss"], "error": (
+        "the weights are not finite at the save after step 8 of epoch 2 on rank 0, first layer.weight (a gradient was "
+        "not, though the loss was): nothing is saved from them, and the same command resumes from the last checkpoint")}
+    assert saved == [(1, 4), (1, 8), (1, 0), (2, 4)]  # the save that found them wrote nothing
+    assert resumed["from"] == "epoch 2, step 4" and resumed["certified"] and again is None and epochs == 3
