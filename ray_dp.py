@@ -3111,10 +3111,10 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     write_ledger_events(cfg, ledger, last)
     checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(last), CHECKPOINT_FILE)
     best = best_epoch(history, cfg.best_by)
+    best = best and {"epoch": best["epoch"], "metric": cfg.best_by, "value": best[cfg.best_by],
+                     "checkpoint": os.path.join(cfg.run_dir, BEST_CHECKPOINT)}
     summary = run_record(
-        cfg, history[-1], out, checkpoint, epochs=history, best={
-            "epoch": best["epoch"], "metric": cfg.best_by, "value": best[cfg.best_by],
-            "checkpoint": os.path.join(cfg.run_dir, BEST_CHECKPOINT)} if best else None,
+        cfg, history[-1], out, checkpoint, epochs=history, best=best,
         sec_per_epoch=statistics.median(m["epoch_seconds"] for m in whole),
         samples_per_second=statistics.median(m["samples_per_second"] for m in timed),
         **{key: out[key] for key in ("started_at_epoch", "node_ranks", "first_step_at")},
@@ -3209,11 +3209,10 @@ def storage_full(cfg: Config, error: Optional[BaseException] = None) -> str:
     places = ([("", error.filename)] if getattr(error, "filename", None) else
               [("--storage-path ", cfg.storage_path), ("--logdir ", cfg.logdir)])
     free = []
-    for flag, path in places:
-        existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
-        if not is_uri(str(path)) and existing is not None:
-            with contextlib.suppress(OSError):
-                free.append((shutil.disk_usage(existing).free, flag, path))
+    for flag, path in [(flag, path) for flag, path in places if not is_uri(str(path))]:
+        with contextlib.suppress(OSError, StopIteration):
+            existing = next(p for p in [Path(path), *Path(path).parents] if p.exists())
+            free.append((shutil.disk_usage(existing).free, flag, path))
     left, flag, path = min(free, key=lambda item: item[0], default=(None, *places[0]))
     where = f"no space left on the device of {flag}{path}"  # --storage-path's on a tie
     where += f" ({tqdm.format_sizeof(left, 'B')} free)" if free else ""
@@ -3277,24 +3276,20 @@ def describe_worker_failures(failures: dict, node_ips: dict) -> str:
                for error in failures.values()]
     if not failures or all(stopped):
         return stopped[0][0] if failures else ""
+
+    def on_node(rank: int) -> str:
+        found = re.search(r"node_ip='([^']+)'", str(failures.get(rank, "")))
+        return f" on {ip}" if (ip := node_ips.get(rank) or (found[1] if found else "")) else ""
     lost = {rank for rank, error in failures.items() if type(error).__name__ == HEALTH_CHECK_ERROR}
     if not lost and all(PEER_LOST.search(str(error)) for error in failures.values()):
         lost = set(node_ips) - set(failures)
     if lost:
-        where = ", ".join(f"rank {rank}{on_node(rank, node_ips, failures.get(rank, ''))}"
-                          for rank in sorted(lost))
+        where = ", ".join(f"rank {rank}{on_node(rank)}" for rank in sorted(lost))
         memory = any(RAY_OOM_KILLED.search(str(failures.get(rank, ""))) for rank in lost)
         return (f"lost worker {where} "
                 f"({'killed: out of memory' if memory else 'its process or node died'})")
     rank = min(failures)
-    return (f"worker rank {rank}{on_node(rank, node_ips, failures[rank])} failed: "
-            f"{first_line(failures[rank])}")
-
-
-def on_node(rank: int, node_ips: dict, error) -> str:
-    found = re.search(r"node_ip='([^']+)'", str(error))
-    ip = node_ips.get(rank) or (found[1] if found else "")
-    return f" on {ip}" if ip else ""
+    return f"worker rank {rank}{on_node(rank)} failed: {first_line(failures[rank])}"
 
 
 def describe_training_error(error: ray.train.TrainingFailedError, node_ips: dict) -> str:
@@ -5104,9 +5099,11 @@ def store_problem(uri: str, access: str) -> Optional[str]:
         return str(exc).splitlines()[0]
     except (OSError, ArrowException) as exc:
         reason = " ".join(str(exc).split())
+    text = (re.findall(r"AWS Error.*|(?<=underlying error message was: ).*", reason) or [reason])[0]
+    error = re.split(r" \(Request ID|; Details| error_info=", text)[0][:200].rstrip(": .")
     if re.search(r"ACCESS_DENIED|INVALID_ACCESS_KEY|SIGNATURE|FORBIDDEN|(?<![:\d])403(?!\d)",
                  reason):  # HTTP 403, not the digits of a port
-        return (f"the store{at} refused access to bucket '{bucket}' ({store_error(reason)}): "
+        return (f"the store{at} refused access to bucket '{bucket}' ({error}): "
                 f"check the credentials this machine uses (AWS_ACCESS_KEY_ID and "
                 f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or its IAM role) and that they may "
                 f"{'read and write' if access == 'write' else 'read'} the bucket")
@@ -5115,13 +5112,7 @@ def store_problem(uri: str, access: str) -> Optional[str]:
                 f"{' and AWS_ENDPOINT_URL' if at else aws}")
     check = ("that the store runs there" if at else f"this machine's network{aws}" if aws
              else "this machine's network and credentials")
-    return f"bucket '{bucket}'{at} cannot be reached ({store_error(reason)}): check {check}"
-
-
-def store_error(reason: str) -> str:
-    named = re.search(r"AWS Error.*|(?<=underlying error message was: ).*", reason)
-    named = named.group() if named else reason
-    return re.split(r" \(Request ID|; Details| error_info=", named)[0][:200].rstrip(": .")
+    return f"bucket '{bucket}'{at} cannot be reached ({error}): check {check}"
 
 
 class StoredImageFolder(torch.utils.data.Dataset):
