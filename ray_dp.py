@@ -3039,7 +3039,6 @@ def write_json(path: str, data: dict) -> None:
 
 
 def write_csv(path: str, rows: list) -> None:
-    """Rows, the header first, as a CSV written whole (a file or an object)."""
     import csv
     text = io.StringIO()
     csv.writer(text).writerows(rows)
@@ -3067,7 +3066,7 @@ def write_stored(path: str, data: bytes) -> None:
             os.unlink(path + ".tmp")
         raise
     for part in [folder, *(os.path.dirname(str(new)) for new in made)]:
-        with contextlib.suppress(OSError), contextlib.ExitStack() as opened:  # may be unreadable
+        with contextlib.suppress(OSError), contextlib.ExitStack() as opened:
             descriptor = os.open(part, os.O_RDONLY)
             opened.callback(os.close, descriptor)
             os.fsync(descriptor)
@@ -3358,8 +3357,7 @@ class FailureLog(ray.train.UserCallback):
             self.say(f"ray-dp: {message}")
         self.events.append({"at": time.time(), **event})
         try:
-            write_json(os.path.join(self.logs, "recovery.json"),
-                       {"events": self.before + self.events})
+            write_json(f"{self.logs}/recovery.json", {"events": self.before + self.events})
         except OSError as exc:
             if not self.save_failed:
                 self.say(f"ray-dp: cannot write {self.logs}/recovery.json ({exc}); training goes "
@@ -5174,11 +5172,8 @@ def stored_image(uri: str, data_dir: str) -> bytes:
 
 def remove_stored(path: str) -> None:
     storage, where = files_at(path)
-    kind = storage.get_file_info(where).type
-    if kind == fs.FileType.Directory:
-        storage.delete_dir(where)
-    elif kind == fs.FileType.File:
-        storage.delete_file(where)
+    if (kind := storage.get_file_info(where).type) in (fs.FileType.File, fs.FileType.Directory):
+        (storage.delete_dir if kind == fs.FileType.Directory else storage.delete_file)(where)
 
 
 # ==================================================================================================
