@@ -3178,7 +3178,6 @@ class RunFailed(RuntimeError):
 
 
 def record_failure(cfg: Config, error: ray.train.TrainingFailedError, board=None) -> str:
-    """result.json, ray.log and the ledger of a failed run; the one-line reason."""
     logs = local_run_dir(cfg)
     recovery = recovery_summary(os.path.join(logs, "recovery.json"))
     failed = [e for e in recovery.get("events", []) if e["event"] == "failed"]
