@@ -2349,13 +2349,13 @@ def user_code(spec: str, flag: str):
                               f".py)") from None
         raise ConfigError(f"{typed} {spec}: {where} fails to import: {first_line(exc)}") from None
     if not hasattr(module, name):
-        names = {n.lower(): n for n, value in vars(module).items()  # Mlp: MLP; no module (np)
+        names = {n.lower(): n for n, value in vars(module).items()
                  if n[0] != "_" and not inspect.ismodule(value)}
         close = [names[n] for n in difflib.get_close_matches(name.lower(), names, n=1)]
         raise ConfigError(f"{typed} {spec}: {where} has no {name}"
                           + (f"; did you mean {close[0]}?" if close else ""))
     CODE[spec] = getattr(module, name)
-    travels(sys.modules.get(getattr(CODE[spec], "__module__", None)))  # re-exported: its home too
+    travels(sys.modules.get(getattr(CODE[spec], "__module__", None)))  # re-exported: its home
     return CODE[spec]
 
 
@@ -2372,7 +2372,7 @@ def load_module(where: str):
         loader.loader.exec_module(module)
     finally:
         sys.path.remove(folder)
-    for imported in {name} | set(sys.modules) - before:  # and what it imported, not installed
+    for imported in {name} | set(sys.modules) - before:
         travels(sys.modules[imported])
     return module
 
@@ -2428,14 +2428,8 @@ def your_datasets(cfg: Config) -> tuple:
     return tuple(data)
 
 
-def takes_arguments(function, name: str) -> bool:
-    return any(p.kind == p.VAR_KEYWORD or p.name == name
-               for p in inspect.signature(function).parameters.values())
-
-
 def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
-    """--optimizer FILE.py:NAME: a class called (params, lr=--lr), or (params, cfg) -> one; else
-    None."""
+    """--optimizer FILE.py:NAME: a class called (params, lr=--lr), or (params, cfg) -> one."""
     if not is_code(cfg.optimizer):
         return None
     made = user_code(cfg.optimizer, "optimizer")
@@ -2449,8 +2443,7 @@ def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
 
 
 def own_loss(cfg: Config):
-    """--loss FILE.py:NAME on a regression's output shaped as its target, per-sample values
-    averaged by count."""
+    """--loss FILE.py:NAME, a regression's output shaped as its target, per-sample ones averaged."""
     loss = user_code(cfg.loss, "loss")
     with failing(ConfigError, lambda why: f"--loss {cfg.loss} cannot be made without arguments "
                  f"({why}): give its arguments defaults, or name a function"):
@@ -2504,7 +2497,7 @@ def source_text(value) -> bytes:
         if isinstance(part, (list, tuple, dict)):
             return [made(item) for item in (part.items() if isinstance(part, dict) else part)]
         try:
-            return re.sub(r" at 0x[0-9a-f]+", "", repr(part))  # an address differs per process
+            return re.sub(r" at 0x[0-9a-f]+", "", repr(part))
         except Exception:
             return type(part).__qualname__
     if not isinstance(value, type):
@@ -2540,10 +2533,10 @@ def load_folder(cfg: Config) -> tuple:
         train, val = (folder(f"{root}/{split}", transform)
                       for split, transform in zip(("train", "val"), image_transforms(cfg)))
     if train.classes != val.classes:
-        only_train = sorted(set(train.classes) - set(val.classes)) or "none"
-        only_val = sorted(set(val.classes) - set(train.classes)) or "none"
+        only = [sorted(set(one.classes) - set(other.classes)) or "none"
+                for one, other in ((train, val), (val, train))]
         raise DataError(f"--data-dir {root}: train/ and val/ must hold the same classes; only in "
-                        f"train/: {only_train}, only in val/: {only_val}")
+                        f"train/: {only[0]}, only in val/: {only[1]}")
     return train, val
 
 
@@ -2563,7 +2556,6 @@ IMAGENET_STATISTICS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
 
 def image_transforms(cfg: Config) -> tuple:
-    """(train, eval) transforms at --image-size: crop + flip with --augment, else resize + crop."""
     from torchvision import transforms as T
     size = cfg.image_size or MODEL_IMAGE_SIZE.get(cfg.model, 224)
     fixed = [T.Resize(size), T.CenterCrop(size)]
@@ -2574,13 +2566,13 @@ def image_transforms(cfg: Config) -> tuple:
 
 def with_data_statistics(cfg: Config, train_set) -> Config:
     """--dataset folder's normalisation for the config: ImageNet's with --weights, else its own."""
-    if cfg.normalize or cfg.weights:  # decided already (a rerun's), or ImageNet's for its weights
+    if cfg.normalize or cfg.weights:  # a rerun's, or ImageNet's for its weights
         return replace(cfg, normalize=cfg.normalize or IMAGENET_STATISTICS)
     picked = torch.linspace(0, len(train_set) - 1, 500).long().unique().tolist()
-    with torch.random.fork_rng():  # the augmentation's crops: the same statistics on every run
-        torch.manual_seed(cfg.seed)  # one batch (object storage: its images fetched at once)
+    with torch.random.fork_rng():  # the same crops every run: from --seed, not a loader's seed
+        torch.manual_seed(cfg.seed)
         loader = DataLoader(train_set, batch_size=len(picked), sampler=picked,
-                            generator=torch.Generator())  # its seed not drawn from the crops'
+                            generator=torch.Generator())
         sample = next(iter(loader))[0]
     mean, std = sample.mean((0, 2, 3)), sample.std((0, 2, 3)).clamp_min(1e-3)
     return replace(cfg, normalize=tuple([round(v, 4) for v in t.tolist()] for t in (mean, std)))
@@ -2588,10 +2580,6 @@ def with_data_statistics(cfg: Config, train_set) -> Config:
 
 class EpochKeys(ResumableSampler):
     """`sampler`'s indices as (epoch, index) keys: the epoch rides along to the loader processes."""
-
-    def __init__(self, sampler: ResumableSampler):
-        super().__init__(sampler.dataset, sampler.num_replicas, sampler.rank, sampler.shuffle,
-                         sampler.seed, sampler.drop_last)
 
     def __iter__(self):
         return ((self.epoch, index) for index in super().__iter__())
@@ -2615,7 +2603,8 @@ class SampleStreams(torch.utils.data.Dataset):
 
 
 def per_sample(data, sampler: ResumableSampler, seed: int) -> tuple:
-    return SampleStreams(data, seed), EpochKeys(sampler)
+    return SampleStreams(data, seed), EpochKeys(sampler.dataset, sampler.num_replicas, sampler.rank,
+                                                sampler.shuffle, sampler.seed, sampler.drop_last)
 
 
 TORCHVISION = "torchvision."  # torchvision.resnet18: torchvision's, which ray_dp's name shadows
@@ -2633,29 +2622,18 @@ def torchvision_names() -> list:
     return [TORCHVISION + name if name in MODELS else name for name in torchvision_models()]
 
 
-def with_input_channels(net: nn.Module, channels: int) -> nn.Module:
-    """A torchvision model's first convolution made anew for `channels` (it takes 3)."""
-    convs = [(module, name, child) for module in net.modules()
-             for name, child in module.named_children()
-             if isinstance(child, nn.Conv2d) and child.in_channels == 3]
-    if channels != 3 and convs:
-        module, name, child = convs[0]
-        setattr(module, name, nn.Conv2d(channels, child.out_channels, child.kernel_size,
-                                        child.stride, child.padding, child.dilation,
-                                        child.groups, child.bias is not None))
-    return net
-
-
 def named_model(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
     """Yours (given those of num_classes and sample_shape it takes), else torchvision's."""
     if is_code(name):
         build = user_code(name, "model")
         given = {"num_classes": num_classes, "sample_shape": sample_shape}
-        net = build(**{k: v for k, v in given.items() if takes_arguments(build, k)})
+        takes = inspect.signature(build).parameters.values()
+        net = build(**{key: value for key, value in given.items()
+                       if any(p.kind == p.VAR_KEYWORD or p.name == key for p in takes)})
         if not isinstance(net, nn.Module):
             raise ConfigError(f"--model {name} returned {type(net).__name__}, not an nn.Module")
-        if any(nn.parameter.is_lazy(p) for p in net.parameters()):  # nn.LazyLinear: shaped by
-            with torch.no_grad():  # a first forward pass, drawn from the seed alike on every rank
+        if any(nn.parameter.is_lazy(p) for p in net.parameters()):  # drawn from --seed, here
+            with torch.no_grad():
                 net.eval()(torch.zeros(2, *sample_shape))
             net.train()
         return net
@@ -2663,16 +2641,23 @@ def named_model(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
     name = name.removeprefix(TORCHVISION)
     net = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
                                        **TORCHVISION_OPTIONS.get(name, {}))
-    return with_input_channels(net, sample_shape[0])
+    first = sample_shape[0] != 3 and next(
+        ((parent, attr, conv) for parent in net.modules() for attr, conv in parent.named_children()
+         if isinstance(conv, nn.Conv2d) and conv.in_channels == 3), None)
+    if first:
+        parent, attr, conv = first
+        setattr(parent, attr, nn.Conv2d(sample_shape[0], conv.out_channels, conv.kernel_size,
+                                        conv.stride, conv.padding, conv.dilation, conv.groups,
+                                        conv.bias is not None))
+    return net
 
 
 def model_outline(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
-    """The model without its memory (meta device), for questions about its shape."""
     try:
         with torch.device("meta"):
             return build_model(name, sample_shape, num_classes)
-    except (NotImplementedError, RuntimeError):  # a few compute their layout from values (RegNets,
-        return build_model(name, sample_shape, num_classes)  # timm's .item() of drop rates)
+    except (NotImplementedError, RuntimeError):  # RegNets, timm's: a layout computed from values
+        return build_model(name, sample_shape, num_classes)
 
 
 def has_batchnorm(name: str, sample_shape: tuple = (3, 32, 32), outputs: int = NUM_CLASSES) -> bool:
