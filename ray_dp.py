@@ -2355,7 +2355,7 @@ def user_code(spec: str, flag: str):
         raise ConfigError(f"{typed} {spec}: {where} has no {name}"
                           + (f"; did you mean {close[0]}?" if close else ""))
     CODE[spec] = getattr(module, name)
-    travels(sys.modules.get(getattr(CODE[spec], "__module__", None)))  # re-exported: its home
+    travels(sys.modules.get(getattr(CODE[spec], "__module__", None)))
     return CODE[spec]
 
 
@@ -2415,7 +2415,6 @@ def your_data(spec: str, flag: str, cfg: Config):
 
 
 def your_datasets(cfg: Config) -> tuple:
-    """--dataset FILE.py:NAME's (train, test), each a data set of (input, target) pairs."""
     data = your_data(cfg.dataset, "dataset", cfg)
     if not (isinstance(data, (tuple, list)) and len(data) == 2
             and all(hasattr(split, "__getitem__") and hasattr(split, "__len__") for split in data)):
@@ -2429,7 +2428,6 @@ def your_datasets(cfg: Config) -> tuple:
 
 
 def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
-    """--optimizer FILE.py:NAME: a class called (params, lr=--lr), or (params, cfg) -> one."""
     if not is_code(cfg.optimizer):
         return None
     made = user_code(cfg.optimizer, "optimizer")
@@ -2443,7 +2441,6 @@ def own_optimizer(cfg: Config, groups: list) -> torch.optim.Optimizer:
 
 
 def own_loss(cfg: Config):
-    """--loss FILE.py:NAME, a regression's output shaped as its target, per-sample ones averaged."""
     loss = user_code(cfg.loss, "loss")
     with failing(ConfigError, lambda why: f"--loss {cfg.loss} cannot be made without arguments "
                  f"({why}): give its arguments defaults, or name a function"):
@@ -2458,7 +2455,6 @@ def own_loss(cfg: Config):
 
 
 def own_schedule(cfg: Config, optimizer, steps_per_epoch: int):
-    """--lr-schedule FILE.py:NAME (optimizer, cfg, steps_per_epoch) -> LRScheduler; else None."""
     if not is_code(cfg.lr_schedule):
         return None
     schedule = user_code(cfg.lr_schedule, "lr_schedule")(optimizer, cfg, steps_per_epoch)
@@ -2566,7 +2562,7 @@ def image_transforms(cfg: Config) -> tuple:
 
 def with_data_statistics(cfg: Config, train_set) -> Config:
     """--dataset folder's normalisation for the config: ImageNet's with --weights, else its own."""
-    if cfg.normalize or cfg.weights:  # a rerun's, or ImageNet's for its weights
+    if cfg.normalize or cfg.weights:
         return replace(cfg, normalize=cfg.normalize or IMAGENET_STATISTICS)
     picked = torch.linspace(0, len(train_set) - 1, 500).long().unique().tolist()
     with torch.random.fork_rng():  # the same crops every run: from --seed, not a loader's seed
@@ -2632,7 +2628,7 @@ def named_model(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
                        if any(p.kind == p.VAR_KEYWORD or p.name == key for p in takes)})
         if not isinstance(net, nn.Module):
             raise ConfigError(f"--model {name} returned {type(net).__name__}, not an nn.Module")
-        if any(nn.parameter.is_lazy(p) for p in net.parameters()):  # drawn from --seed, here
+        if any(nn.parameter.is_lazy(p) for p in net.parameters()):
             with torch.no_grad():
                 net.eval()(torch.zeros(2, *sample_shape))
             net.train()
@@ -5164,10 +5160,8 @@ def remove_stored(path: str) -> None:
 # Data on disk and on many nodes: downloads, one list of samples for the run, each node checked.
 # ==================================================================================================
 
-
 def load_torchvision(dataset_class, root: str, download: bool) -> tuple:
-    """A torchvision data set as tensors, downloaded into root first if missing; a failed attempt
-    takes away what it made (its files; root too if it made root and holds only lock files)."""
+    """A torchvision data set as tensors, downloaded into root if missing; a failure undone."""
     before = set(os.listdir(root)) if os.path.isdir(root) else None
     try:
         with download_lock(root, dataset_class.__name__) if download else contextlib.nullcontext():
@@ -5267,7 +5261,6 @@ def check_classes_agree(classes: list, device: torch.device) -> None:
 # Launchers and torchrun: where a worker's checkpoint comes from and where its reports go.
 # ==================================================================================================
 
-
 class RayLauncher:
     """Ray Train's workers: Ray finds and commits checkpoints; its controller writes TensorBoard."""
 
@@ -5319,12 +5312,10 @@ class TorchrunLauncher:
 
 
 def torchrun_follower() -> bool:
-    """A torchrun process other than rank 0, which resolves and checks the run for every rank."""
     return under_torchrun() and os.environ.get("RANK") != "0"
 
 
 def torchrun_launch(command: str, args: dict, typed: set) -> dict:
-    """torchrun decides the workers (WORLD_SIZE) and the device (CUDA if there is one)."""
     if not (world := os.environ["WORLD_SIZE"]).isdigit() or int(world) < 1:
         raise ConfigError(f"torchrun's WORLD_SIZE must be a positive whole number, got {world!r}")
     world = int(world)
