@@ -2360,7 +2360,6 @@ def user_code(spec: str, flag: str):
 
 
 def load_module(where: str):
-    """A file (FILE.py; its folder's modules importable) or a module on the path, loaded anew."""
     if not where.endswith(".py"):
         return travels(importlib.import_module(where))
     path, before = os.path.abspath(where), set(sys.modules)
@@ -2516,7 +2515,6 @@ def code_for_workers(cfg: Config) -> list:
 
 @dataset("folder", per_sample=True, object_storage=True, image_files=True)
 def load_folder(cfg: Config) -> tuple:
-    """--data-dir PATH/{train,val}/<class>/* as ImageFolders (per sample), on a disk or a URI."""
     from torchvision.datasets import ImageFolder
     root = cfg.data_dir.rstrip("/") if is_uri(cfg.data_dir) else cfg.data_dir
     for split, other in (("train", "val"), ("val", "train")):
@@ -2619,7 +2617,6 @@ def torchvision_names() -> list:
 
 
 def named_model(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
-    """Yours (given those of num_classes and sample_shape it takes), else torchvision's."""
     if is_code(name):
         build = user_code(name, "model")
         given = {"num_classes": num_classes, "sample_shape": sample_shape}
