@@ -1768,8 +1768,7 @@ class LoopOptions:
 
 
 def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
-    """(train, test, val) as the driver (rank 0 under torchrun) decided them, each node checked
-    against it; a DataError is returned, not raised: a run that cannot start is not retried."""
+    """(train, test, val) as the driver decided; a DataError is returned, not raised (no retry)."""
     try:
         if options.data is not None:
             data = ray.get(options.data)
@@ -1797,13 +1796,11 @@ def node_ranks(worker: Worker) -> list:
 
 
 def bound_collectives(seconds: float) -> None:
-    """--timeout for every collective, the same under Ray (TorchConfig) and torchrun."""
     if dist.is_available() and dist.is_initialized():
         dist.set_timeout(timedelta(seconds=seconds))
 
 
 def cuda_fast_paths(cfg: Config, data: tuple, device: torch.device) -> tuple:
-    """cuDNN's fastest kernels for fixed shapes; in-memory data on the GPU once."""
     importlib.import_module("torch.backends.cudnn").benchmark = True  # by name: ships by value
     moved = [isinstance(split, TensorDataset) for split in data]
     moved[0] = moved[0] and not loader_workers(cfg, data[0])  # loader processes read from the host
@@ -1813,13 +1810,12 @@ def cuda_fast_paths(cfg: Config, data: tuple, device: torch.device) -> tuple:
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEPT_FREED_BYTES = -1, -3, 1 << 30
 MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                   "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")  # a user's own, left as they are
+                   "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")
 memory_kept = False
 
 
 def keep_freed_memory() -> None:
-    """--keep-freed-memory: glibc keeps what a step frees for the next, not zero-filled anew by the
-    kernel (bench/memory.md); before each fork the free pages go back to it."""
+    """glibc keeps what a step frees for the next (bench/memory.md), trimmed before each fork."""
     global memory_kept
     if memory_kept or any(name in os.environ for name in MALLOC_SETTINGS):
         return
@@ -1835,8 +1831,7 @@ def keep_freed_memory() -> None:
 
 
 def worker_env(cfg: Config) -> dict:
-    """The workers' environment (a variable the user set stays theirs): torch's flight recorder
-    (hang records); glibc's one arena, as a thread's own serves blocks over 64 MiB from mmap."""
+    """Unless the user set them: torch's flight recorder; one glibc arena (a thread's mmaps)."""
     env = {"TORCH_FR_BUFFER_SIZE": "2000"}
     if cfg.keep_freed_memory and not any(name in os.environ for name in MALLOC_SETTINGS):
         env["MALLOC_ARENA_MAX"] = "1"
@@ -1955,9 +1950,8 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
         check_store(name.replace("_", "-"), getattr(cfg, name))
     if cfg.weights and not resuming and stored_type(cfg.weights) != "file":
         raise ConfigError(f"--weights {cfg.weights} is not a file")
-    directories = {"data-dir": cfg.data_dir, "logdir": cfg.logdir, "storage-path": cfg.storage_path,
-                   "predict-out": cfg.predict_out}
-    for flag, typed in directories.items():
+    for flag in ("data-dir", "logdir", "storage-path", "predict-out"):
+        typed = getattr(cfg, flag.replace("-", "_"))
         path = os.path.dirname(typed) if flag == "predict-out" else typed
         if (doctor and flag != "data-dir") or not path or is_uri(path):
             continue
@@ -1973,7 +1967,6 @@ def validate_names_and_places(cfg: Config, doctor: bool, resuming: bool) -> None
 
 
 def check_batch_split(cfg: Config) -> None:
-    """The global batch splits evenly at every size an elastic run may take."""
     sizes = range(cfg.min_workers or cfg.workers, cfg.workers + 1)
     step = math.lcm(*(workers * cfg.accum_steps for workers in sizes))
     if not cfg.batch_size % step:
@@ -1991,8 +1984,7 @@ def check_batch_split(cfg: Config) -> None:
 def check_run_name(cfg: Config) -> None:
     if not cfg.storage_path:
         raise ConfigError("--storage-path, --logdir and --data-dir cannot be empty")
-    name = cfg.name  # one path component: <storage-path>/<name> stays inside its root
-    if (name in (".", "..") or "/" in name or "\\" in name or not name.isprintable()
+    if ((name := cfg.name) in (".", "..") or "/" in name or "\\" in name or not name.isprintable()
             or (name and not name.strip()) or len(name.encode()) > 255):
         raise ConfigError(f"--name must be one directory name (printable; no '/', '\\', '.' or "
                           f"'..'; at most 255 bytes), got {cfg.name!r}")
@@ -2025,7 +2017,23 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     with failing(DataError, lambda why: f"--dataset {cfg.dataset}: a target is a class index or "
                  f"a tensor of values: {why}", (TypeError, ValueError, RuntimeError)):
         classes = class_names(train_set) if classifies(train_set) else []
-    check_targets(cfg, (train_set, test_set), classes)
+    target = torch.as_tensor(train_set[0][1])
+    if cfg.loss == "cross_entropy" and not classes and target.ndim == 0:
+        raise DataError(f"--dataset {cfg.dataset}'s targets are {target.dtype} values (e.g. "
+                        f"{target.item():g}): class indices are integers (torch.long); a "
+                        f"regression takes --loss mse or your own")
+    if cfg.loss == "mse" and classes:
+        raise DataError(f"--loss mse is a regression's; {cfg.dataset}'s targets are integers, "
+                        f"class indices to ray_dp ({plural(len(classes), 'class')}): make them "
+                        f"floats (torch.float32) to regress on them, or drop --loss")
+    for split, which in zip((train_set, test_set), ("training", "test")):
+        listed = which == "test" or isinstance(split, TensorDataset) or hasattr(split, "targets")
+        if not (classes and listed and len(split)):
+            continue
+        if not 0 <= min(labels := labels_of(split)) <= max(labels) < len(classes):
+            raise DataError(f"--dataset {cfg.dataset}'s {which} labels run from {min(labels)} to "
+                            f"{max(labels)}; its classes are 0 to {len(classes) - 1} (the training "
+                            f"set's `classes` names them all)")
     check_sendable(cfg, (train_set, test_set))
     splits = tuple(shared(split) for split in (train_set, test_set, val_set))
     return cfg, DataInfo(tuple(len(split) for split in splits if split is not None),
@@ -2035,18 +2043,17 @@ def check_data(cfg: Config) -> tuple[Config, DataInfo]:
 
 
 def held_out(cfg: Config, data: tuple) -> tuple:
-    """(train, test, val): --val-split of the training set held out, the same on every rank and
-    rerun (from --seed), stratified by class where the labels are at hand; val None without."""
+    """(train, test, val): --val-split held out by --seed, by class where the labels are known."""
     train, test = data
     if not cfg.val_split:
         return train, test, None
     seed = stream_seed(cfg.seed, VALIDATION_STREAM)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     if classifies(train) and (isinstance(train, TensorDataset) or hasattr(train, "targets")):
-        order = order[torch.as_tensor(labels_of(train))[order].argsort(stable=True)]  # by class
+        order = order[torch.as_tensor(labels_of(train))[order].argsort(stable=True)]
     marks = torch.arange(len(order) + 1, dtype=torch.float64).mul(cfg.val_split).ceil()
     kept, val = (order[part].sort().values for part in (marks[1:] == marks[:-1],
-                                                          marks[1:] > marks[:-1]))  # spread evenly
+                                                          marks[1:] > marks[:-1]))
     if isinstance(train, TensorDataset):
         named = class_names(train) if classifies(train) else None
         kept, val = (NamedTensors(*(t[part] for t in train.tensors), classes=named)
@@ -2069,29 +2076,7 @@ class Part(Subset):
         return found
 
 
-def check_targets(cfg: Config, data: tuple, classes: list) -> None:
-    """Targets the loss takes; class indices in range where listed (in memory, `targets`)."""
-    target = torch.as_tensor(data[0][0][1])
-    if cfg.loss == "cross_entropy" and not classes and target.ndim == 0:
-        raise DataError(f"--dataset {cfg.dataset}'s targets are {target.dtype} values (e.g. "
-                        f"{target.item():g}): class indices are integers (torch.long); a "
-                        f"regression takes --loss mse or your own")
-    if cfg.loss == "mse" and classes:
-        raise DataError(f"--loss mse is a regression's; {cfg.dataset}'s targets are integers, "
-                        f"class indices to ray_dp ({plural(len(classes), 'class')}): make them "
-                        f"floats (torch.float32) to regress on them, or drop --loss")
-    for split, which in zip(data, ("training", "test")):
-        listed = which == "test" or isinstance(split, TensorDataset) or hasattr(split, "targets")
-        if not (classes and listed and len(split)):
-            continue
-        if not 0 <= min(labels := labels_of(split)) <= max(labels) < len(classes):
-            raise DataError(f"--dataset {cfg.dataset}'s {which} labels run from {min(labels)} to "
-                            f"{max(labels)}; its classes are 0 to {len(classes) - 1} (the training "
-                            f"set's `classes` names them all)")
-
-
 def check_sendable(cfg: Config, data: tuple) -> None:
-    """Your data sets reach the workers pickled: one that holds a connection cannot."""
     if is_code(cfg.dataset) and not isinstance(data[0], TensorDataset):
         with failing(DataError, lambda why: f"--dataset {cfg.dataset}: its data sets cannot be "
                      f"sent to the workers ({why}): open files and connections in __getitem__, "
@@ -2107,7 +2092,7 @@ class SharedTensors(TensorDataset):
         with warnings.catch_warnings(action="ignore", category=UserWarning):  # read-only arrays
             super().__init__(*map(torch.as_tensor, arrays))
 
-    def __reduce__(self):  # made of the arrays, then given the other attributes (`classes`)
+    def __reduce__(self):
         return (SharedTensors, tuple(t.numpy(force=True) for t in self.tensors),
                 {k: v for k, v in vars(self).items() if k != "tensors"})
 
@@ -2147,7 +2132,7 @@ def image_size_problem(name: str, sample_shape: tuple, num_classes: int) -> Opti
 
 @functools.lru_cache(maxsize=2)
 def outline_of(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
-    net = model_outline(name, sample_shape, num_classes).to("meta").eval()  # (RegNets come built)
+    net = model_outline(name, sample_shape, num_classes).to("meta").eval()
     for path, layer in list(net.named_modules()):  # these keep shapes, and are slow on meta
         if isinstance(layer, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.ReLU, nn.ReLU6,
                               nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid)):
@@ -2156,9 +2141,8 @@ def outline_of(name: str, sample_shape: tuple, num_classes: int) -> nn.Module:
 
 
 def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) -> Optional[int]:
-    """The smallest square size above `fails` the model takes, up to 512 px: steps that double
-    from `fails`, then bisection (most models take a size just above the one that failed)."""
-    def takes(size: int) -> bool:  # (each answer cached by image_size_problem)
+    """The smallest square size over `fails` the model takes (to 512 px): doubling, bisecting."""
+    def takes(size: int) -> bool:
         return image_size_problem(name, (channels, size, size), num_classes) is None
     import bisect
     if not takes(512):  # a model of one size only (ViTs: 224)
@@ -2186,7 +2170,7 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
             raise ConfigError(f"--optimizer {cfg.optimizer} holds none of --model {cfg.model}'s "
                               f"parameters, so it would train nothing: build it from the params "
                               f"it is given")
-        flag, steps = "lr_schedule", data.sizes[0] // cfg.batch_size  # as the loop makes it
+        flag, steps = "lr_schedule", data.sizes[0] // cfg.batch_size
         schedule = own_schedule(cfg, optimizer, steps)
         flag = "optimizer"
         sum(p.sum() for p in net.parameters()).backward()
@@ -2275,7 +2259,6 @@ def check_single_sample_steps(cfg: Config, net: nn.Module, x: torch.Tensor) -> N
 
 
 def read_weights(path: str) -> dict:
-    """A state_dict file (a ray-dp checkpoint's model too), loaded as data only."""
     try:
         source = io.BytesIO(read_stored(path)) if is_uri(path) else path
         state = torch.load(source, map_location="cpu", weights_only=True)
