@@ -1910,7 +1910,6 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
 
 
 def check_declared(cfg: Config) -> None:
-    """Each value within its flag's bounds; in scratch mode, what it refuses at its default."""
     for f in fields(Config):
         value, interval = getattr(cfg, f.name), f.metadata["bounds"]
         flag = "--" + f.name.replace("_", "-")
@@ -2065,13 +2064,11 @@ def held_out(cfg: Config, data: tuple) -> tuple:
 
 
 class Part(Subset):
-    """Some samples of a data set read per sample, its attributes kept (classes, root, samples)."""
-
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "dataset":  # (unpickling: not set yet)
             raise AttributeError(name)
         found = getattr(self.dataset, name)
-        if name == "prefetch":  # a batch's objects at once (a bucket's folder): the samples meant
+        if name == "prefetch":
             return lambda indices: found([self.indices[i] for i in indices])
         return found
 
@@ -2089,7 +2086,7 @@ class SharedTensors(TensorDataset):
 
     def __init__(self, *arrays):
         import warnings
-        with warnings.catch_warnings(action="ignore", category=UserWarning):  # read-only arrays
+        with warnings.catch_warnings(action="ignore", category=UserWarning):
             super().__init__(*map(torch.as_tensor, arrays))
 
     def __reduce__(self):
@@ -2145,7 +2142,7 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
     def takes(size: int) -> bool:
         return image_size_problem(name, (channels, size, size), num_classes) is None
     import bisect
-    if not takes(512):  # a model of one size only (ViTs: 224)
+    if not takes(512):
         return next((size for size in (224, 299, 384) if size > fails and takes(size)), None)
     low, step = min(fails, 511), 1
     while low + step < 512 and not takes(low + step):
@@ -2155,7 +2152,6 @@ def smallest_image_size(name: str, channels: int, num_classes: int, fails: int) 
 
 
 def check_training_choices(cfg: Config, data: DataInfo) -> None:
-    """--best-by a metric the epochs report; your optimizer through a step, your schedule all."""
     if cfg.best_by.endswith("_acc") and not data.classes:
         raise ConfigError(f"--best-by {cfg.best_by}: {cfg.dataset} is a regression, whose epochs "
                           f"have no accuracy; choose {cfg.best_by[:-3]}loss")
@@ -2163,7 +2159,7 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
         return
     net, flag = build_model(cfg.model, data.sample_shape, data.outputs), "optimizer"
     with failing(ConfigError, lambda why: f"--{flag.replace('_', '-')} {getattr(cfg, flag)} "
-                 f"fails on --model {cfg.model}: {why}"):  # the flag of the step that failed
+                 f"fails on --model {cfg.model}: {why}"):
         optimizer = build_optimizer(cfg, net)
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if not held & {id(p) for p in net.parameters()}:
@@ -2182,7 +2178,6 @@ def check_training_choices(cfg: Config, data: DataInfo) -> None:
 
 
 def check_model_fits(cfg: Config, data: DataInfo) -> None:
-    """The model takes the data's inputs, or one line names the size that works."""
     shape = tuple(data.sample_shape)
     if cfg.sync_bn and is_code(cfg.model) and not has_batchnorm(cfg.model, shape, data.outputs):
         raise ConfigError(f"--sync-bn needs a model with BatchNorm (e.g. resnet18); "
@@ -2214,7 +2209,7 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
         net = build_model(cfg.model, data.sample_shape, data.outputs)
         with torch.no_grad():
             output = net.eval()(x)
-    states = [*net.named_parameters(), *net.named_buffers()]  # DDP broadcasts each as it starts
+    states = [*net.named_parameters(), *net.named_buffers()]
     unsent = [n for n, t in states if t.layout != torch.strided or t.dtype not in GLOO_TAKES]
     if unsent and cfg.workers > 1 and not (cfg.eval_only or cfg.gpu):
         raise ConfigError(f"--model {cfg.model}: gloo cannot send its {unsent[0]} (sparse, or of a "
@@ -2239,13 +2234,11 @@ def check_on_a_sample(cfg: Config, data: DataInfo) -> None:
     with failing(ConfigError, lambda why: f"--model {cfg.model} fails to train on 2 samples of "
                  f"{cfg.dataset} (in training mode, forward and backward): {why}"):
         criterion(net.train()(x[:2]), y[:2]).backward()
-    if is_code(cfg.model) and not (cfg.find_unused_parameters or cfg.workers == 1):
-        unused = [name for name, p in net.named_parameters()  # DDP waits for each one's gradient
-                  if p.requires_grad and p.grad is None]
-        if unused:
-            raise ConfigError(f"--model {cfg.model}: {', '.join(unused[:3])}"
-                              f"{' and more' if len(unused) > 3 else ''} get no gradient from the "
-                              f"loss: use them in forward, or add --find-unused-parameters")
+    unused = [name for name, p in net.named_parameters() if p.requires_grad and p.grad is None]
+    if unused and is_code(cfg.model) and not (cfg.find_unused_parameters or cfg.workers == 1):
+        raise ConfigError(f"--model {cfg.model}: {', '.join(unused[:3])}"
+                          f"{' and more' if len(unused) > 3 else ''} get no gradient from the "
+                          f"loss: use them in forward, or add --find-unused-parameters")
 
 
 def check_single_sample_steps(cfg: Config, net: nn.Module, x: torch.Tensor) -> None:
@@ -2273,7 +2266,6 @@ def read_weights(path: str) -> dict:
 
 
 def check_state_fits(cfg: Config, data: DataInfo, state: dict) -> None:
-    """A checkpoint's weights fit the model its --model builds now (your file may have changed)."""
     net = model_outline(cfg.model, data.sample_shape, data.outputs)
     try:
         net.load_state_dict(state["model"], assign=True)
