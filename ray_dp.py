@@ -1233,8 +1233,7 @@ def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.R
 # Command line: the flags' facts, the parser, the commands' configurations, ray_dp.train().
 # ==================================================================================================
 
-# torch.classes is a module of a type of its own that pickle cannot ship: cloudpickle takes it along
-# with any function shipped by value that names `classes` (yours too); by name instead
+# pickle cannot ship torch.classes, and cloudpickle takes it with any function naming `classes`
 copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
 CLOCK: dict = {}
 
@@ -1258,7 +1257,7 @@ PREDICT_WORDS = {"--eval-only": "predict", "--predict-out": "--out", "--data-dir
 DOCTOR_FLAGS, PATH_FIELDS = fields_where("doctor", True), fields_where("path", True)
 CODE_FLAGS = tuple(f.name for f in fields(Config) if f.metadata["code"])
 STORE_ACCESS = {f.name: f.metadata["store"] for f in fields(Config) if f.metadata["store"]}
-FIELD_TYPES = {name: hint | int if float in (hint, *get_args(hint)) else hint  # 1 for 1.0 too
+FIELD_TYPES = {name: hint | int if float in (hint, *get_args(hint)) else hint
                for name, hint in get_type_hints(Config, globals()).items()}
 CONFIG_FIELDS = [f.name for f in fields(Config)]
 CLI_FIELDS = {f.name for f in fields(Config) if f.metadata["argparse"].get("cli", True)}
@@ -1286,7 +1285,7 @@ class _WorkersAction(argparse.Action):
 
 class _ModelAction(argparse.Action):
     def __call__(self, parser, namespace, name, option_string=None):
-        if name == "list":  # a listing, as --help is
+        if name == "list":
             list_models()
             parser.exit()
         namespace.model = name
@@ -1352,7 +1351,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
             kwargs["help"] += f" (default: {f.default})"
         if f.name in ACTIONS:
             section.add_argument(flag, action=ACTIONS[f.name], **kwargs)
-        elif f.name == "gpu":  # absent: Config's None, decided from the cluster
+        elif f.name == "gpu":
             group = section.add_mutually_exclusive_group()
             group.add_argument("--gpu", action="store_const", const=True, help=kwargs["help"])
             group.add_argument("--cpu", dest="gpu", action="store_const", const=False,
@@ -1365,7 +1364,7 @@ def build_parser(command: str = "train") -> argparse.ArgumentParser:
     return parser
 
 
-HELP_SECTIONS = {title: names.split() for title, names in {  # --help's, in its order
+HELP_SECTIONS = {title: names.split() for title, names in {
     "data": "dataset data_dir download synthetic_size val_split image_size augment loader_workers",
     "model": "mode model weights loss sync_bn allreduce find_unused_parameters compile",
     "optimisation": "epochs batch_size accum_steps lr lr_schedule warmup_epochs optimizer momentum "
@@ -1388,11 +1387,10 @@ def with_absolute_paths(cfg: Config) -> Config:
 
 
 def main(argv=None) -> int:
-    """The command line: one command, one line for every way it can end."""
     CODE.clear()
     command, cfg = "train", None
-    if threading.current_thread() is threading.main_thread():  # not its default, which would kill
-        signal.signal(signal.SIGUSR1, lambda *_: tqdm.write(  # (training, dumps_asked's says more)
+    if threading.current_thread() is threading.main_thread():  # SIGUSR1's default would kill
+        signal.signal(signal.SIGUSR1, lambda *_: tqdm.write(
             "ray-dp: SIGUSR1: no rank trains now, so none writes its stacks"))
     try:
         command, cfg, options = parse_command(argv)
@@ -1410,7 +1408,7 @@ def main(argv=None) -> int:
             raise
         return fail(f"error: {storage_full(cfg, exc)}", 1)
     except KeyboardInterrupt:
-        if trains(command, cfg) and "checked" in CLOCK:  # its time counts, as "other"
+        if trains(command, cfg) and "checked" in CLOCK:
             with contextlib.suppress(Exception):
                 record_ledger(cfg, None, None)
         return fail(interrupted(command, cfg), 130)
@@ -1423,7 +1421,6 @@ def fail(message: str, status: int) -> int:
 
 
 def trains(command: str, cfg: Optional[Config]) -> bool:
-    """The command trains in a run directory (not --eval-only's evaluation)."""
     return command == "train" and cfg is not None and not cfg.eval_only
 
 
@@ -1476,7 +1473,7 @@ def configured(command: str, args: dict, typed: set) -> tuple[Config, dict]:
     try:
         validate(cfg, resuming=options.get("resume", Resume()).resumes)
     except ConfigError as exc:  # the value at fault may be one the user never typed
-        words = re.findall(r"(?<![\w-])(?:--)?([\w-]+)", str(exc))  # "lr-schedule" is not "lr"
+        words = re.findall(r"(?<![\w-])(?:--)?([\w-]+)", str(exc))
         if named := [flag for flag in adopted if flag.partition("--")[2].split()[0] in words]:
             raise ConfigError(f"{exc}; run '{cfg.name}' trained with {', '.join(named)}, which "
                               f"this rerun takes from it") from None
@@ -1491,7 +1488,6 @@ def configured(command: str, args: dict, typed: set) -> tuple[Config, dict]:
              "[flags]' checks a Ray cluster before training on it; 'ray_dp.py predict RUN "
              "--inputs DIR|FILE.py:NAME' predicts on new data (each takes --help)"))
 def train_or_evaluate(cfg: Config, **options) -> Optional[dict]:
-    """Train the run (resumed; a finished one says so), or with --eval-only score a checkpoint."""
     if cfg.eval_only:
         return run_eval(cfg, **options)
     resume = options["resume"]
@@ -1501,8 +1497,7 @@ def train_or_evaluate(cfg: Config, **options) -> Optional[dict]:
 
 
 def train(**settings) -> dict:
-    """ray_dp from Python: the flags as keyword arguments (ray_dp.train(workers=2, model=Net));
-    what result.json holds, or ConfigError, RunFailed, RunStopped (the same call resumes)."""
+    """ray_dp.py's flags as keywords: result.json's dict, or ConfigError, RunFailed, RunStopped."""
     CODE.clear()
     if settings.get("model") == "list":
         raise ConfigError("model='list' is the command line's listing (python ray_dp.py --model "
@@ -1542,17 +1537,7 @@ def list_models() -> None:
 
 def run(cfg: Config, resume: "Resume", data: Optional["DataInfo"] = None,
         typed: tuple = ()) -> Optional[dict]:
-    """Train the resolved and validated cfg from `resume`. Under torchrun every process runs this;
-    rank 0 alone checks, speaks and writes, and its loop decides for all."""
-    cfg, options = prepared(cfg, resume, data, typed)
-    loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
-    with failures_said(cfg, options):
-        result = fit(cfg, loop, options, resume.done)
-        return summary_of(cfg, result, options)
-
-
-def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -> tuple:
-    """(cfg, LoopOptions) of a run: rank 0 checks the data, starts Ray, --fresh, the header."""
+    """Train cfg from `resume`; under torchrun every process runs this, rank 0 alone checks."""
     torchrun = under_torchrun()
     if ray.is_initialized():  # no start-up of Ray's to count: the run's clock starts here
         CLOCK.clear()
@@ -1565,13 +1550,14 @@ def prepared(cfg: Config, resume: "Resume", data: Optional["DataInfo"], typed) -
         remove_stored(f"{cfg.run_dir}/hang")
         print(describe(cfg, data, torchrun), *notes, sep="\nnote: ", flush=True)
     progress = sys.stdout.isatty() and not cfg.quiet
-    if torchrun:
-        return cfg, LoopOptions(progress=progress, torchrun=True)
-    return cfg, LoopOptions(
+    options = LoopOptions(progress=progress, torchrun=True) if torchrun else LoopOptions(
         progress=progress, board=new_board() if ray.is_initialized() else None,
         weights=ray.put(read_weights(cfg.weights)) if cfg.weights and not resume.resumes else None,
         data=ray.put(data.datasets),
         resume_from=ray.put(load_checkpoint(resume.unlisted)) if resume.unlisted else None)
+    loop = scratch_loop_per_worker if cfg.mode == "scratch" else train_loop_per_worker
+    with failures_said(cfg, options):
+        return summary_of(cfg, fit(cfg, loop, options, resume.done), options)
 
 
 @contextlib.contextmanager
@@ -1582,11 +1568,11 @@ def failures_said(cfg: Config, options: "LoopOptions"):
     except ray.train.TrainingFailedError as exc:
         raise RunFailed(describe_training_error(exc, {}) if torchrun_follower()
                         else record_failure(cfg, exc, options.board)) from None
-    except OSError as exc:  # rank 0's own write: result.json, or a checkpoint under torchrun
+    except OSError as exc:
         raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
     except RuntimeError as exc:  # a torchrun rank's collective that timed out, or lost its peers
         timed_out, lost = COLLECTIVE_TIMEOUT.search(str(exc)), PEER_LOST.search(str(exc))
-        ours = isinstance(exc, (DataError, RunFailed))  # ray_dp's own, each its own line
+        ours = isinstance(exc, (DataError, RunFailed))
         if ours or not (under_torchrun() and (timed_out or lost)):
             raise
         raise RunFailed(hang_report(cfg, exc) or f"rank {os.environ['RANK']} " + (
@@ -1618,7 +1604,7 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
                      else [])],
         failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         worker_runtime_env=worker_env(cfg))
-    stop = graceful_stop() if training and board else None  # rank 0 hears it at its next beat
+    stop = graceful_stop() if training and board else None
     if stop is not None:
         stop.on_ask = functools.partial(ask_board, board, "ask_stop", timeout=10)
     contexts = [contextlib.redirect_stdout(io.StringIO()) if follower else None,
@@ -1706,8 +1692,7 @@ RAY_STARTED: dict = {}
 
 
 def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = False) -> None:
-    """A Ray of this machine's own (no address), or the cluster at address. The workers' output
-    stays in Ray's logs unless worker_output: ray_dp's lines reach the console through the Board."""
+    """This machine's own Ray (no address) or the cluster at address; workers' output if asked."""
     if ray.is_initialized():
         if worker_output and not RAY_STARTED.get("worker_output"):
             print("note: --worker-output applies where ray_dp starts Ray; this Ray was running "
@@ -1723,7 +1708,7 @@ def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = Fa
     if not sys.stdout.isatty():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     RAY_STARTED.update(worker_output=worker_output, local=not address)
-    if worker_output and not address and (others := [  # its workers' lines alone reach this console
+    if worker_output and not address and (others := [
             str(p.pid) for p in psutil.process_iter(["name"]) if p.info["name"] == "gcs_server"]):
         print(f"note: another Ray runs on this machine (its GCS: pid {', '.join(others)}); ray_dp "
               f"starts its own beside it", flush=True)
