@@ -1236,6 +1236,7 @@ def fit(cfg: Config, loop, options: "LoopOptions", done: int = 0) -> ray.train.R
 # pickle cannot ship torch.classes, and cloudpickle takes it with any function naming `classes`
 copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
 CLOCK: dict = {}
+RAY_STARTED: dict = {}
 
 
 def fields_where(role: str, *values) -> set:
@@ -1277,10 +1278,8 @@ class _WorkersAction(argparse.Action):
         low, colon, high = text.partition(":")
         said = f"--workers takes N or MIN:MAX in whole numbers, got {text!r}"
         with failing(ConfigError, lambda _: said, ValueError):
-            namespace.workers, namespace.min_workers = ((int(high), int(low)) if colon
-                                                        else (int(low), 0))
-        if colon and namespace.min_workers < 1:
-            namespace.min_workers = -1  # validate() says MIN must be >= 1
+            namespace.workers, least = (int(high), int(low)) if colon else (int(low), 0)
+        namespace.min_workers = -1 if colon and least < 1 else least  # validate(): MIN must be >= 1
 
 
 class _ModelAction(argparse.Action):
@@ -1394,28 +1393,24 @@ def main(argv=None) -> int:
             "ray-dp: SIGUSR1: no rank trains now, so none writes its stacks"))
     try:
         command, cfg, options = parse_command(argv)
-        outcome = COMMANDS[command].run(cfg, **options)
+        return 1 if COMMANDS[command].run(cfg, **options) is False else 0
     except (ConfigError, DataError) as exc:
-        return fail(f"error: {exc}", 2)
+        message, status = f"error: {exc}", 2
     except RunFailed as exc:
-        return fail(f"training failed: {exc}", 1)
+        message, status = f"training failed: {exc}", 1
     except RunStopped as exc:
-        return fail(str(exc), 143)  # 128 + SIGTERM, as a shell reports one
+        message, status = str(exc), 128 + signal.SIGTERM
     except ray.train.TrainingFailedError as exc:
-        return fail(f"evaluation failed: {describe_training_error(exc, {})}", 1)
+        message, status = f"evaluation failed: {describe_training_error(exc, {})}", 1
     except OSError as exc:
         if not disk_full(exc):
             raise
-        return fail(f"error: {storage_full(cfg, exc)}", 1)
+        message, status = f"error: {storage_full(cfg, exc)}", 1
     except KeyboardInterrupt:
         if trains(command, cfg) and "checked" in CLOCK:
             with contextlib.suppress(Exception):
                 record_ledger(cfg, None, None)
-        return fail(interrupted(command, cfg), 130)
-    return 1 if outcome is False else 0
-
-
-def fail(message: str, status: int) -> int:
+        message, status = interrupted(command, cfg), 130
     print(f"ray_dp.py: {message}", file=sys.stderr)
     return status
 
@@ -1451,7 +1446,7 @@ def configured(command: str, args: dict, typed: set) -> tuple[Config, dict]:
     if under_torchrun():
         args = torchrun_launch(command, args, typed)
     cfg = with_absolute_paths(Config(**args))
-    if cfg.val_split and "best_by" not in typed:  # the held-out set chooses, not the test set
+    if cfg.val_split and "best_by" not in typed:
         cfg = replace(cfg, best_by="val_loss")
     if cfg.eval_only:
         cfg, options["checkpoint"] = eval_config(cfg, typed, spec.sets)
@@ -1570,7 +1565,7 @@ def failures_said(cfg: Config, options: "LoopOptions"):
                         else record_failure(cfg, exc, options.board)) from None
     except OSError as exc:
         raise RunFailed(storage_full(cfg, exc)) if disk_full(exc) else exc from None
-    except RuntimeError as exc:  # a torchrun rank's collective that timed out, or lost its peers
+    except RuntimeError as exc:
         timed_out, lost = COLLECTIVE_TIMEOUT.search(str(exc)), PEER_LOST.search(str(exc))
         ours = isinstance(exc, (DataError, RunFailed))
         if ours or not (under_torchrun() and (timed_out or lost)):
@@ -1585,16 +1580,16 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
     """What fit hands Ray Train besides the loop; around the fit: the console, SIGTERM, SIGUSR1."""
     follower, training = torchrun_follower(), loop is not eval_loop_per_worker
     set_ray_train_knobs(cfg)
-    if options.torchrun:  # Ray Train's local mode logs each report at INFO
-        quiet_ray_train()
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # this very process's group
-    board = None if options.torchrun else options.board or new_board()
     for registered in (MODELS.get(cfg.model), data_source(cfg.dataset).load):
         travels(sys.modules.get(getattr(registered, "__module__", None)))
-    options = replace(options, board=board,
-                      code=None if options.torchrun else ray.put(code_for_workers(cfg)))
-    workers = (0 if options.torchrun else  # Ray Train's local mode: the loop in this process
-               (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes)
+    if options.torchrun:  # Ray Train's local mode: the loop in this process, its reports at INFO
+        quiet_ray_train()
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        board, code, workers = None, None, 0
+    else:
+        board, code = options.board or new_board(), ray.put(code_for_workers(cfg))
+        workers = (cfg.min_workers, cfg.workers) if cfg.min_workers else cfg.processes
+    options = replace(options, board=board, code=code)
     run_config = RunConfig(
         name=cfg.name, storage_path=cfg.storage_path,
         checkpoint_config=CheckpointConfig() if options.torchrun else checkpoint_config(cfg),
@@ -1648,7 +1643,6 @@ def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") ->
 
 
 def preflight(cfg: Config, resume: "Resume", data: Optional[DataInfo], typed) -> tuple:
-    """The checks that need the data, before any cluster starts: (cfg, data, notes)."""
     if data is None:
         cfg, data = check_data(cfg)
     check_images_only(cfg, data, typed)
@@ -1686,9 +1680,6 @@ def connect(cfg: Config) -> Config:
     if cfg.address == "auto":
         print(f"ray-dp: attached to the Ray cluster at {ray.get_runtime_context().gcs_address}")
     return settle_device(cfg, cluster_of(cfg))
-
-
-RAY_STARTED: dict = {}
 
 
 def start_ray(address: str, cpus: Optional[int] = None, worker_output: bool = False) -> None:
