@@ -1630,15 +1630,12 @@ def summary_of(cfg: Config, result: ray.train.Result, options: "LoopOptions") ->
         raise RunStopped(f"stopped at {position_of(stopped)} (SIGTERM), its checkpoint saved: "
                          f"the same command resumes from there")
     summary = summarize(cfg, result, options.board)
-    print(format_summary(summary, ", torchrun" if options.torchrun else ""), flush=True)
-    print(f"ray-dp: {format_ledger(summary['ledger'])}", flush=True)
     dp = (f"nn.DataParallel normalised each GPU's 1/{cfg.workers} of the batch with its own "
           f"BatchNorm statistics; only DDP can synchronise them (--mode ddp --sync-bn)")
-    for note in (near_chance(cfg, summary), cfg.mode == "dp" and dp,
-                 checkpoint_advice(cfg, summary)):
-        if note:
-            print(f"note: {note}", flush=True)
-    print(wrote_run(cfg, summary), flush=True)
+    notes = (near_chance(cfg, summary), cfg.mode == "dp" and dp, checkpoint_advice(cfg, summary))
+    print(format_summary(summary, ", torchrun" if options.torchrun else ""),
+          f"ray-dp: {format_ledger(summary['ledger'])}", *(f"note: {n}" for n in notes if n),
+          wrote_run(cfg, summary), sep="\n", flush=True)
     return summary
 
 
