@@ -1446,7 +1446,7 @@ def configured(command: str, args: dict, typed: set) -> tuple[Config, dict]:
     if under_torchrun():
         args = torchrun_launch(command, args, typed)
     cfg = with_absolute_paths(Config(**args))
-    if cfg.val_split and "best_by" not in typed:
+    if cfg.val_split and "best_by" not in typed:  # the held-out set chooses, not the test set
         cfg = replace(cfg, best_by="val_loss")
     if cfg.eval_only:
         cfg, options["checkpoint"] = eval_config(cfg, typed, spec.sets)
