@@ -4572,14 +4572,12 @@ def local_run_dir(cfg: Config) -> str:
 def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config, dict]:
     """--eval-only's config (what the checkpoint fixes comes from it; a typed training flag that
     contradicts it is refused) and checkpoint. `own`: fields the command sets (predict's inputs)."""
-    path = checkpoint_file(cfg.eval_only)
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path := checkpoint_file(cfg.eval_only))
     if "model" in (uncertified(checkpoint) or []):
         raise ConfigError(f"--eval-only {path}: its weights are not those its certificate says "
                           f"(the file was altered since it was saved)")
     trained = stored_config(checkpoint)
-    refused = [as_flag(name, True) for name in CONFIG_FIELDS if name in typed & EVAL_REFUSES]
-    if refused:
+    if refused := [as_flag(name, True) for name in CONFIG_FIELDS if name in typed & EVAL_REFUSES]:
         are = "is a training flag and has" if len(refused) == 1 else "are training flags and have"
         raise ConfigError(f"{', '.join(refused)} {are} no effect with --eval-only")
     check_code_named(trained, typed, "the checkpoint", EVAL_FROM_CHECKPOINT)
@@ -4601,14 +4599,12 @@ def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config
 def checkpoint_file(path: str) -> str:
     """The checkpoint file PATH means: the file, DIR/checkpoint.pt, a run's best, else latest."""
     check_store("eval-only", path)
-    if (kind := stored_type(path)) == "none":
+    if stored_type(path) == "none":
         raise ConfigError(f"--eval-only {path} does not exist")
     full = path.rstrip("/") if is_uri(path) else os.path.abspath(path)
-    if kind == "file":
-        return full
-    for inside in (CHECKPOINT_FILE, BEST_CHECKPOINT):  # a run's best, rather than its latest
-        if stored_type(f"{full}/{inside}") == "file":
-            return f"{full}/{inside}"
+    for file in (full, f"{full}/{CHECKPOINT_FILE}", f"{full}/{BEST_CHECKPOINT}"):
+        if stored_type(file) == "file":
+            return file
     try:
         latest = latest_committed(full)
     except BrokenSnapshot as exc:
@@ -4672,9 +4668,8 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
     cfg, out = scored(cfg, checkpoint, test_set, names, outputs(test_set, names),
                       f"evaluating {cfg.eval_only} ({cfg.model} on {cfg.dataset}, "
                       f"{len(test_set)} test samples{best})")
-    metrics = out["metrics"]
-    predictions, confusion = metrics.pop("predictions"), metrics.pop("confusion")
-    metrics.update({"confusion": confusion} if names else {})
+    metrics, predictions = out["metrics"], out["metrics"].pop("predictions")
+    confusion = metrics["confusion"] if names else metrics.pop("confusion")
     per_class = [{"class": c, "name": names[c], "count": sum(confusion[c]),
                   "correct": confusion[c][c], "acc": confusion[c][c] / max(sum(confusion[c]), 1)}
                  for c in range(len(names))]
@@ -4771,7 +4766,6 @@ def predict_checked(cfg: Config, options: dict) -> Config:
              "--out": dict(dest="predict_out", required=True, metavar="FILE.csv",
                            help="the CSV file its rows go to")})
 def predict_to_csv(cfg: Config, checkpoint: dict) -> list[dict]:
-    """The command line's predict: its rows go to --out."""
     if not cfg.predict_out:  # ray_dp.predict() may return rows alone
         raise ConfigError("--out must name a .csv file, got ''")
     return run_predict(cfg, checkpoint)
@@ -4782,8 +4776,7 @@ def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
     names = list(checkpoint["classes"])  # a checkpoint from before "outputs": its last bias's width
     width = checkpoint.get("outputs") or len(names) or [
         t for t in checkpoint["model"].values() if t.ndim][-1].shape[0]
-    inputs, keys = predict_inputs(cfg, torch.tensor(0) if names else torch.zeros(width),
-                                  checkpoint)
+    inputs, keys = predict_inputs(cfg, torch.tensor(0) if names else torch.zeros(width), checkpoint)
     cfg, out = scored(cfg, checkpoint, inputs, names, width, f"predicting "
                       f"{plural(len(inputs), 'input')} with {cfg.eval_only} ({cfg.model})")
     columns = ["predicted"] if width == 1 else [f"predicted_{j}" for j in range(width)]
@@ -4880,16 +4873,13 @@ def compare_configs(base: Config, scale_lr: bool) -> list[Config]:
     n = base.workers
     rows = [("ddp", "library", 1), ("ddp", "library", n), ("scratch", "naive", 1)]
     rows += [("scratch", algorithm, n) for algorithm in ALLREDUCE_ALGORITHMS]
-    configs = []
-    for mode, algorithm, workers in dict.fromkeys(rows if n > 1 else rows[:1] + rows[2:3]):
-        factor = workers if scale_lr else 1
-        label = f"{mode}-{algorithm}-{workers}w" if mode == "scratch" else f"{mode}-{workers}w"
-        configs.append(replace(
-            base, mode=mode, allreduce=algorithm, workers=workers, name=label,
-            checkpoint_every="0" if mode == "scratch" else base.checkpoint_every,
-            storage_path=base.run_dir, logdir=os.path.join(base.logdir, base.name),
-            batch_size=base.batch_size * factor, lr=round(base.lr * factor, 10)))
-    return configs
+    return [replace(base, mode=mode, allreduce=algorithm, workers=workers,
+                    name=f"{mode}{'-' + algorithm if mode == 'scratch' else ''}-{workers}w",
+                    checkpoint_every="0" if mode == "scratch" else base.checkpoint_every,
+                    storage_path=base.run_dir, logdir=os.path.join(base.logdir, base.name),
+                    batch_size=base.batch_size * (workers if scale_lr else 1),
+                    lr=round(base.lr * (workers if scale_lr else 1), 10))
+            for mode, algorithm, workers in (rows if n > 1 else rows[:1] + rows[2:3])]
 
 
 def compare_flags(args: dict) -> tuple[dict, dict]:
@@ -4934,22 +4924,20 @@ def compare(base: Config, scale_lr: bool, typed=()) -> list[dict]:
 
 
 def compare_rows(configs: list[Config], summaries: list[dict]) -> list[dict]:
-    baseline = {cfg.mode: s["sec_per_epoch"] for cfg, s in zip(configs, summaries)
-                if cfg.workers == 1}
+    baseline = {c.mode: s["sec_per_epoch"] for c, s in zip(configs, summaries) if c.workers == 1}
     rows = []
     for cfg, s in zip(configs, summaries):
-        speedup = baseline[cfg.mode] / s["sec_per_epoch"]
-        comm = (s["final"].get("allreduce_seconds_per_step") if s["final"].get("allreduce_bytes")
-                else None)
+        speedup, final = baseline[cfg.mode] / s["sec_per_epoch"], s["final"]
+        comm = final.get("allreduce_seconds_per_step") if final.get("allreduce_bytes") else None
         rows.append({"run": cfg.name, "mode": cfg.mode,
                      "allreduce": cfg.allreduce if cfg.mode == "scratch" else "ddp",
                      "workers": cfg.workers, "global_batch": cfg.batch_size, "lr": cfg.lr,
-                     "test_acc": round(s["final"]["test_acc"], 4),
+                     "test_acc": round(final["test_acc"], 4),
                      "sec_per_epoch": round(s["sec_per_epoch"], 3),
                      "samples_per_s": round(s["samples_per_second"]), "speedup": round(speedup, 2),
                      "efficiency": round(speedup / cfg.workers, 2),
                      "allreduce_ms_per_step": round(comm * 1e3, 3) if comm else "",
-                     "busbw_GBps": round(s["final"]["allreduce_busbw_gbps"], 3) if comm else ""})
+                     "busbw_GBps": round(final["allreduce_busbw_gbps"], 3) if comm else ""})
     return rows
 
 
