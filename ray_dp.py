@@ -4737,7 +4737,7 @@ def predict(run: str, inputs, out: Optional[str] = None, **settings) -> list[dic
     inputs = as_spec(inputs, "inputs") if callable(inputs) else os.fspath(inputs)
     flags = ["predict", os.fspath(run), "--inputs", inputs, "--out", str(out or "")]
     _, cfg, options = parse_command(flags + settings_as_flags(settings))
-    return run_predict(cfg, **options)
+    return run_predict(cfg, **options, rows_alone=not out)
 
 
 def predict_flags(args: dict) -> tuple[dict, dict]:
@@ -4765,14 +4765,10 @@ def predict_checked(cfg: Config, options: dict) -> Config:
                               "inputs or of (input, anything) pairs"),
              "--out": dict(dest="predict_out", required=True, metavar="FILE.csv",
                            help="the CSV file its rows go to")})
-def predict_to_csv(cfg: Config, checkpoint: dict) -> list[dict]:
-    if not cfg.predict_out:  # ray_dp.predict() may return rows alone
-        raise ConfigError("--out must name a .csv file, got ''")
-    return run_predict(cfg, checkpoint)
-
-
-def run_predict(cfg: Config, checkpoint: dict) -> list[dict]:
+def run_predict(cfg: Config, checkpoint: dict, rows_alone: bool = False) -> list[dict]:
     """predict: a row per input in their order (its path or index, its prediction); to --out."""
+    if not (cfg.predict_out or rows_alone):  # ray_dp.predict() may return rows alone
+        raise ConfigError("--out must name a .csv file, got ''")
     names = list(checkpoint["classes"])  # a checkpoint from before "outputs": its last bias's width
     width = checkpoint.get("outputs") or len(names) or [
         t for t in checkpoint["model"].values() if t.ndim][-1].shape[0]
