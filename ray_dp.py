@@ -4592,8 +4592,7 @@ def eval_config(cfg: Config, typed: set, own: set = frozenset()) -> tuple[Config
                           f"{trained['dataset']} with {was}; {says} contradicts it ({fix})")
     taken = {name: trained[name] for name in EVAL_FROM_CHECKPOINT if name not in typed}
     note_code_changed(replace(cfg, **taken), {"code": code}, f"{path} was saved")
-    # a scratch checkpoint is a LeNet state_dict too: every checkpoint is evaluated the ddp way
-    return replace(cfg, **taken, mode="ddp", eval_only=path), checkpoint
+    return replace(cfg, **taken, mode="ddp", eval_only=path), checkpoint  # scratch's: a LeNet too
 
 
 def checkpoint_file(path: str) -> str:
@@ -4622,8 +4621,7 @@ def checkpoint_classes(cfg: Config, checkpoint: dict, train_set, test_set) -> li
     names = checkpoint.get("classes") or class_names(train_set)
     if getattr(test_set, "classes", None):
         check_same_classes(cfg, names, class_names(test_set), "evaluate it on")
-    labels = labels_of(test_set)
-    if labels and not 0 <= min(labels) <= max(labels) < len(names):
+    if (labels := labels_of(test_set)) and not 0 <= min(labels) <= max(labels) < len(names):
         raise ConfigError(f"{cfg.dataset}'s test labels run from {min(labels)} to {max(labels)}, "
                           f"but the checkpoint has {plural(len(names), 'class')} (0 to "
                           f"{len(names) - 1})")
@@ -4670,9 +4668,8 @@ def run_eval(cfg: Config, checkpoint: dict) -> dict:
                       f"{len(test_set)} test samples{best})")
     metrics, predictions = out["metrics"], out["metrics"].pop("predictions")
     confusion = metrics["confusion"] if names else metrics.pop("confusion")
-    per_class = [{"class": c, "name": names[c], "count": sum(confusion[c]),
-                  "correct": confusion[c][c], "acc": confusion[c][c] / max(sum(confusion[c]), 1)}
-                 for c in range(len(names))]
+    per_class = [{"class": c, "name": names[c], "count": sum(row), "correct": row[c],
+                  "acc": row[c] / max(sum(row), 1)} for c, row in enumerate(confusion)]
     record = run_record(cfg, metrics, out, cfg.eval_only, per_class=per_class)
     write_json(os.path.join(cfg.run_dir, "result.json"), record)
     wrote = [os.path.join(cfg.run_dir, "result.json")]
