@@ -1183,7 +1183,7 @@ def train_loop_per_worker(config: dict) -> dict:
     schedule = own_schedule(cfg, optimizer, len(batches) // cfg.accum_steps)
     scaler = torch.amp.GradScaler(worker.device.type, enabled=cfg.amp == "fp16")
     steppers = {"schedule": schedule, "scaler": scaler} if schedule else {"scaler": scaler}
-    if state is not None:
+    if state is not None:  # after DDP, into the bare module: the same state on every rank
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         for name, stepper in steppers.items():
