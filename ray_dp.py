@@ -1173,6 +1173,8 @@ def train_loop_per_worker(config: dict) -> dict:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = build_model(cfg.model, ops.inputs, ops.outputs)
     state = ops.restore(model)  # one checkpoint, the same on every rank (else --weights, if any)
+    if worker.device.type == "cuda":
+        train_set, test_set, val_set = cuda_fast_paths(cfg, ops.data, worker.device)
     if cfg.sync_bn:  # 2. SyncBatchNorm: converted before DDP sees the modules
         model = convert_sync_bn(model, worker.device)
     model = wrap_model(on_device(model, worker.device, cfg.model), worker.device, cfg)  # 3.
@@ -1494,14 +1496,14 @@ def train_or_evaluate(cfg: Config, **options) -> Optional[dict]:
 def train(**settings) -> dict:
     """ray_dp.py's flags as keywords: result.json's dict, or ConfigError, RunFailed, RunStopped."""
     CODE.clear()
-    if settings.get("model") == "list":
-        raise ConfigError("model='list' is the command line's listing (python ray_dp.py --model "
-                          "list); ray_dp.train trains or evaluates")
     command, cfg, options = parse_command(settings_as_flags(settings))
     return COMMANDS[command].run(cfg, **options)
 
 
 def settings_as_flags(settings: dict) -> list:
+    if settings.get("model") == "list":
+        raise ConfigError("model='list' is the command line's listing (python ray_dp.py --model "
+                          "list); from Python, name a model")
     flags = []
     for name, value in settings.items():
         if name not in CLI_FIELDS:
@@ -1746,10 +1748,10 @@ def worker_data(cfg: Config, options: LoopOptions, worker: Worker):
         if options.data is not None:
             data = ray.get(options.data)
         elif options.torchrun and not data_source(cfg.dataset).same_on_every_rank:
-            data = from_rank_0(held_out(cfg, load_dataset(cfg)) if worker.is_main else None,
+            data = from_rank_0(held_out(cfg, loaded(cfg)) if worker.is_main else None,
                                worker.device)
         else:
-            data = held_out(cfg, load_dataset(cfg))
+            data = held_out(cfg, loaded(cfg))
             check_classes_agree(class_names(data[0]) if classifies(data[0]) else [], worker.device)
         check_node_holds(data, cfg, worker, Console(options, worker))
     except DataError as exc:
@@ -1777,8 +1779,15 @@ def cuda_fast_paths(cfg: Config, data: tuple, device: torch.device) -> tuple:
     importlib.import_module("torch.backends.cudnn").benchmark = True  # by name: ships by value
     moved = [isinstance(split, TensorDataset) for split in data]
     moved[0] = moved[0] and not loader_workers(cfg, data[0])  # loader processes read from the host
-    return tuple(TensorDataset(*(t.to(device) for t in split.tensors)) if move else split
+    return tuple(on_device_tensors(split, device) if move else split
                  for split, move in zip(data, moved))
+
+
+def on_device_tensors(split: TensorDataset, device: torch.device) -> TensorDataset:
+    """The data set with its tensors on `device`, its other attributes (classes) kept."""
+    moved = TensorDataset(*(t.to(device) for t in split.tensors))
+    vars(moved).update({k: v for k, v in vars(split).items() if k != "tensors"})
+    return moved
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEPT_FREED_BYTES = -1, -3, 1 << 30
@@ -1840,8 +1849,8 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (all((cfg.storage_path, cfg.logdir, cfg.data_dir)),
          "--storage-path, --logdir and --data-dir cannot be empty"),
         (not is_uri(cfg.data_dir) or data_source(cfg.dataset).object_storage,
-         f"--data-dir {cfg.data_dir}: only --dataset folder reads its data from object storage; "
-         f"{cfg.dataset} is kept in a local directory"),
+         f"--data-dir {cfg.data_dir}: only {sources_with('object_storage')} reads its data from "
+         f"object storage; {cfg.dataset} is kept in a local directory"),
         (re.fullmatch(r"off|auto|0*[1-9][0-9]*", cfg.check_replicas),
          f"--check-replicas must be off, auto or a number of steps, got {cfg.check_replicas}"),
         (checkpoint_interval(cfg.checkpoint_every) is not None,
@@ -1850,7 +1859,8 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         (not cfg.label_smoothing or cfg.loss == "cross_entropy",
          f"--label-smoothing is cross_entropy's; --loss {cfg.loss} does not smooth (drop it)"),
         (not (cfg.mode == "scratch" and data_source(cfg.dataset).per_sample),
-         "--dataset folder needs --mode ddp (scratch mode: the lesson's in-memory batches)"),
+         f"--dataset {cfg.dataset} needs --mode ddp (scratch mode: the lesson's in-memory "
+         f"batches)"),
         (cfg.image_size is None or cfg.model not in ("lenet", "mlp") or cfg.image_size >= 14,
          f"--image-size {cfg.image_size} is too small for {cfg.model} (at least 14)"),
         (cfg.val_split or not cfg.best_by.startswith("val_"),
@@ -1880,6 +1890,11 @@ def validate(cfg: Config, doctor: bool = False, resuming: bool = False) -> None:
         if not ok:
             raise ConfigError(message)
     validate_names_and_places(cfg, doctor, resuming)
+
+
+def sources_with(fact: str) -> str:
+    return " or ".join(f"--dataset {name}" for name, facts in DATASETS.items()
+                       if getattr(facts, fact))
 
 
 def check_declared(cfg: Config) -> None:
@@ -1978,7 +1993,7 @@ class DataInfo:
 
 def check_data(cfg: Config) -> tuple[Config, DataInfo]:
     """The data loaded on the driver, before any worker starts: (config normalised, DataInfo)."""
-    train_set, test_set = load_dataset(cfg)
+    train_set, test_set = loaded(cfg)
     if data_source(cfg.dataset).image_files:
         cfg = with_data_statistics(cfg, train_set)
         train_set.transform, test_set.transform = image_transforms(cfg)
@@ -2497,6 +2512,15 @@ def read_image(path: str, data_dir: str, data: Optional[bytes] = None):
 IMAGENET_STATISTICS = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
 
+def loaded(cfg: Config) -> tuple:
+    """load_dataset's (train, test); image files sized, normalised and augmented as cfg says."""
+    data = load_dataset(cfg)
+    for split, transform in zip(data, image_transforms(cfg)) if data_source(
+            cfg.dataset).image_files else ():
+        split.transform = transform
+    return data
+
+
 def image_transforms(cfg: Config) -> tuple:
     from torchvision import transforms as T
     size = cfg.image_size or MODEL_IMAGE_SIZE.get(cfg.model, 224)
@@ -2680,9 +2704,13 @@ def keep_score(epoch: int, step: int = 0, steps: int = 1) -> float:
     return 1e9 + epoch if not step else epoch - 1 + step / (steps + 1)
 
 
+def write_checkpoint(file, state: dict) -> None:
+    torch.save(state, file)
+
+
 def checkpoint_bytes(state: dict) -> bytes:
     saved = io.BytesIO()
-    torch.save(state, saved)
+    write_checkpoint(saved, state)
     return saved.getvalue()
 
 
@@ -3320,10 +3348,7 @@ def operations(config: dict) -> "Operations":
         cfg = replace(cfg, workers=worker.world)
     launcher = config.get("launcher") or (TorchrunLauncher(cfg, worker) if options.torchrun
                                           else RayLauncher(cfg.run_dir, options.resume_from))
-    data = worker_data(cfg, options, worker)
-    if worker.device.type == "cuda" and not isinstance(data, DataError):
-        data = cuda_fast_paths(cfg, data, worker.device)
-    return Operations(cfg, worker, launcher, options, data)
+    return Operations(cfg, worker, launcher, options, worker_data(cfg, options, worker))
 
 
 class Operations:
@@ -3335,9 +3360,8 @@ class Operations:
                  data=None):
         self.cfg, self.worker, self.store, self.options = cfg, worker, Store(launcher), options
         self.data, self.failed = (None, data) if isinstance(data, DataError) else (data, None)
-        if self.data and (train := self.data[0]) is not None:
-            self.classes = class_names(train) if classifies(train) else []
-            self.outputs, self.inputs = outputs(train, self.classes), input_shape(cfg, train)
+        if self.data and (train := self.data[0]) is not None:  # what the model is built for
+            self.classes, self.outputs, self.inputs, self.samples = built_for(cfg, train)
         self.progress, self.agreement = Progress(cfg, worker, options), Agreement(cfg, worker)
         self.first_epoch, self.resumed_at, self.early = 0, {}, None
         self.history, self.resume_record, self.stopped, self.stop_votes = [], None, None, set()
@@ -3360,7 +3384,7 @@ class Operations:
                    partial: Optional[dict] = None) -> dict:
         """The state to save after `epoch` epochs (and `partial`'s steps of the next)."""
         return checkpoint_state(model_state, optimizer_state, epoch, self.cfg, history,
-                                self.classes, partial, samples_fingerprint(self.data[0]),
+                                self.classes, partial, self.samples,
                                 self.outputs, self.inputs)
 
     def track(self, model, optimizer, checkpoint_of, state: Optional[dict]) -> list:
@@ -3476,6 +3500,12 @@ class Operations:
                 and self.cfg.max_failures):
             raise RunStopped(f"{SIGTERM_STOPPED}; saved {position_of(self.stopped)} and stopped")
         return out
+
+
+def built_for(cfg: Config, train) -> tuple[list, int, tuple, Optional[str]]:
+    """The model's classes, outputs and input shape, and the samples' fingerprint."""
+    classes = class_names(train) if classifies(train) else []
+    return classes, outputs(train, classes), input_shape(cfg, train), samples_fingerprint(train)
 
 
 def resumed(cfg: Config, worker: Worker, state: dict, checkpoint_of) -> tuple[str, dict]:
@@ -4009,21 +4039,22 @@ class NonFiniteLoss(Check):
                 f"is saved from it, and the same command resumes from the last checkpoint"), None
 
     def at_save(self, stage: str, where: str) -> Optional[str]:
-        """Weights that are not finite (a gradient that was, with a finite loss) are not saved."""
+        """Weights that are not finite (a gradient that was, with a finite loss) are not saved:
+        each rank's first such tensor (its index + 1) in its own slot; the lowest rank's named."""
         finite = torch.stack([p.detach().isfinite().all() for _, p in self.params] or [
             torch.tensor(True, device=self.worker.device)])
-        bad = torch.zeros(self.worker.world, dtype=torch.float64, device=self.worker.device)
-        bad[self.worker.rank] = (~finite).any().double()
-        if not (ranks := [rank for rank, b in enumerate(all_reduce_sum(bad).tolist()) if b]):
+        firsts = torch.zeros(self.worker.world, dtype=torch.float64, device=self.worker.device)
+        firsts[self.worker.rank] = (~finite).double().argmax() + 1 if not finite.all() else 0
+        found = [(rank, int(i)) for rank, i in enumerate(all_reduce_sum(firsts).tolist()) if i]
+        if not found:
             return None
-        first = next((f", first {name}" for (name, _), ok in zip(self.params, finite)
-                      if not ok), "")
-        return (f"the weights are not finite {where} on rank {ranks[0]}{first} (a gradient was "
-                f"not, though the loss was): nothing is saved from them, and the same command "
+        rank, index = found[0]
+        return (f"the weights are not finite {where} on rank {rank}, first "
+                f"{self.params[index - 1][0]}: nothing is saved from them, and the same command "
                 f"resumes from the last checkpoint")
 
 
-HEALTH_CHECKS = (ReplicaCheck, NonFiniteLoss)  # each one's slots ride on every agreement
+HEALTH_CHECKS = (NonFiniteLoss, ReplicaCheck)  # each one's slots ride on every agreement
 
 
 LEDGER = ("driver", "cluster", "data", "model", "restores", "training steps", "waits for data",
@@ -4658,7 +4689,7 @@ def eval_loop_per_worker(config: dict) -> dict:
 
 def run_eval(cfg: Config, checkpoint: dict) -> dict:
     """--eval-only: the test metrics, per class, the confusion matrix; what result.json holds."""
-    train_set, test_set = load_dataset(cfg)
+    train_set, test_set = loaded(cfg)
     names = checkpoint_classes(cfg, checkpoint, train_set, test_set) if classifies(test_set) else []
     best = (f"; the run's best: epoch {checkpoint['epoch']} by --best-by "
             f"{checkpoint['config'].get('best_by', 'test_loss')}"
@@ -5206,11 +5237,12 @@ class RayLauncher:
     def report(self, metrics: dict, state: Optional[dict], epoch: int, step: int = 0) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             if state is not None:
-                Path(tmp, CHECKPOINT_FILE).write_bytes(data := checkpoint_bytes(state))
+                write_checkpoint(os.path.join(tmp, CHECKPOINT_FILE), state)
             ray.train.report(metrics, checkpoint_dir_name=checkpoint_dir_name(epoch, step),
                              checkpoint=None if state is None else ray.train.Checkpoint(tmp))
             if state is not None and metrics.get("best"):  # once Ray holds the epoch's
-                write_stored(os.path.join(self.run_dir, BEST_CHECKPOINT), data)
+                write_stored(os.path.join(self.run_dir, BEST_CHECKPOINT),
+                             Path(tmp, CHECKPOINT_FILE).read_bytes())
 
 
 class TorchrunLauncher:
@@ -5727,7 +5759,7 @@ def storage_verdict(storage: str, written: dict, seen: dict, node_ids: dict) -> 
 
 
 def data_files(cfg: Config) -> dict:
-    train, test = load_dataset(cfg)
+    train, test = loaded(cfg)
     train[0]
     named = isinstance(train, TensorDataset) or getattr(train, "classes", None)
     return {"train": len(train), "test": len(test), "classes": class_names(train) if named else [],

@@ -480,3 +480,9 @@ def test_compares_help_says_which_of_the_flags_it_lists_its_rows_set_or_refuse(t
     for flags in (["--model", "mlp"], ["--optimizer", "adamw"], ["--amp"]):  # refused, in one line each
         assert ray_dp.main(["compare", "--storage-path", str(tmp_path), "--dataset", "digits", *flags]) == 2
         assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_model_list_from_python_is_one_error_for_train_and_predict_alike():
+    for call in (lambda: ray_dp.train(model="list"), lambda: ray_dp.predict("runs/none", "photos/", model="list")):
+        with pytest.raises(ray_dp.ConfigError, match=r"model='list' is the command line's listing"):
+            call()

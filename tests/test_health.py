@@ -615,7 +615,22 @@ def test_weights_made_nan_by_a_gradient_under_a_finite_loss_are_not_saved_and_th
         workers=2, checkpoint_every="4", quiet=True, name="grad-nan", storage_path=str(tmp_path)))  # 12 steps an epoch
     (stopped, saved, resumed, again, epochs), other = run_distributed(nan_then_fixed, 2, cfg)
     assert stopped == other[0] == {"by": ["loss"], "error": (
-        "the weights are not finite at the save after step 8 of epoch 2 on rank 0, first layer.weight (a gradient was "
-        "not, though the loss was): nothing is saved from them, and the same command resumes from the last checkpoint")}
+        "the weights are not finite at the save after step 8 of epoch 2 on rank 0, first layer.weight: nothing is "
+        "saved from them, and the same command resumes from the last checkpoint")}
     assert saved == [(1, 4), (1, 8), (1, 0), (2, 4)]  # the save that found them wrote nothing
     assert resumed["from"] == "epoch 2, step 4" and resumed["certified"] and again is None and epochs == 3
+
+
+def weights_check(_):
+    rank = torch.distributed.get_rank()
+    model = torch.nn.Linear(3, 2)
+    if rank == 1:  # this rank's own weights, not through a gradient that every rank shares
+        model.bias.data[1] = float("nan")
+    check = ray_dp.NonFiniteLoss(ray_dp.Config(), here(), model, None)
+    return check.at_save("save", "at the save after step 3 of epoch 1")
+
+
+def test_weights_not_finite_on_one_rank_are_named_alike_on_every_rank():
+    said = run_distributed(weights_check, 2, None)
+    assert said == ["the weights are not finite at the save after step 3 of epoch 1 on rank 1, first bias: nothing is "
+                    "saved from them, and the same command resumes from the last checkpoint"] * 2

@@ -195,3 +195,27 @@ def test_optimizer_knobs_on_2_workers_equal_one_process_written_out(optimizer, t
     for got in ranks:
         for g, want in zip(got, expected):
             torch.testing.assert_close(g, want, rtol=1e-5, atol=tolerance)
+
+
+def test_a_registered_data_set_of_image_files_is_sized_normalised_and_augmented_as_a_folder_is(folder):
+    from torchvision.datasets import ImageFolder
+
+    @ray_dp.dataset("my-images", per_sample=True, image_files=True)
+    def my_images(cfg):  # ImageFolders as a user makes them: no transforms of ray_dp's
+        return tuple(ImageFolder(os.path.join(cfg.data_dir, split)) for split in ("train", "val"))
+    try:
+        cfg, info = ray_dp.check_data(ray_dp.replace(config(folder), dataset="my-images"))
+        assert cfg.normalize is not None and info.sample_shape == (3, 28, 28)  # its own statistics, as a folder's
+        mine = ray_dp.loaded(cfg)  # what every rank loads: the same transforms, with those statistics
+        theirs = ray_dp.loaded(ray_dp.replace(cfg, dataset="folder"))
+        assert [repr(split.transform) for split in mine] == [repr(split.transform) for split in theirs]
+        assert cfg.normalize == ray_dp.check_data(config(folder))[0].normalize
+    finally:
+        del ray_dp.DATASETS["my-images"]
+
+
+def test_the_gpus_fast_path_keeps_a_data_sets_class_names():
+    train, test = ray_dp.load_digits()
+    moved = ray_dp.cuda_fast_paths(ray_dp.Config(dataset="digits"), (train, test, None), torch.device("cpu"))
+    assert moved[0].classes == train.classes and moved[1].classes == test.classes and moved[2] is None
+    assert torch.equal(moved[0].tensors[0], train.tensors[0])
