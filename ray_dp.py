@@ -246,6 +246,11 @@ class Config:
                                   "(docs/monitoring.md)")
     max_failures: int = setting(0, "restart the workers this many times from the last checkpoint "
                                 "(-1: no limit)", metavar="K", bounds="[-1, inf)")
+    max_preemptions: int = setting(-1, "restart the workers this many times after nodes reclaimed "
+                                   "with Ray's notice, apart from --max-failures (-1: no limit)",
+                                   metavar="K", bounds="[-1, inf)")
+    spot_notices: bool = setting(True, "on Ray's notice that a node is reclaimed (spot): save at "
+                                 "once, and again before its deadline (docs/fault-tolerance.md)")
     checkpoint_every: str = option(
         "10m", "also checkpoint within an epoch every STEPS steps or Nm minutes (0: at epochs' "
         "ends only)", metavar="STEPS|Nm", rerun="free", lesson="0")
@@ -1372,7 +1377,7 @@ HELP_SECTIONS = {title: names.split() for title, names in {
                     "weight_decay clip_grad_norm label_smoothing amp seed",
     "workers and cluster": "workers cpus_per_worker gpu address start_timeout keep_freed_memory",
     "checkpoints": "storage_path name fresh checkpoint_every keep_checkpoints best_by early_stop "
-                   "max_failures eval_only predict_out",
+                   "max_failures max_preemptions spot_notices eval_only predict_out",
     "health": "check_replicas timeout", "output": "logdir log_every quiet worker_output"}.items()}
 
 
@@ -1599,7 +1604,8 @@ def launched(cfg: Config, loop, options: "LoopOptions", done: int):
         callbacks=[*([TensorBoardWriter(cfg)] if training and not options.torchrun else []),
                    *([FailureLog(cfg, local_run_dir(cfg), board, done)] if training and not follower
                      else [])],
-        failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures,
+                                               max_preemption_failures=cfg.max_preemptions),
         worker_runtime_env=worker_env(cfg))
     stop = graceful_stop() if training and board else None
     if stop is not None:
@@ -3060,6 +3066,10 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
     if recovery and board is not None:
         recovery["steps_redone"] = ray.get(board.steps_redone.remote())
+        ended = [e for e in recovery["events"] if e["event"] in ("failed", "preempted")]
+        for event, redone in zip(ended[-len(recovery["world_sizes"]) + 1 or len(ended):],
+                                 ray.get(board.redone_at_restarts.remote())):
+            event["steps_redone"] = redone
     ledger = record_ledger(cfg, out, board)
     write_ledger_events(cfg, ledger, last)
     checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(last), CHECKPOINT_FILE)
@@ -3258,6 +3268,7 @@ def recovery_summary(record_path: str) -> dict:
     ours = events[max((i for i, e in enumerate(events) if e["event"] == "command"), default=-1):]
     starts = [e for e in ours if e["event"] == "started"]
     return {"failures": sum(e["event"] == "failed" for e in ours),
+            "preemptions": [e for e in ours if e["event"] == "preempted"],
             "restarts": max(len(starts) - 1, 0),
             "world_sizes": [[e["at"], e["workers"]] for e in starts],
             "epochs_redone": [epoch for e in ours for epoch in e.get("redone", [])],
@@ -3278,14 +3289,23 @@ class FailureLog(ray.train.UserCallback):
         quiet_ray_train()
 
     def after_report(self, run_context, metrics: list, checkpoint) -> None:
-        epoch = metrics[0]["epoch"]
-        if (last := self.events[-1]["event"]) in ("command", "failed"):
+        first, epoch, last = metrics[0], metrics[0]["epoch"], self.events[-1]
+        notice, saved = first.get("preempted"), checkpoint_dir_name(epoch, first.get("step", 0))
+        noticed = last["event"] == "preempted" and last["began"] == first.get("began")
+        if not noticed and last["event"] in ("command", "failed", "preempted"):  # a first report
             for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
                 failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
             self.node_ips = {rank: m.get("node") for rank, m in enumerate(metrics)}
             nodes = sorted(set(self.node_ips.values()) - {None})
-            self.add(f"{plural(len(metrics), 'worker')} started on {', '.join(nodes)}" if last ==
-                     "failed" else None, event="started", workers=len(metrics), nodes=nodes)
+            self.add(f"{plural(len(metrics), 'worker')} started on {', '.join(nodes)}"
+                     if last["event"] != "command" else None, event="started",
+                     workers=len(metrics), nodes=nodes)
+        if notice and noticed:  # the notice's last save
+            last["saved"].append(saved)
+            self.write()
+        elif notice:
+            self.add(None, event="preempted", began=first.get("began"), during_epoch=epoch,
+                     **notice, saved=[saved])
         self.done = epoch - 1 if "step" in metrics[0] else epoch
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
@@ -3309,6 +3329,9 @@ class FailureLog(ray.train.UserCallback):
         if message:
             self.say(f"ray-dp: {message}")
         self.events.append({"at": time.time(), **event})
+        self.write()
+
+    def write(self) -> None:
         try:
             write_json(f"{self.logs}/recovery.json", {"events": self.before + self.events})
         except OSError as exc:
@@ -3325,7 +3348,7 @@ class FailureLog(ray.train.UserCallback):
 # Operations: the one object the lesson's loop asks (its # 1.), and the ranks' agreement behind it.
 # ==================================================================================================
 
-VOTES = (SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE) = ("sigterm", "driver", "due")
+VOTES = (SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE, LAST_VOTE) = ("sigterm", "driver", "due", "last")
 SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
@@ -3352,13 +3375,14 @@ def operations(config: dict) -> "Operations":
 
 
 class Operations:
-    """What the lesson's loop asks, in its order: restore, track, the epochs, an epoch's start,
-    after each step (save? stop?), its end, the result; behind it: Agreement, Progress, Health's
-    checks, the Store."""
+    """What the lesson's loop asks, in its order (restore, track, epochs, start_epoch, after_step,
+    end_epoch, result); behind it: Agreement, Progress, Health's checks, Store, SpotNotice."""
 
     def __init__(self, cfg: Config, worker: Worker, launcher=None, options=LoopOptions(),
                  data=None):
-        self.cfg, self.worker, self.store, self.options = cfg, worker, Store(launcher), options
+        self.cfg, self.worker, self.options = cfg, worker, options
+        self.store = Store(launcher, worker)
+        self.notice = SpotNotice(cfg, worker, isinstance(launcher, RayLauncher))
         self.data, self.failed = (None, data) if isinstance(data, DataError) else (data, None)
         if self.data and (train := self.data[0]) is not None:  # what the model is built for
             self.classes, self.outputs, self.inputs, self.samples = built_for(cfg, train)
@@ -3367,8 +3391,7 @@ class Operations:
         self.history, self.resume_record, self.stopped, self.stop_votes = [], None, None, set()
 
     def __enter__(self) -> "Operations":
-        self.progress.__enter__()
-        return self
+        return self.progress.__enter__() and self
 
     def __exit__(self, *error) -> None:
         self.progress.__exit__(*error)
@@ -3390,8 +3413,7 @@ class Operations:
     def track(self, model, optimizer, checkpoint_of, state: Optional[dict]) -> list:
         """What Health checks and rank 0 saves; the run's history so far, certified."""
         self.store.checkpoint_of = checkpoint_of
-        self.agreement.checks = [check(self.cfg, self.worker, model, optimizer)
-                                 for check in HEALTH_CHECKS]
+        self.agreement.track(self.cfg, model, optimizer)
         self.progress.started(getattr(self.store.launcher, "restore_seconds", 0.0))
         if state is not None:
             self.first_epoch, self.resumed_at = state["epoch"], state.get("partial") or {}
@@ -3433,14 +3455,14 @@ class Operations:
         votes = (self.agree(losses, done if logged else 0, last, checking, where)
                  if logged or due or last or checking or agreement.waited() else set())
         self.progress.shown((epoch, step + 1, steps, losses, self.cfg.epochs))
-        stop = votes - {DUE_VOTE}
-        if stop:
+        if stop := votes - {DUE_VOTE, LAST_VOTE}:
             self.progress.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
         if self.stopped is None and (due or votes) and not last and self.store.checkpoint_of:
             if self.checked("save", f"at the save after step {step + 1} of epoch {epoch + 1}"):
                 self.store.save_within(epoch, step + 1, steps, losses, agreement, self.history,
-                                       self.worker.is_main)
+                                       self.worker.is_main, **self.notice.tag(votes))
                 agreement.saved(), self.progress.saved()
+                self.notice.saved(votes, epoch + 1, step + 1, self.progress)
             if stop and self.stopped is None:  # not over a check's stop, which saved nothing
                 self.stopped = {"epoch": epoch + 1, "step": step + 1, "steps": steps,
                                 "by": sorted(stop)}
@@ -3454,8 +3476,10 @@ class Operations:
         """The ranks agree on their votes (Agreement.agree); a check's error stops the run."""
         mine = self.progress.votes(epoch_end, self.agreement.since_save)
         mine |= {DUE_VOTE} if self.store.checkpoint_of and self.agreement.time_due() else set()
+        mine |= self.notice.votes(self.agreement, self.progress.ledger, epoch_end, self.store)
         votes, error, notes = self.agreement.agree(mine, losses, logged_step,
                                                    self.progress.ledger, checking, where)
+        votes |= self.notice.read(self.agreement, self.progress)
         for note in notes:
             self.progress.say(f"ray-dp: note: {note}")
         self.stopped = self.stopped or error
@@ -3534,8 +3558,10 @@ class Store:
     """A worker's way to the checkpoint store: its launcher (the latest checkpoint; where a save
     goes), rank 0's checkpoint_of, and this epoch's saves (count, seconds)."""
 
-    def __init__(self, launcher):
+    def __init__(self, launcher, worker: Worker):
         self.launcher, self.checkpoint_of, self.count, self.seconds = launcher, None, 0, 0.0
+        self.began = worker.marks.get("loop", 0.0)  # the attempt's start, on its saves' metrics
+        self.last = 1.0  # the last save's seconds
 
     def save(self, metrics: dict, history: list, checkpoint_of, partial=None) -> None:
         """Report an epoch's (or partial's steps') metrics with checkpoint_of's state (rank 0's),
@@ -3544,18 +3570,19 @@ class Store:
         state = checkpoint_of(epoch - 1 if partial else epoch, history, partial) if (
             checkpoint_of) else None
         metrics = {**metrics, "keep": keep_score(epoch, step, metrics.get("steps", 1)),
-                   "node": node_name()}
+                   "node": node_name(), "began": self.began}
         self.launcher.report(metrics, state, epoch, step)
-        self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - tic
+        self.last = time.perf_counter() - tic
+        self.count, self.seconds = self.count + 1, self.seconds + self.last
 
     def save_within(self, epoch: int, step: int, steps: int, losses: EpochLoss,
-                    agreement: Agreement, history: list, rank_0: bool) -> None:
+                    agreement: Agreement, history: list, rank_0: bool, **more) -> None:
         """The epoch so far (its agreed losses), after `step` of `steps`."""
         partial = {"epoch": epoch, "step": step, "steps": steps,
                    "samples": int(agreement.totals[1]), "loss_sum": agreement.totals[0],
                    "step_log": [list(e) for e in losses.logged], "pending": agreement.pending,
                    "skipped_steps": losses.skipped}
-        self.save({"epoch": epoch + 1, "step": step, "steps": steps}, history,
+        self.save({"epoch": epoch + 1, "step": step, "steps": steps, **more}, history,
                   self.checkpoint_of if rank_0 else None, partial)
 
 
@@ -3570,6 +3597,9 @@ class Agreement:
         self.every_steps, self.every_seconds = checkpoint_interval(cfg.checkpoint_every)
         self.steps_done, self.next, self.agreed_steps, self.agreed_at = 0, 1, 0, 0.0
         self.since_save, self.last_save, self.trained, self.checks = 0, time.monotonic(), 0.0, []
+        self.every_step, self.count = False, 0
+    def track(self, cfg: Config, model, optimizer) -> None:
+        self.checks = [check(cfg, self.worker, model, optimizer) for check in HEALTH_CHECKS]
 
     def stepped(self, done: int, steps: int, losses: EpochLoss) -> bool:
         """A step ended; whether a check is due at the next agreement."""
@@ -3595,7 +3625,8 @@ class Agreement:
         return max(self.trained - self.agreed_at, 1e-6) / steps
 
     def ahead(self, step_seconds: float) -> list:
-        return [min(max(int(self.AGREE_S / step_seconds), 1), 10_000) if self.worker.is_main else 0]
+        pace = 1 if self.every_step else min(max(int(self.AGREE_S / step_seconds), 1), 10_000)
+        return [pace if self.worker.is_main else 0]
 
     def agree(self, votes: set, losses: EpochLoss, logged_step: int, ledger: "Ledger",
               checking: bool, where: str) -> tuple[set, Optional[dict], list]:
@@ -3608,7 +3639,7 @@ class Agreement:
                  "window": losses.window, "sums": losses.sums}
         for check in self.checks:
             slots.update(check.slots(checking, step_seconds, self))
-        totals = all_reduced(slots, self.worker.device)
+        totals, self.count = all_reduced(slots, self.worker.device), self.count + 1
         self.next, self.agreed_steps = self.steps_done + int(totals["ahead"][0]), self.steps_done
         self.totals, self.pending = totals["sums"], totals["window"] if not logged_step else [0, 0]
         self.agreed_at = self.trained
@@ -3754,6 +3785,69 @@ def dumps_asked(cfg: Config, board):
         yield
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+class SpotNotice:
+    """Ray's notice that nodes of the run are reclaimed (spot), read on every rank at every
+    NOTICE_EVERY-th agreement (get_preemption_info is a barrier): a save at once; the last save when
+    one more step and a save would pass the deadline; then the workers wait for Ray's restart."""
+
+    NOTICE_EVERY, GRACE_S = 5, 60.0  # agreements between readings; a wait past the deadline
+
+    def __init__(self, cfg: Config, worker: Worker, on_ray: bool):
+        self.reading, self.worker = on_ray and cfg.spot_notices, worker
+        self.heard, self.deadline, self.at, self.first, self.last = None, 0.0, 0.0, False, False
+        self.tagged: dict = {}
+
+    def read(self, agreement: "Agreement", progress: "Progress") -> set:
+        """Every rank alike (one broadcast): a new notice is a save at once."""
+        if not self.reading or self.heard or agreement.count % self.NOTICE_EVERY:
+            return set()
+        if (info := ray.train.get_preemption_info()) is None:
+            return set()
+        self.heard, agreement.every_step, progress.preempted = info, True, True
+        self.at = time.time()
+        self.deadline = info.deadline_ms / 1000 if info.deadline_ms else self.at + 60
+        return {DUE_VOTE}
+
+    def votes(self, agreement: "Agreement", ledger: "Ledger", epoch_end: bool, store) -> set:
+        """Rank 0's: the notice's first save if still owed; the last when one more step and a
+        save (twice this run's) would pass the deadline."""
+        if not (self.heard and self.worker.is_main) or self.last or epoch_end:
+            return set()
+        margin = 2 * agreement.step_seconds(ledger) + 2 * store.last + 1.0
+        return {DUE_VOTE, LAST_VOTE} if time.time() + margin >= self.deadline else (
+            set() if self.first else {DUE_VOTE})
+
+    def tag(self, votes: set) -> dict:
+        """The notice on the metrics of its first and last saves (recovery.json's record)."""
+        self.tagged = {}
+        if not (self.heard and self.worker.is_main and (not self.first or LAST_VOTE in votes)):
+            return {}
+        ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        nodes = {ips.get(node, node): sorted(ranks)
+                 for node, ranks in self.heard.preempted_node_to_ranks.items()}
+        self.tagged = {"nodes": nodes, "notice_at": self.at, "deadline": self.deadline,
+                       "last": LAST_VOTE in votes}
+        return {"preempted": self.tagged}
+
+    def saved(self, votes: set, epoch: int, step: int, progress: "Progress") -> None:
+        """The notice's line after its first save; after the last, the wait for Ray's restart."""
+        if self.heard and not self.first and self.tagged:
+            nodes = self.tagged["nodes"]
+            named = ", ".join(f"{node} (rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))})"
+                              for node, ranks in nodes.items())
+            whose = f"nodes {named} are" if len(nodes) > 1 else f"node {named} is"
+            by = time.strftime("%H:%M:%S", time.localtime(self.deadline))
+            progress.say(f"ray-dp: {whose} being reclaimed by {by}: saved epoch {epoch}, "
+                         f"step {step}")
+        self.first = self.first or bool(self.heard)
+        if LAST_VOTE in votes:
+            self.last = True
+            while time.time() < self.deadline + self.GRACE_S:  # Ray stops the workers at it
+                time.sleep(0.5)
+            progress.say(f"ray-dp: note: {self.GRACE_S:.0f} s past the reclaim's deadline the "
+                         f"workers were not restarted: training goes on")
 
 
 class DriverLink:
@@ -4058,7 +4152,7 @@ HEALTH_CHECKS = (NonFiniteLoss, ReplicaCheck)  # each one's slots ride on every 
 
 
 LEDGER = ("driver", "cluster", "data", "model", "restores", "training steps", "waits for data",
-          "evaluation", "saves", "failures", "other")
+          "evaluation", "saves", "preemptions", "failures", "other")
 
 
 class Ledger:
@@ -4087,10 +4181,11 @@ def run_ledger(clock: dict, attempts: list, failed: int, ended: float,
         for what, spent in attempt["seconds"].items():
             seconds[what] += spent
         if after is not None:  # it failed: from its last word to the next's first step
+            lost = "preemptions" if attempt.get("preempted") else "failures"
             seconds["training steps"] -= attempt["since_save"]
-            seconds["failures"] += attempt["since_save"] + after["began"] - attempt["at"]
+            seconds[lost] += attempt["since_save"] + after["began"] - attempt["at"]
             for what in ("data", "model", "restores"):  # the next's set-up
-                seconds["failures"] += after["seconds"].get(what, 0.0)
+                seconds[lost] += after["seconds"].get(what, 0.0)
                 seconds[what] -= after["seconds"].get(what, 0.0)
     wall, before = ended - begun, before or {}
     seconds["other"] = wall - sum(seconds.values())
@@ -4243,7 +4338,7 @@ class Board:
 
     def __init__(self):
         self.lines, self.said, self.bar, self.attempts, self.dumps = [], set(), None, [], 0
-        self.since, self.redone, self.stop, self.heard_at = 0, 0, False, 0.0
+        self.since, self.redone, self.stop, self.heard_at = 0, [], False, 0.0  # redone: per attempt
 
     def say(self, line: str) -> None:
         if not (line.startswith("ray-dp: note:") and line in self.said):  # notes once, restarts too
@@ -4265,7 +4360,7 @@ class Board:
         return self.stop
 
     def restarted(self) -> bool:
-        self.redone, self.since = self.redone + self.since, 0
+        self.redone, self.since = [*self.redone, self.since], 0
         self.attempts.append(None)
         return True
 
@@ -4284,7 +4379,10 @@ class Board:
         return time.time() - self.heard_at < 10.0
 
     def steps_redone(self) -> int:
-        return self.redone
+        return sum(self.redone)
+
+    def redone_at_restarts(self) -> list:
+        return self.redone[1:]
 
 
 def new_board():
@@ -4333,6 +4431,7 @@ class Progress(contextlib.ExitStack):
         self.link, self.stop = DriverLink(board) if board is not None else None, graceful_stop()
         self.watchdog = Watchdog(cfg, worker, options.board)
         self.ledger, self.lost, self.saved_count, self.tic, self.first_step = Ledger(), 0.0, 0, 0, 0
+        self.preempted = False  # a reclaim's notice heard: what this attempt loses is its
 
     def __enter__(self) -> "Progress":
         for context in filter(None, (self.stop, self.link, self.watchdog)):
@@ -4399,7 +4498,7 @@ class Progress(contextlib.ExitStack):
         marks = self.worker.marks
         return {"seconds": dict(self.ledger.seconds), "began": marks.get("loop", 0.0),
                 "first_step": marks.get("first_step"), "at": time.time(),
-                "since_save": self.lost, "saves": self.saved_count}
+                "since_save": self.lost, "saves": self.saved_count, "preempted": self.preempted}
 
 
 class Bar:
@@ -4528,6 +4627,9 @@ def format_summary(summary: dict, launcher: str = "") -> str:
                  f"{plural(recovery['restarts'], 'restart')} (workers "
                  f"{' -> '.join(str(size) for _, size in recovery['world_sizes'])}), epochs "
                  f"redone: {', '.join(map(str, recovery['epochs_redone'])) or 'none'}")
+    if preempted := recovery.get("preemptions"):
+        line += (f"; survived {plural(len(preempted), 'preemption')}, "
+                 f"{plural(recovery.get('steps_redone', 0), 'step')} redone")
     return line
 
 
