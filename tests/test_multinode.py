@@ -58,12 +58,12 @@ def single_node_result(tmp_path_factory, ray_cluster):
     return json.loads((tmp / "single" / "result.json").read_text())
 
 
-def start_node(args, log):
+def start_node(args, log, env=None):
     """`ray start --block` in its own process group: stopping the group stops everything it started
     (never `ray stop`, which would stop every Ray on the machine)."""
     return subprocess.Popen([os.path.join(BIN, "ray"), "start", "--block", "--disable-usage-stats", *args],
-                            env=dict(os.environ, RAY_AUTH_MODE="disabled"), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            env=env or dict(os.environ, RAY_AUTH_MODE="disabled"), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop_node(process):
@@ -166,10 +166,13 @@ def both_nodes_joined(nodes, env):
     return deadline
 
 
-def ray_nodes_alive(address, env):
-    probe = "import ray; ray.init(address='%s', logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))"
-    out = subprocess.run([sys.executable, "-c", probe % address], env=env, capture_output=True, text=True, timeout=60)
-    return int(out.stdout.strip() or 0)
+def ray_nodes_alive(address, env, ip=None):
+    """How many nodes are alive; with ip, the ID of the one at that address."""
+    probe = ("import ray; ray.init(address=%r, logging_level='ERROR'); nodes = [n for n in ray.nodes() if n['Alive']]; "
+             "print(len(nodes) if %r is None else [n['NodeID'] for n in nodes if n['NodeManagerAddress'] == %r][0])")
+    out = subprocess.run([sys.executable, "-c", probe % (address, ip, ip)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    return out.stdout.strip() if ip else int(out.stdout.strip() or 0)
 
 
 @pytest.mark.ray
@@ -424,3 +427,170 @@ def test_ray_up_with_the_shipped_config_trains_on_two_nodes(tmp_path, sshd, sing
         stop_cluster_processes()  # never `ray down`: it runs a bare `ray stop` on the head
         if not had_bootstrap and os.path.exists(bootstrap):
             os.remove(bootstrap)
+
+
+# A spot node's notice: three loopback nodes with token auth, the one on 127.0.0.34 drained for preemption (Ray's
+# notice, as the autoscaler gives a spot node's) and stopped after its deadline.
+SLOW = """
+import time
+from pathlib import Path
+import torch.nn as nn
+
+class Slow(nn.Module):
+    # An MLP whose training steps take 0.15 s longer (an epoch long enough to reclaim a node in); its 20th
+    # step touches MARK (the test drains a node then).
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.calls = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10)), 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            time.sleep(0.15)
+            if self.calls == 20:
+                Path(%r).touch()
+        return self.net(x)
+"""
+RECLAIM_S = 15  # the notice's lead: a spot node's is 30 s (GKE) to 120 s (AWS)
+
+
+def slow_run(tmp_path):
+    (tmp_path / "slow.py").write_text(SLOW % str(tmp_path / "step-20"))
+    return ["--dataset", "digits", "--epochs", "1", "--seed", "3", "--batch-size", "8", "--model",
+            f"{tmp_path}/slow.py:Slow", "--checkpoint-every", "0"]  # nothing but the notice saves within the epoch
+
+
+@pytest.fixture(scope="module")
+def slow_baseline(tmp_path_factory):
+    """The same training uninterrupted, under torchrun (bitwise Ray's: test_torchrun_runs_the_same_loop...)."""
+    tmp = tmp_path_factory.mktemp("slow")
+    proc = subprocess.run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "ray_dp.py", *slow_run(tmp),
+                           "--storage-path", str(tmp), "--name", "base", "--logdir", str(tmp / "tb")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "base" / "result.json").read_text())
+
+
+class ReclaimedNodes:
+    """A head on 127.0.0.33 and a node on 127.0.0.34, 1 CPU each, token auth; a replacement on 127.0.0.35."""
+
+    address = "127.0.0.33:29379"
+
+    def __init__(self, log):
+        self.log, self.temp_dirs = log, []
+        self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
+        self.head = start_node(["--head", "--node-ip-address", "127.0.0.33", "--port", "29379", "--num-cpus", "1",
+                                "--include-dashboard", "false", "--ray-client-server-port", "29380",
+                                *node_ports(25000)], log, self.env)
+        time.sleep(5)
+        self.nodes = {"127.0.0.34": self.add_node("127.0.0.34", 26000)}
+
+    def add_node(self, ip, ports):
+        temp_dir = tempfile.mkdtemp(prefix="ray-node-")
+        self.temp_dirs.append(temp_dir)
+        return start_node(["--address", self.address, "--node-ip-address", ip, "--num-cpus", "1", "--temp-dir",
+                           temp_dir, *node_ports(ports)], self.log, self.env)
+
+    def drain(self, ip, seconds):
+        """Ray's preemption notice for the node at ip, as the autoscaler gives a spot node's."""
+        node_id = ray_nodes_alive(self.address, self.env, ip)
+        subprocess.run([os.path.join(BIN, "ray"), "drain-node", "--address", self.address, "--node-id", node_id,
+                        "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot",
+                        "--deadline-remaining-seconds", str(seconds)], env=self.env, check=True, timeout=60,
+                       capture_output=True)
+
+    def kill(self, ip):
+        """The reclaimed machine gone: every process of the node at once."""
+        node = self.nodes[ip]
+        for pid in [node.pid, *descendants(node.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        node.wait()
+
+    def stop(self):
+        for node in reversed([self.head, *self.nodes.values()]):
+            stop_node(node)
+        for temp_dir in self.temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def reclaimed_nodes(tmp_path):
+    log = open(tmp_path / "nodes.log", "w")
+    nodes = ReclaimedNodes(log)
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+        log.close()
+
+
+def reclaimed(nodes, tmp_path, name, *flags, replacement=True):
+    """ray_dp.py attached to the nodes: at rank 0's 20th step the node on 127.0.0.34 is drained with RECLAIM_S
+    seconds' notice (a replacement on 127.0.0.35 joins then), and stopped once its deadline passed."""
+    command = [sys.executable, "ray_dp.py", *slow_run(tmp_path), "--cpu", "--address", nodes.address,
+               "--storage-path", str(tmp_path / "runs"), "--name", name, "--logdir", str(tmp_path / "tb"), *flags]
+    deadline = both_nodes_joined(nodes, nodes.env)
+    driver = subprocess.Popen(command, cwd=REPO, env=nodes.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    while not (tmp_path / "step-20").exists():
+        assert driver.poll() is None and time.time() < deadline + 240, "training never reached step 20"
+        time.sleep(0.1)
+    drained = time.time()
+    nodes.drain("127.0.0.34", RECLAIM_S)
+    if replacement:
+        nodes.nodes["127.0.0.35"] = nodes.add_node("127.0.0.35", 27000)
+    time.sleep(max(drained + RECLAIM_S + 1 - time.time(), 0))
+    nodes.kill("127.0.0.34")
+    stdout, stderr = driver.communicate(timeout=400)
+    assert driver.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "Traceback" not in stdout + stderr
+    return stdout, json.loads((tmp_path / "runs" / name / "result.json").read_text())
+
+
+@pytest.mark.ray
+def test_a_spot_nodes_notice_saves_at_once_and_before_its_deadline_and_the_run_ends_as_if_never_reclaimed(
+        tmp_path, reclaimed_nodes, slow_baseline):
+    stdout, result = reclaimed(reclaimed_nodes, tmp_path, "spot")
+    notice = re.search(r"^ray-dp: node 127\.0\.0\.34 \(rank ([01])\) is being reclaimed by \d\d:\d\d:\d\d: "
+                       r"saved epoch 1, step (\d+)$", stdout, re.MULTILINE)  # Ray places the ranks
+    assert notice and int(notice[2]) >= 20, stdout
+    (event,) = result["recovery"]["preemptions"]
+    assert event["nodes"] == {"127.0.0.34": [int(notice[1])]} and event["deadline"] - event["notice_at"] <= RECLAIM_S
+    first, last = event["saved"]  # at the notice, and the last before its deadline
+    assert first == f"checkpoint_epoch_001_step_{int(notice[2]):06d}" and last > first
+    step = int(last.rpartition("_")[2])
+    assert (f"resuming at epoch 1 of 1, step {step + 1} of 179, with 2 workers, from the checkpoint at epoch 1, "
+            f"step {step}") in stdout
+    assert event["steps_redone"] <= 1 and result["recovery"]["steps_redone"] <= 1
+    assert re.search(r"; survived 1 preemption, [01] steps? redone$", summary_line(stdout)), summary_line(stdout)
+    assert result["recovery"]["failures"] == 0 and [n for _, n in result["recovery"]["world_sizes"]] == [2, 2]
+    assert_bitwise_equal(final_weights(result), final_weights(slow_baseline))
+    assert_ledger_adds_up(result["ledger"])
+    assert result["ledger"]["preemptions"] > 0
+    recorded = json.loads((tmp_path / "runs" / "spot" / "recovery.json").read_text())["events"]
+    assert [e["event"] for e in recorded] == ["command", "started", "preempted", "started"]
+
+
+@pytest.mark.ray
+def test_without_the_notice_a_reclaimed_node_redoes_the_epoch_so_far(tmp_path, reclaimed_nodes, slow_baseline):
+    stdout, result = reclaimed(reclaimed_nodes, tmp_path, "ignored", "--no-spot-notices")
+    assert "is being reclaimed" not in stdout and "resuming" not in stdout  # no checkpoint within the epoch
+    assert result["recovery"]["steps_redone"] >= 20 and result["recovery"]["failures"] == 0
+    assert_bitwise_equal(final_weights(result), final_weights(slow_baseline))
+
+
+@pytest.mark.ray
+def test_an_elastic_run_whose_node_is_reclaimed_with_no_replacement_goes_on_with_the_workers_left(
+        tmp_path, reclaimed_nodes):
+    stdout, result = reclaimed(reclaimed_nodes, tmp_path, "elastic", "--workers", "1:2", replacement=False)
+    assert re.search(r"node 127\.0\.0\.34 \(rank [01]\) is being reclaimed by", stdout), stdout
+    (event,) = result["recovery"]["preemptions"]
+    step = int(event["saved"][-1].rpartition("_")[2])
+    assert (f"resuming at epoch 1 of 1, step {step + 1} of 179, with 1 worker, from the checkpoint at epoch 1, "
+            f"step {step}") in stdout
+    assert [n for _, n in result["recovery"]["world_sizes"]] == [2, 1] and result["recovery"]["steps_redone"] <= 1
+    assert result["epochs"][0]["train_samples"] == 1432  # the global batch kept: every sample once
