@@ -8,6 +8,7 @@
     python bench/bench.py --plain-only   # section 8: ray-dp against the plain PyTorch loop (~15 minutes)
     python bench/bench.py --spot-only    # section 9: what spot-safe training costs: a save, a step, a loss (~3 min)
     python bench/bench.py --memory-only  # section 10: --keep-freed-memory on and off, Ray and torchrun (~15 min)
+    python bench/bench.py --notice-only  # section 11: what reading spot nodes' notices costs with none (~5 min)
 
 Each figure comes from ray_dp.py's own result.json (per-epoch seconds from the workers' clocks, the first
 epoch left out as warm-up) of real runs of the command line, so it measures what users run. The one
@@ -790,6 +791,51 @@ def a_loss(repeats):
     return figures
 
 
+def _notice_loop(config):
+    import ray.train
+    import torch.distributed as dist
+    calls, reduces, flags = [], [], torch.zeros(12, dtype=torch.float64)
+    for _ in range(300):
+        tic = time.perf_counter()
+        ray.train.get_preemption_info()
+        calls.append(time.perf_counter() - tic)
+        tic = time.perf_counter()
+        dist.all_reduce(flags)
+        reduces.append(time.perf_counter() - tic)
+    return {"call": statistics.median(calls[20:]), "all-reduce": statistics.median(reduces[20:])}
+
+
+def notice_costs(repeats):
+    """What reading Ray's preemption notice costs when none comes. In a Ray Train run of 2 CPU workers:
+    ray.train.get_preemption_info() (a barrier through Ray Train's synchronisation actor) and an all-reduce of
+    12 float64 over gloo (the ranks' agreement's size), each timed 300 times in turn (medians, the first 20 left
+    out); ray-dp reads the notice at every 5th agreement (about every 5 s of training), so a fifth of the call
+    per agreement. Then the quick start (--workers 2 --dataset digits, 6 epochs) with --spot-notices (the
+    default) and --no-spot-notices, interleaved: the steady epochs' median samples/s and their ratio."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        try:
+            out = TorchTrainer(_notice_loop, scaling_config=ScalingConfig(num_workers=2),
+                               run_config=RunConfig(storage_path=tmp, name="notice")).fit().return_value
+        finally:
+            ray.shutdown()
+    figures["get_preemption_info, 2 workers: ms per call"] = round(out["call"] * 1e3, 3)
+    figures["the agreement's all-reduce, 2 workers: ms"] = round(out["all-reduce"] * 1e3, 3)
+    figures["reading the notice per agreement (every 5th): ms"] = round(out["call"] * 1e3 / 5, 3)
+    runs = interleave({"spot notices read": lambda: run(LENET), "--no-spot-notices": lambda: run(
+        [*LENET, "--no-spot-notices"])}, repeats)
+    speeds = {name: median_of(results, lambda r: steady(r, "samples_per_second")) for name, results in runs.items()}
+    for name, speed in speeds.items():
+        figures[f"quick start, {name}: samples/s"] = round(speed, 1)
+    figures["quick start: samples/s read / ignored"] = round(
+        speeds["spot notices read"] / speeds["--no-spot-notices"], 3)
+    return figures
+
+
 def write_section(report, started, name, title, lines):
     """One section's run: bench/NAME.json and bench/NAME.md (printed too)."""
     report["minutes"] = (time.time() - started) / 60
@@ -827,6 +873,9 @@ def main():
     parser.add_argument("--spot-only", action="store_true",
                         help="only section 9 (what spot-safe training costs: a save, per step, a loss), written "
                              "to bench/spot.md and spot.json (~3 minutes)")
+    parser.add_argument("--notice-only", action="store_true",
+                        help="only section 11 (reading spot nodes' notices when none comes), written to "
+                             "bench/notice.md and notice.json (~5 minutes at 3 repeats)")
     parser.add_argument("--startup-only", action="store_true",
                         help="only section 5 (start-up), written to bench/startup.md and startup.json (~2 min "
                              "per repeat)")
@@ -853,6 +902,10 @@ def main():
     if args.spot_only:
         figures_section(report, started, "spot", "spot-safe training",
                         "9. Spot-safe training: what a save, a step and a loss cost", spot_costs, args.repeats)
+        return
+    if args.notice_only:
+        figures_section(report, started, "notice", "spot notices", "11. Spot notices: their cost when none comes",
+                        notice_costs, args.repeats)
         return
     if args.startup_only:
         report["startup"] = startup(args.repeats)
