@@ -3066,9 +3066,10 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
     recovery = recovery_summary(os.path.join(local_run_dir(cfg), "recovery.json"))
     if recovery and board is not None:
         recovery["steps_redone"] = ray.get(board.steps_redone.remote())
-        ended = [e for e in recovery["events"] if e["event"] in ("failed", "preempted")]
-        for event, redone in zip(ended[-len(recovery["world_sizes"]) + 1 or len(ended):],
-                                 ray.get(board.redone_at_restarts.remote())):
+        events = recovery["events"]  # this command's, from its mark: each restart's steps redone
+        mark = max((i for i, e in enumerate(events) if e["event"] == "command"), default=0)
+        ended = [e for e in events[mark:] if e["event"] in ("failed", "preempted")]
+        for event, redone in zip(ended, ray.get(board.redone_at_restarts.remote())):
             event["steps_redone"] = redone
     ledger = record_ledger(cfg, out, board)
     write_ledger_events(cfg, ledger, last)
