@@ -106,6 +106,8 @@ class CpuWatch:
         per second, and its resident memory at its largest (sampled 4 times a second)."""
         inside = self.window(start, end)
         (t0, first), (t1, last) = inside[0], inside[-1]
+        if t1 <= t0:  # an epoch shorter than a sample's interval
+            return {"page faults/s": 0.0, "page faults": 0, "peak GB": 0.0}
         pid = max(last, key=lambda p: last[p][0] - first.get(p, last[p])[0])
         faults = last[pid][2] - first.get(pid, last[pid])[2]
         peak = max(snapshot[pid][3] for _, snapshot in inside if pid in snapshot)
