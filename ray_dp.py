@@ -250,7 +250,8 @@ class Config:
                                    "with Ray's notice, apart from --max-failures (-1: no limit)",
                                    metavar="K", bounds="[-1, inf)")
     spot_notices: bool = setting(True, "on Ray's notice that a node is reclaimed (spot): save at "
-                                 "once, and again before its deadline (docs/fault-tolerance.md)")
+                                 "once, and again before its deadline (under torchrun, SIGTERM's "
+                                 "save does)")
     checkpoint_every: str = option(
         "10m", "also checkpoint within an epoch every STEPS steps or Nm minutes (0: at epochs' "
         "ends only)", metavar="STEPS|Nm", rerun="free", lesson="0")
@@ -3069,8 +3070,9 @@ def summarize(cfg: Config, result: ray.train.Result, board=None) -> dict:
         events = recovery["events"]  # this command's, from its mark: each restart's steps redone
         mark = max((i for i, e in enumerate(events) if e["event"] == "command"), default=0)
         ended = [e for e in events[mark:] if e["event"] in ("failed", "preempted")]
-        for event, redone in zip(ended, ray.get(board.redone_at_restarts.remote())):
-            event["steps_redone"] = redone
+        redone = ray.get(board.redone_at_restarts.remote())
+        for event, steps in zip(ended, redone) if len(ended) == len(redone) else ():
+            event["steps_redone"] = steps
     ledger = record_ledger(cfg, out, board)
     write_ledger_events(cfg, ledger, last)
     checkpoint = os.path.join(cfg.run_dir, checkpoint_dir_name(last), CHECKPOINT_FILE)
@@ -3281,7 +3283,7 @@ class FailureLog(ray.train.UserCallback):
 
     def __init__(self, cfg: Config, logs: str, board=None, done: int = 0):
         self.cfg, self.logs, self.board, self.done, self.save_failed = cfg, logs, board, done, False
-        self.events, self.failures, self.node_ips, self.seen = [], 0, {}, None
+        self.events, self.failures, self.node_ips, self.seen, self.began = [], 0, {}, None, -1.0
         self.before = recovery_summary(os.path.join(logs, "recovery.json")).get("events", [])
         self.add(None, event="command")  # the earlier commands' events kept, this one's marked
 
@@ -3293,7 +3295,8 @@ class FailureLog(ray.train.UserCallback):
         first, epoch, last = metrics[0], metrics[0]["epoch"], self.events[-1]
         notice, saved = first.get("preempted"), checkpoint_dir_name(epoch, first.get("step", 0))
         noticed = last["event"] == "preempted" and last["began"] == first.get("began")
-        if not noticed and last["event"] in ("command", "failed", "preempted"):  # a first report
+        fresh, self.began = first.get("began") != self.began, first.get("began")  # a new attempt's
+        if not noticed and (fresh or last["event"] in ("command", "failed")):
             for failure in [e for e in self.events if e["event"] == "failed" and "redone" not in e]:
                 failure["redone"] = list(range(epoch, failure["during_epoch"] + 1))
             self.node_ips = {rank: m.get("node") for rank, m in enumerate(metrics)}
@@ -3310,9 +3313,16 @@ class FailureLog(ray.train.UserCallback):
         self.done = epoch - 1 if "step" in metrics[0] else epoch
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        if worker_exceptions is self.seen or not worker_exceptions:
+        seen = (self.began, sorted((rank, first_line(e)) for rank, e in worker_exceptions.items()))
+        if seen == self.seen or not worker_exceptions:  # the controller polls the same errors again
             return
-        self.seen, self.failures = worker_exceptions, self.failures + 1
+        self.seen = seen
+        if any(getattr(error, "preempted", False) for error in worker_exceptions.values()):
+            if self.events[-1]["event"] != "preempted":  # a reclaim whose notice ray-dp missed
+                self.add(None, event="preempted", began=self.began, during_epoch=self.done + 1,
+                         nodes={}, saved=[])
+            return  # Ray counts it against --max-preemptions, not --max-failures
+        self.failures += 1
         limit = self.cfg.max_failures
         append_log(self.logs, "\n".join(f"rank {rank}: {''.join(traceback.format_exception(error))}"
                                         for rank, error in sorted(worker_exceptions.items())))
@@ -3349,7 +3359,9 @@ class FailureLog(ray.train.UserCallback):
 # Operations: the one object the lesson's loop asks (its # 1.), and the ranks' agreement behind it.
 # ==================================================================================================
 
-VOTES = (SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE, LAST_VOTE) = ("sigterm", "driver", "due", "last")
+VOTES = (SIGTERM_VOTE, DRIVER_VOTE, DUE_VOTE, LAST_VOTE, READ_VOTE) = (
+    "sigterm", "driver", "due", "last", "read")
+SAVES = {DUE_VOTE, LAST_VOTE}  # votes that are no stop
 SIGTERM_STOPPED = "a worker got SIGTERM"
 
 
@@ -3453,10 +3465,10 @@ class Operations:
         checking = agreement.stepped(done, steps, losses)
         logged = done % self.cfg.log_every == 0
         due = agreement.due(step + 1) and not last and self.store.checkpoint_of is not None
-        votes = (self.agree(losses, done if logged else 0, last, checking, where)
+        votes = (self.agree(losses, done if logged else 0, last, checking, where, steps - step - 1)
                  if logged or due or last or checking or agreement.waited() else set())
         self.progress.shown((epoch, step + 1, steps, losses, self.cfg.epochs))
-        if stop := votes - {DUE_VOTE, LAST_VOTE}:
+        if stop := votes - SAVES:
             self.progress.watchdog.dump(f"a stop was agreed ({', '.join(sorted(stop))})")
         if self.stopped is None and (due or votes) and not last and self.store.checkpoint_of:
             if self.checked("save", f"at the save after step {step + 1} of epoch {epoch + 1}"):
@@ -3473,18 +3485,18 @@ class Operations:
         return self.stopped is not None
 
     def agree(self, losses: EpochLoss, logged_step: int, epoch_end: bool, checking: bool,
-              where: str) -> set:
+              where: str, left: int = 0) -> set:
         """The ranks agree on their votes (Agreement.agree); a check's error stops the run."""
         mine = self.progress.votes(epoch_end, self.agreement.since_save)
         mine |= {DUE_VOTE} if self.store.checkpoint_of and self.agreement.time_due() else set()
-        mine |= self.notice.votes(self.agreement, self.progress.ledger, epoch_end, self.store)
+        mine |= self.notice.votes(self.agreement, self.progress.ledger, left, self.store)
         votes, error, notes = self.agreement.agree(mine, losses, logged_step,
                                                    self.progress.ledger, checking, where)
-        votes |= self.notice.read(self.agreement, self.progress)
+        votes |= self.notice.read(votes, self.agreement, self.progress)
         for note in notes:
             self.progress.say(f"ray-dp: note: {note}")
         self.stopped = self.stopped or error
-        return votes
+        return votes - {READ_VOTE}  # (a reading, agreed)
 
     def checked(self, stage: str, where: str) -> bool:
         """At a save (none stopped), before rank 0 writes: every rank's replicas and optimizer."""
@@ -3598,7 +3610,8 @@ class Agreement:
         self.every_steps, self.every_seconds = checkpoint_interval(cfg.checkpoint_every)
         self.steps_done, self.next, self.agreed_steps, self.agreed_at = 0, 1, 0, 0.0
         self.since_save, self.last_save, self.trained, self.checks = 0, time.monotonic(), 0.0, []
-        self.every_step, self.count = False, 0
+        self.every_step = False  # a reclaim's notice: an agreement after each step
+
     def track(self, cfg: Config, model, optimizer) -> None:
         self.checks = [check(cfg, self.worker, model, optimizer) for check in HEALTH_CHECKS]
 
@@ -3640,7 +3653,7 @@ class Agreement:
                  "window": losses.window, "sums": losses.sums}
         for check in self.checks:
             slots.update(check.slots(checking, step_seconds, self))
-        totals, self.count = all_reduced(slots, self.worker.device), self.count + 1
+        totals = all_reduced(slots, self.worker.device)
         self.next, self.agreed_steps = self.steps_done + int(totals["ahead"][0]), self.steps_done
         self.totals, self.pending = totals["sums"], totals["window"] if not logged_step else [0, 0]
         self.agreed_at = self.trained
@@ -3789,64 +3802,74 @@ def dumps_asked(cfg: Config, board):
 
 
 class SpotNotice:
-    """Ray's notice that nodes of the run are reclaimed (spot), read on every rank at every
-    NOTICE_EVERY-th agreement (get_preemption_info is a barrier): a save at once; the last save when
-    one more step and a save would pass the deadline; then the workers wait for Ray's restart."""
+    """Ray's notice that nodes of the run are reclaimed (spot), read every NOTICE_S when rank 0
+    votes so (get_preemption_info is a barrier: every rank reads at the same agreement): a save at
+    once; the last save before the deadline; then the workers wait for Ray's restart."""
 
-    NOTICE_EVERY, GRACE_S = 5, 60.0  # agreements between readings; a wait past the deadline
+    NOTICE_S, GRACE_S = 5.0, 60.0  # Ray's own watcher's period; a wait past the deadline
 
     def __init__(self, cfg: Config, worker: Worker, on_ray: bool):
-        self.reading, self.worker = on_ray and cfg.spot_notices, worker
+        self.reading, self.worker, self.read_at = on_ray and cfg.spot_notices, worker, time.time()
         self.heard, self.deadline, self.at, self.first, self.last = None, 0.0, 0.0, False, False
-        self.tagged: dict = {}
+        self.nodes, self.named, self.tagged = {}, {}, {}  # Ray's node IDs; their IPs; a save's
 
-    def read(self, agreement: "Agreement", progress: "Progress") -> set:
-        """Every rank alike (one broadcast): a new notice is a save at once."""
-        if not self.reading or self.heard or agreement.count % self.NOTICE_EVERY:
+    def read(self, votes: set, agreement: "Agreement", progress: "Progress") -> set:
+        """Every rank alike, where rank 0 voted READ: a notice (or a node more) is a save now."""
+        if READ_VOTE not in votes:
             return set()
-        if (info := ray.train.get_preemption_info()) is None:
+        self.read_at, info = time.time(), ray.train.get_preemption_info()
+        nodes = dict(info.preempted_node_to_ranks) if info is not None else {}
+        if not set(nodes) - set(self.nodes):
             return set()
         self.heard, agreement.every_step, progress.preempted = info, True, True
-        self.at = time.time()
-        self.deadline = info.deadline_ms / 1000 if info.deadline_ms else self.at + 60
+        self.at, self.first, self.nodes = self.at or time.time(), False, {**self.nodes, **nodes}
+        ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        self.named = {ips.get(node, node): sorted(ranks) for node, ranks in self.nodes.items()}
+        self.deadline = min(info.deadline_ms / 1000 if info.deadline_ms else time.time() + 115,
+                            self.deadline or math.inf)  # (no deadline: Ray Train waits 120 s)
         return {DUE_VOTE}
 
-    def votes(self, agreement: "Agreement", ledger: "Ledger", epoch_end: bool, store) -> set:
-        """Rank 0's: the notice's first save if still owed; the last when one more step and a
-        save (twice this run's) would pass the deadline."""
-        if not (self.heard and self.worker.is_main) or self.last or epoch_end:
+    def votes(self, agreement: "Agreement", ledger: "Ledger", left: int, store) -> set:
+        """Rank 0's: READ every NOTICE_S; the notice's first save if still owed; the last one when
+        the next chance to save (after one more step; at the epoch's end, after the rest of it and
+        its evaluation) would come, with two saves of this run's, past the deadline."""
+        if not (self.reading and self.worker.is_main):
             return set()
-        margin = 2 * agreement.step_seconds(ledger) + 2 * store.last + 1.0
-        return {DUE_VOTE, LAST_VOTE} if time.time() + margin >= self.deadline else (
-            set() if self.first else {DUE_VOTE})
+        read = {READ_VOTE} if time.time() - self.read_at >= self.NOTICE_S else set()
+        if not self.heard or self.last or not left:
+            return read
+        step, saves = agreement.step_seconds(ledger), 2 * store.last + 1.0
+        after = 2 * step if left > 1 else left * step + ledger.seconds.get("evaluation", 0.0)
+        if time.time() + after + saves >= self.deadline:
+            return read | {DUE_VOTE, LAST_VOTE}
+        return read if self.first else read | {DUE_VOTE}
 
     def tag(self, votes: set) -> dict:
         """The notice on the metrics of its first and last saves (recovery.json's record)."""
         self.tagged = {}
         if not (self.heard and self.worker.is_main and (not self.first or LAST_VOTE in votes)):
             return {}
-        ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-        nodes = {ips.get(node, node): sorted(ranks)
-                 for node, ranks in self.heard.preempted_node_to_ranks.items()}
-        self.tagged = {"nodes": nodes, "notice_at": self.at, "deadline": self.deadline,
+        self.tagged = {"nodes": self.named, "notice_at": self.at, "deadline": self.deadline,
                        "last": LAST_VOTE in votes}
         return {"preempted": self.tagged}
 
     def saved(self, votes: set, epoch: int, step: int, progress: "Progress") -> None:
-        """The notice's line after its first save; after the last, the wait for Ray's restart."""
+        """The notice's line after its first save; after the last (or SIGTERM's, once noticed),
+        the wait for Ray's restart."""
         if self.heard and not self.first and self.tagged:
-            nodes = self.tagged["nodes"]
             named = ", ".join(f"{node} (rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))})"
-                              for node, ranks in nodes.items())
-            whose = f"nodes {named} are" if len(nodes) > 1 else f"node {named} is"
+                              for node, ranks in self.named.items())
+            whose = f"nodes {named} are" if len(self.named) > 1 else f"node {named} is"
             by = time.strftime("%H:%M:%S", time.localtime(self.deadline))
             progress.say(f"ray-dp: {whose} being reclaimed by {by}: saved epoch {epoch}, "
                          f"step {step}")
         self.first = self.first or bool(self.heard)
-        if LAST_VOTE in votes:
+        if LAST_VOTE in votes or (self.heard and SIGTERM_VOTE in votes):
             self.last = True
             while time.time() < self.deadline + self.GRACE_S:  # Ray stops the workers at it
+                progress.watchdog.progress("waiting for the reclaim")
                 time.sleep(0.5)
+            progress.ledger.charge("preemptions")
             progress.say(f"ray-dp: note: {self.GRACE_S:.0f} s past the reclaim's deadline the "
                          f"workers were not restarted: training goes on")
 
@@ -4629,8 +4652,9 @@ def format_summary(summary: dict, launcher: str = "") -> str:
                  f"{' -> '.join(str(size) for _, size in recovery['world_sizes'])}), epochs "
                  f"redone: {', '.join(map(str, recovery['epochs_redone'])) or 'none'}")
     if preempted := recovery.get("preemptions"):
+        redone = sum(event.get("steps_redone", 0) for event in preempted)
         line += (f"; survived {plural(len(preempted), 'preemption')}, "
-                 f"{plural(recovery.get('steps_redone', 0), 'step')} redone")
+                 f"{plural(redone, 'step')} redone")
     return line
 
 

@@ -532,16 +532,15 @@ def reclaimed(nodes, tmp_path, name, *flags, replacement=True):
     """ray_dp.py attached to the nodes: at rank 0's 20th step the node on 127.0.0.34 is drained with RECLAIM_S
     seconds' notice (a replacement on 127.0.0.35 joins then), and stopped once its deadline passed."""
     command = [sys.executable, "ray_dp.py", *slow_run(tmp_path), "--cpu", "--address", nodes.address,
-               "--storage-path", str(tmp_path / "runs"), "--name", name, "--logdir", str(tmp_path / "tb"),
-               "--max-failures", "1", *flags]  # a rank whose peer went first may fail, not be preempted
+               "--storage-path", str(tmp_path / "runs"), "--name", name, "--logdir", str(tmp_path / "tb"), *flags]
     deadline = both_nodes_joined(nodes, nodes.env)
     driver = subprocess.Popen(command, cwd=REPO, env=nodes.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     while not (tmp_path / "step-20").exists():
         assert driver.poll() is None and time.time() < deadline + 240, "training never reached step 20"
         time.sleep(0.1)
-    drained = time.time()
     nodes.drain("127.0.0.34", RECLAIM_S)
+    drained = time.time()  # the deadline: RECLAIM_S from Ray's drain (the CLI returns once it is set)
     if replacement:
         nodes.nodes["127.0.0.35"] = nodes.add_node("127.0.0.35", 27000)
     time.sleep(max(drained + RECLAIM_S + 1 - time.time(), 0))
@@ -578,7 +577,8 @@ def test_a_spot_nodes_notice_saves_at_once_and_before_its_deadline_and_the_run_e
 
 @pytest.mark.ray
 def test_without_the_notice_a_reclaimed_node_redoes_the_epoch_so_far(tmp_path, reclaimed_nodes, slow_baseline):
-    stdout, result = reclaimed(reclaimed_nodes, tmp_path, "ignored", "--no-spot-notices")
+    # (without the notice, the rank whose peer goes first may fail rather than be preempted: --max-failures 1)
+    stdout, result = reclaimed(reclaimed_nodes, tmp_path, "ignored", "--no-spot-notices", "--max-failures", "1")
     assert "is being reclaimed" not in stdout and "resuming" not in stdout  # no checkpoint within the epoch
     assert result["recovery"]["steps_redone"] >= 20  # Ray's restart: a preemption or, by a rank's error, a failure
     assert_bitwise_equal(final_weights(result), final_weights(slow_baseline))

@@ -397,3 +397,20 @@ def test_replicas_that_differ_stop_the_run_before_any_save_from_them_and_the_sam
         if attempt:  # the rerun began from the last good checkpoint, certified
             assert ("resuming at epoch 1 of 1, step 17 of 50, with 2 workers, from the checkpoint at epoch 1, step "
                     "16: the same model, optimizer, history and data position as saved") in out
+
+
+class Reclaimed(RuntimeError):
+    preempted = True  # as Ray's RayActorError of a worker on a node drained for preemption
+
+
+def test_a_reclaimed_nodes_workers_dying_are_one_preemption_however_often_the_controller_polls(tmp_path):
+    log = ray_dp.FailureLog(ray_dp.Config(), str(tmp_path))
+    log.after_report(None, [{"epoch": 1, "began": 1.0}, {"epoch": 1, "began": 1.0}], None)
+    for _ in range(5):  # Ray Train's controller polls every 0.2 s until the deadline: a new dict each time
+        log.after_exception(None, {1: Reclaimed("the actor died"), 0: RuntimeError("Connection reset by peer")})
+    log.after_report(None, [{"epoch": 1, "step": 40, "began": 2.0}], None)  # the next attempt's first report
+    for _ in range(2):  # a real failure, polled twice: one failure
+        log.after_exception(None, {0: RuntimeError("CUDA error: an illegal memory access")})
+    events = json.loads((tmp_path / "recovery.json").read_text())["events"]
+    assert [e["event"] for e in events] == ["command", "started", "preempted", "started", "failed"]
+    assert log.failures == 1 and ray_dp.recovery_summary(str(tmp_path / "recovery.json"))["restarts"] == 1
