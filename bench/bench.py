@@ -8,7 +8,7 @@
     python bench/bench.py --plain-only   # section 8: ray-dp against the plain PyTorch loop (~15 minutes)
     python bench/bench.py --spot-only    # section 9: what spot-safe training costs: a save, a step, a loss (~3 min)
     python bench/bench.py --memory-only  # section 10: --keep-freed-memory on and off, Ray and torchrun (~15 min)
-    python bench/bench.py --notice-only  # section 11: what reading spot nodes' notices costs with none (~5 min)
+    python bench/bench.py --notice-only  # section 11: what reading spot nodes' notices costs with none (~4 min)
 
 Each figure comes from ray_dp.py's own result.json (per-epoch seconds from the workers' clocks, the first
 epoch left out as warm-up) of real runs of the command line, so it measures what users run. The one
@@ -811,8 +811,8 @@ def notice_costs(repeats):
     """What reading Ray's preemption notice costs when none comes. In a Ray Train run of 2 CPU workers:
     ray.train.get_preemption_info() (a barrier through Ray Train's synchronisation actor) and an all-reduce of
     12 float64 over gloo (the ranks' agreement's size), each timed 300 times in turn (medians, the first 20 left
-    out); ray-dp reads the notice at every 5th agreement (about every 5 s of training), so a fifth of the call
-    per agreement. Then the quick start (--workers 2 --dataset digits, 6 epochs) with --spot-notices (the
+    out); ray-dp reads the notice every 5 s of training (rank 0 votes the reading at an agreement), so its
+    share of training is the call's time over 5 s. Then the quick start (--workers 2 --dataset digits, 6 epochs) with --spot-notices (the
     default) and --no-spot-notices, interleaved: the steady epochs' median samples/s and their ratio."""
     import ray
     from ray.train import RunConfig, ScalingConfig
@@ -827,7 +827,7 @@ def notice_costs(repeats):
             ray.shutdown()
     figures["get_preemption_info, 2 workers: ms per call"] = round(out["call"] * 1e3, 3)
     figures["the agreement's all-reduce, 2 workers: ms"] = round(out["all-reduce"] * 1e3, 3)
-    figures["reading the notice per agreement (every 5th): ms"] = round(out["call"] * 1e3 / 5, 3)
+    figures["reading the notice every 5 s: % of training"] = round(out["call"] * 100 / 5, 3)
     runs = interleave({"spot notices read": lambda: run(LENET), "--no-spot-notices": lambda: run(
         [*LENET, "--no-spot-notices"])}, repeats)
     speeds = {name: median_of(results, lambda r: steady(r, "samples_per_second")) for name, results in runs.items()}
@@ -877,7 +877,7 @@ def main():
                              "to bench/spot.md and spot.json (~3 minutes)")
     parser.add_argument("--notice-only", action="store_true",
                         help="only section 11 (reading spot nodes' notices when none comes), written to "
-                             "bench/notice.md and notice.json (~5 minutes at 3 repeats)")
+                             "bench/notice.md and notice.json (~4 minutes at 3 repeats)")
     parser.add_argument("--startup-only", action="store_true",
                         help="only section 5 (start-up), written to bench/startup.md and startup.json (~2 min "
                              "per repeat)")
