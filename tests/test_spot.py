@@ -519,3 +519,33 @@ def test_a_resumed_epochs_progress_bar_starts_at_its_steps_so_far():
     assert bar.tqdm.n == 4 and bar.tqdm.total == 10 and bar.tqdm.desc.startswith("epoch 1/2, 100 samples/s")
     bar.show(None)
     assert bar.tqdm is None
+
+
+def test_rank_0_votes_the_notices_reading_every_5_s_and_the_last_save_when_the_next_chance_is_past_the_deadline():
+    class Agreement:
+        def step_seconds(self, ledger):
+            return 1.0
+
+    class Store:
+        last = 0.5  # this run's last save, in seconds
+    notice, ledger = ray_dp.SpotNotice(ray_dp.Config(), here(), on_ray=True), ray_dp.Ledger()
+    ledger.seconds["evaluation"] = 10.0
+    assert notice.votes(Agreement(), ledger, 5, Store()) == set()  # read just now, no notice
+    notice.read_at -= ray_dp.SpotNotice.NOTICE_S
+    assert notice.votes(Agreement(), ledger, 5, Store()) == {ray_dp.READ_VOTE}
+    notice.read_at, notice.heard, notice.first = time.time(), object(), True
+    notice.deadline = time.time() + 4.5  # two steps and two saves and a second: 4 s
+    assert notice.votes(Agreement(), ledger, 5, Store()) == set()
+    assert notice.votes(Agreement(), ledger, 1, Store()) == {ray_dp.DUE_VOTE, ray_dp.LAST_VOTE}  # then evaluation
+    notice.deadline -= 1
+    assert notice.votes(Agreement(), ledger, 5, Store()) == {ray_dp.DUE_VOTE, ray_dp.LAST_VOTE}
+    assert notice.votes(Agreement(), ledger, 0, Store()) == set()  # an epoch's last step: its own save follows
+    notice.first = False  # the notice's first save still owed (it came at an epoch's end)
+    notice.deadline += 100
+    assert notice.votes(Agreement(), ledger, 5, Store()) == {ray_dp.DUE_VOTE}
+    other = ray_dp.SpotNotice(ray_dp.Config(), ray_dp.Worker(1, 2, torch.device("cpu")), on_ray=True)
+    other.read_at -= 10
+    assert other.votes(Agreement(), ledger, 5, Store()) == set()  # rank 0 decides for all
+    off = ray_dp.SpotNotice(ray_dp.Config(spot_notices=False), here(), on_ray=True)
+    off.read_at -= 10
+    assert off.votes(Agreement(), ledger, 5, Store()) == set()  # --no-spot-notices: never read
