@@ -107,26 +107,38 @@ class TwoNodes:
                            "--temp-dir", temp_dir, *node_ports(ports)], self.log)
 
     def kill_worker_node(self):
-        """As if the machine died: every process of the node at once, the training worker included (Ray
-        starts workers in sessions of their own, so the node's process group alone would miss them)."""
-        for pid in [self.workers[-1].pid, *descendants(self.workers[-1].pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.workers[-1].wait()
+        kill_node(self.workers[-1])
 
     def stop(self):
-        for node in reversed([self.head, *self.workers]):
-            stop_node(node)
-        for temp_dir in self.temp_dirs:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        stop_nodes([self.head, *self.workers], self.temp_dirs)
+
+
+def kill_node(node):
+    """As if the machine died: every process of the node at once, the training worker included (Ray starts
+    workers in sessions of their own, so the node's process group alone would miss them)."""
+    for pid in [node.pid, *descendants(node.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    node.wait()
+
+
+def stop_nodes(nodes, temp_dirs):
+    for node in reversed(nodes):
+        stop_node(node)
+    for temp_dir in temp_dirs:
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture
 def two_nodes(tmp_path):
+    yield from started(TwoNodes, tmp_path)
+
+
+def started(cluster, tmp_path):
     log = open(tmp_path / "nodes.log", "w")
-    nodes = TwoNodes(log)
+    nodes = cluster(log)
     try:
         yield nodes
     finally:
@@ -501,31 +513,15 @@ class ReclaimedNodes:
                        capture_output=True)
 
     def kill(self, ip):
-        """The reclaimed machine gone: every process of the node at once."""
-        node = self.nodes[ip]
-        for pid in [node.pid, *descendants(node.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        node.wait()
+        kill_node(self.nodes[ip])
 
     def stop(self):
-        for node in reversed([self.head, *self.nodes.values()]):
-            stop_node(node)
-        for temp_dir in self.temp_dirs:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        stop_nodes([self.head, *self.nodes.values()], self.temp_dirs)
 
 
 @pytest.fixture
 def reclaimed_nodes(tmp_path):
-    log = open(tmp_path / "nodes.log", "w")
-    nodes = ReclaimedNodes(log)
-    try:
-        yield nodes
-    finally:
-        nodes.stop()
-        log.close()
+    yield from started(ReclaimedNodes, tmp_path)
 
 
 def reclaimed(nodes, tmp_path, name, *flags, replacement=True):
