@@ -812,8 +812,9 @@ def notice_costs(repeats):
     ray.train.get_preemption_info() (a barrier through Ray Train's synchronisation actor) and an all-reduce of
     12 float64 over gloo (the ranks' agreement's size), each timed 300 times in turn (medians, the first 20 left
     out); ray-dp reads the notice every 5 s of training (rank 0 votes the reading at an agreement), so its
-    share of training is the call's time over 5 s. Then the quick start (--workers 2 --dataset digits, 6 epochs) with --spot-notices (the
-    default) and --no-spot-notices, interleaved: the steady epochs' median samples/s and their ratio."""
+    share of training is the call's time over 5 s. Then the quick start (--workers 2 --dataset digits) with
+    --spot-notices (the default) and --no-spot-notices, 20 epochs each (about 8 s of training: a reading or
+    two), interleaved: the steady epochs' median samples/s and their ratio."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -828,8 +829,9 @@ def notice_costs(repeats):
     figures["get_preemption_info, 2 workers: ms per call"] = round(out["call"] * 1e3, 3)
     figures["the agreement's all-reduce, 2 workers: ms"] = round(out["all-reduce"] * 1e3, 3)
     figures["reading the notice every 5 s: % of training"] = round(out["call"] * 100 / 5, 3)
-    runs = interleave({"spot notices read": lambda: run(LENET), "--no-spot-notices": lambda: run(
-        [*LENET, "--no-spot-notices"])}, repeats)
+    quick = flags(epochs=20)  # about 8 s of training: a reading or two
+    runs = interleave({"spot notices read": lambda: run(quick), "--no-spot-notices": lambda: run(
+        [*quick, "--no-spot-notices"])}, repeats)
     speeds = {name: median_of(results, lambda r: steady(r, "samples_per_second")) for name, results in runs.items()}
     for name, speed in speeds.items():
         figures[f"quick start, {name}: samples/s"] = round(speed, 1)
