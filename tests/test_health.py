@@ -540,25 +540,6 @@ def test_under_torchrun_a_lost_peer_is_one_line_and_ray_dps_own_errors_stay_as_t
 
 NAN_AT = """
 import torch, torch.nn as nn
-class NaNAt(nn.Module):
-    '''A user's model whose rank 1 gives NaN outputs in its 22nd training forward pass (step 10 of epoch 2), unless
-    fixed.'''
-    fixed = False
-
-    def __init__(self):
-        super().__init__()
-        self.layer, self.calls = nn.Linear(784, 10), 0
-
-    def forward(self, x):
-        self.calls += self.training
-        out = self.layer(x.flatten(1))
-        broken = self.calls == 22 and not self.fixed and torch.distributed.get_rank() == 1
-        return out * float("nan") if broken else out
-"""
-
-
-GRAD_NAN_AT = """
-import torch, torch.nn as nn
 class Poison(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -568,10 +549,10 @@ class Poison(torch.autograd.Function):
     def backward(ctx, grad):
         return grad * float("nan")
 
-class GradNaNAt(nn.Module):
-    '''A user's model whose rank 1 gives NaN gradients (a finite loss) in its 20th training pass (step 8 of epoch 2),
-    unless fixed: DDP's all-reduce makes every rank's weights NaN.'''
-    fixed = False
+class NaNAt(nn.Module):
+    '''A user's model whose rank 1 gives NaN outputs in its 22nd training forward pass (step 10 of epoch 2), unless
+    fixed.'''
+    fixed, at = False, 22
 
     def __init__(self):
         super().__init__()
@@ -580,8 +561,19 @@ class GradNaNAt(nn.Module):
     def forward(self, x):
         self.calls += self.training
         out = self.layer(x.flatten(1))
-        broken = self.calls == 20 and not self.fixed and torch.distributed.get_rank() == 1
-        return Poison.apply(out) if broken else out
+        broken = self.calls == self.at and not self.fixed and torch.distributed.get_rank() == 1
+        return self.broken(out) if broken else out
+
+    def broken(self, out):
+        return out * float("nan")
+
+class GradNaNAt(NaNAt):
+    '''NaN gradients (a finite loss) in its 20th training pass (step 8 of epoch 2): DDP's all-reduce makes every
+    rank's weights NaN.'''
+    at = 20
+
+    def broken(self, out):
+        return Poison.apply(out)
 """
 
 
@@ -609,7 +601,7 @@ def test_a_loss_that_turns_nan_stops_every_rank_naming_where_and_the_fixed_model
 
 
 def test_weights_made_nan_by_a_gradient_under_a_finite_loss_are_not_saved_and_the_fixed_model_resumes(tmp_path):
-    (tmp_path / "grad_nan.py").write_text(GRAD_NAN_AT)
+    (tmp_path / "grad_nan.py").write_text(NAN_AT)
     cfg = ray_dp.with_absolute_paths(ray_dp.Config(
         model=f"{tmp_path}/grad_nan.py:GradNaNAt", dataset="synthetic", synthetic_size=96, batch_size=8, epochs=3,
         workers=2, checkpoint_every="4", quiet=True, name="grad-nan", storage_path=str(tmp_path)))  # 12 steps an epoch
