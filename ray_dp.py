@@ -4551,12 +4551,13 @@ class Bar:
 
 @contextlib.contextmanager
 def relayed(board):
-    """A thread of the driver's that prints what the Board holds, five times a second."""
+    """A thread of the driver's that prints what the Board holds, twice a second (as often as
+    the bar may change: bench/ray_tax.md)."""
     bar, done = Bar(), threading.Event()
 
     def relay() -> None:
         while not done.is_set():
-            done.wait(0.2)
+            done.wait(0.5)
             if (taken := ask_board(board, "take", timeout=10)):
                 for line in taken[0]:
                     bar.write(line)
