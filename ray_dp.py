@@ -4556,8 +4556,9 @@ def relayed(board):
     bar, done = Bar(), threading.Event()
 
     def relay() -> None:
-        while not done.is_set():
-            done.wait(0.5)
+        stopping = False
+        while not stopping:  # a last take begun once the run ended
+            stopping = done.wait(0.5)
             if (taken := ask_board(board, "take", timeout=10)):
                 for line in taken[0]:
                     bar.write(line)

@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Where a Ray epoch's time goes against torchrun's: the same ray_dp.py command line under each.
 
-    python bench/ray_tax.py                     # writes bench/ray_tax.md and ray_tax.json
-    python bench/ray_tax.py --rounds 1 --cases memory --contenders torchrun,ray
+    python bench/ray_tax.py                       # ~45 minutes: writes bench/ray_tax.md and ray_tax.json
+    python bench/ray_tax.py --cases spare-core    # one case (~8 minutes); the others' figures stay
+    python bench/ray_tax.py --rounds 1 --cases memory --contenders ray,no-relay
 
 Contenders run in turn (torchrun, Ray, Ray with one thing changed, ..., then again: a round), each
-its own process, one worker of 2 threads; figures are medians over rounds of each run's steady
-epochs (the first left out). bench/ray_tax_probe.py, imported as `sitecustomize` by the training
-process, splits each step into forward, backward and the optimizer with torch's public hooks;
-ray_dp's result.json gives the epoch and its waits for data; /proc gives every thread's CPU.
+its own process, one worker; a figure is the median over rounds of each run's median steady epoch
+(the first left out), a ratio the median of each round's ratio to torchrun. bench/ray_tax_probe.py,
+imported as `sitecustomize` by the training process, splits each step into forward, backward and
+the optimizer with torch's public hooks; ray_dp's result.json gives the epoch and its waits for
+data; /proc, sampled once a second, gives every thread's and every other process's CPU.
 """
 import argparse
 import collections
@@ -31,8 +33,8 @@ PARTS = ("forward", "backward", "optimizer", "waits for data", "rest")
 
 
 class ThreadWatch:
-    """Every thread's CPU ticks in each process that trains (a probe's <pid>.jsonl exists), and
-    all processes' (bench.CpuWatch), 4 times a second."""
+    """Once a second, at nice 19: every process's CPU ticks, and every thread's in the trainer (the
+    process whose probe wrote <pid>.jsonl); the trainer's loader processes count as the trainer."""
 
     def __init__(self, out: str):
         self.out, self.samples, self.done = out, [], threading.Event()
@@ -40,20 +42,22 @@ class ThreadWatch:
         self.thread.start()
 
     def sample(self):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         names = {}
         while not self.done.wait(1.0):
-            snapshot = {}
+            snapshot, trainers = {}, {os.path.basename(log).split(".")[0]
+                                      for log in glob.glob(os.path.join(self.out, "*.jsonl"))}
             for pid in filter(str.isdigit, os.listdir("/proc")):
                 try:
                     with open(f"/proc/{pid}/stat") as f:
                         fields = f.read().rsplit(")", 1)[1].split()
-                    if not names.get(pid, "").startswith(("ray::", "raylet", "gcs_server")):
+                    if names.get(pid, "ray::IDLE").startswith(("ray::IDLE", "python")):
                         names[pid] = process_name(pid)  # Ray's workers take their names late
                 except OSError:
                     continue
-                snapshot[pid] = (names[pid], int(fields[11]) + int(fields[12]))
-            for log in glob.glob(os.path.join(self.out, "*.jsonl")):
-                pid = os.path.basename(log).split(".")[0]
+                mine = "trainer" if pid in trainers or fields[1] in trainers else names[pid]
+                snapshot[pid] = (mine, int(fields[11]) + int(fields[12]))
+            for pid in trainers:
                 for task in glob.glob(f"/proc/{pid}/task/*"):
                     try:
                         with open(f"{task}/stat") as f:
@@ -66,30 +70,29 @@ class ThreadWatch:
             self.samples.append((time.time(), snapshot))
 
     def threads(self, start: float, end: float) -> dict:
-        """Between start and end: each trainer's threads and their cores used by name, and the
-        cores every other process used (the sampler, this process, left out)."""
+        """Between start and end: the trainer's threads and their cores by name, and the cores
+        every other process used (this one left out)."""
         self.done.set()
         self.thread.join()
         inside = [s for s in self.samples if start <= s[0] <= end]
+        found = {"trainer threads": 0, "trainer's threads' cores": [], "other processes": [],
+                 "other cores": float("nan")}
         if len(inside) < 2:
-            return {}
+            return found
         (t0, first), (t1, last) = inside[0], inside[-1]
-        by_pid = collections.defaultdict(lambda: collections.Counter())
-        counts = collections.Counter(key[0] for key in last if isinstance(key, tuple))
-        processes = collections.Counter()
+        threads, processes = collections.Counter(), collections.Counter()
         for key, (name, ticks) in last.items():
             used = (ticks - first.get(key, (name, ticks))[1]) / TICK / (t1 - t0)
-            if isinstance(key, str) and key not in counts and key != str(os.getpid()):
+            if isinstance(key, tuple):
+                threads[name] += used
+                found["trainer threads"] += 1
+            elif name != "trainer" and key != str(os.getpid()):
                 processes[name] += used
-        for (pid, tid), (name, ticks) in ((k, v) for k, v in last.items() if isinstance(k, tuple)):
-            used = ticks - first.get((pid, tid), (name, ticks))[1]
-            by_pid[pid][name] += used / TICK / (t1 - t0)
-        trainers = {pid: {"threads": counts[pid],
-                          "busy": [(n, round(s, 4)) for n, s in used.most_common() if s >= 0.002]}
-                    for pid, used in by_pid.items()}
-        return {"trainer": trainers, "other processes": [
-            (n, round(s, 4)) for n, s in processes.most_common() if s >= 0.002],
-            "other cores": sum(processes.values())}
+        return {**found, "other cores": sum(processes.values()),
+                "trainer's threads' cores": [(n, round(c, 4)) for n, c in threads.most_common()
+                                              if c >= 0.002],
+                "other processes": [(n, round(c, 4)) for n, c in processes.most_common()
+                                    if c >= 0.002]}
 
 
 def process_name(pid: str) -> str:
@@ -104,129 +107,152 @@ def process_name(pid: str) -> str:
     return " ".join([os.path.basename(w) for w in words[:3] if not w.startswith("-")][:2])
 
 
-# Ray's driver: ray_dp imported (so a worker's probe may find it), its console relay off if asked
-DRIVER = ("import contextlib, os, sys, ray_dp\n"
-          "if 'relay' in os.environ.get('RAY_TAX_WITHOUT', ''):\n"
-          "    ray_dp.relayed = lambda board: contextlib.nullcontext()\n"
-          "sys.exit(ray_dp.main(sys.argv[1:]))")
-
-
-def run(args, launcher, env=None):
-    """One ray_dp.py run, one worker of 2 threads, the probe on: result.json, its steady epochs'
-    parts, the trainer's threads and every process's CPU."""
+def run(args, launcher, env=None, threads=2):
+    """One ray_dp.py run as a user types it, one worker of `threads` threads: result.json, its
+    steady epochs' parts (probed runs), the trainer's threads and every process's CPU."""
     out = tempfile.mkdtemp(prefix="ray_tax_")
     probe = os.path.join(out, "site")
     os.makedirs(probe)
     shutil.copy(os.path.join(bench.REPO, "bench", "ray_tax_probe.py"), f"{probe}/sitecustomize.py")
-    common = ["--storage-path", out, "--name", "bench", "--logdir", os.path.join(out, "tb"), "--quiet"]
+    common = ["--storage-path", out, "--name", "bench", "--logdir", os.path.join(out, "tb"), "--quiet",
+              "--cpus-per-worker", str(threads)]
     if launcher == "torchrun":
-        command = [bench.TORCHRUN, "--nproc_per_node", "1", "ray_dp.py", *args, *common,
-                   "--cpus-per-worker", "2"]
+        command = [bench.TORCHRUN, "--nproc_per_node", "1", "ray_dp.py", *args, *common]
     else:
-        command = [bench.PYTHON, "-c", DRIVER, *args, *common, "--workers", "1", "--cpus-per-worker", "2"]
-    pythonpath = os.pathsep.join(filter(None, [probe, bench.REPO, os.environ.get("PYTHONPATH")]))
+        command = [bench.PYTHON, "ray_dp.py", *args, *common, "--workers", "1"]
+    env = {**os.environ, "RAY_TAX_OUT": out, **(env or {})}
+    probed = env["RAY_TAX_OUT"] != ""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [probe, os.environ.get("PYTHONPATH")]))
     watch = ThreadWatch(out)
-    done = subprocess.run(command, cwd=bench.REPO, capture_output=True, text=True,
-                          env={**os.environ, "RAY_TAX_OUT": out, "PYTHONPATH": pythonpath, **(env or {})})
+    done = subprocess.run(command, cwd=bench.REPO, capture_output=True, text=True, env=env)
     if done.returncode:
         sys.exit(f"ray_tax: {' '.join(command)} failed:\n{done.stderr[-2000:]}")
     with open(os.path.join(out, "bench", "result.json")) as f:
         result = json.load(f)
     epochs = result["epochs"]
     result.update(watch.threads(epochs[0]["ended_at"], epochs[-1]["ended_at"]))
-    steps = []
-    for log in glob.glob(os.path.join(out, "*.jsonl")):
+    steps, logs = [], glob.glob(os.path.join(out, "*.jsonl"))
+    if probed and len(logs) != 1:
+        sys.exit(f"ray_tax: the probe wrote {len(logs)} step logs, not 1: {' '.join(command)}")
+    for log in logs:
         with open(log) as f:
             steps += [json.loads(line) for line in f]
         with open(log.replace(".jsonl", ".settings.json")) as f:
             result["settings"] = json.load(f)
     shutil.rmtree(out, ignore_errors=True)
-    result["parts"] = [split(m, steps) for m in epochs[1:]]
+    result["parts"] = [split(m, before["ended_at"], steps, probed)
+                       for before, m in zip(epochs, epochs[1:])]
     return result
 
 
-def split(epoch: dict, steps: list) -> dict:
-    """An epoch's seconds in PARTS: the probe's steps that ended within it, its data waits."""
-    begun = epoch["ended_at"] - epoch["epoch_seconds"]
-    inside = [s for s in steps if begun <= s["t"] <= epoch["ended_at"]]
-    parts = {part: sum(s[part] for s in inside) for part in PARTS[:3]}
+def split(epoch: dict, since: float, steps: list, probed: bool) -> dict:
+    """An epoch's training seconds in PARTS (and gc, within them): the probe's steps that ended
+    after the last epoch's end (its evaluation included) and by this one's, its data waits."""
+    inside = [s for s in steps if since < s["t"] <= epoch["ended_at"]]
+    if probed and (not inside or abs(len(inside) - epoch["train_samples"] / BATCH) >= 1):
+        sys.exit(f"ray_tax: {len(inside)} steps probed in an epoch of {epoch['train_samples']} samples")
+    parts = {part: sum(s[part] for s in inside) for part in (*PARTS[:3], "gc")}
     parts["waits for data"] = epoch["data_seconds"]
-    parts["rest"] = epoch["epoch_seconds"] - sum(parts.values())
+    parts["rest"] = epoch["epoch_seconds"] - sum(parts[p] for p in PARTS[:4])
     return {"epoch": epoch["epoch_seconds"], "steps": len(inside), **parts}
 
 
-def medians(results: list) -> dict:
-    """The median over runs of each run's median steady epoch, in PARTS."""
-    return {key: statistics.median(statistics.median(p[key] for p in r["parts"]) for r in results)
-            for key in ("epoch", *PARTS)}
+def median_epoch(result: dict) -> dict:
+    return sorted(result["parts"], key=lambda p: p["epoch"])[(len(result["parts"]) - 1) // 2]
 
 
-MEMORY = ["--dataset", "synthetic", "--model", "resnet18", "--image-size", "32", "--batch-size", "64",
-          "--epochs", "3"]
+BATCH = 64
+MEMORY = ["--dataset", "synthetic", "--model", "resnet18", "--image-size", "32", "--batch-size",
+          str(BATCH), "--epochs", "3"]
 
 
 def folder_flags():
     return ["--dataset", "folder", "--data-dir", bench.mnist_folder(), "--model", "mobilenet_v3_small",
-            "--image-size", "224", "--loader-workers", "2", "--batch-size", "64", "--epochs", "2"]
+            "--image-size", "224", "--loader-workers", "2", "--batch-size", str(BATCH), "--epochs", "2"]
 
 
 # name: (what it is, launcher, extra flags, environment)
 CONTENDERS = {
     "torchrun": ("torchrun", "torchrun", [], {}),
     "ray": ("Ray, as ray_dp runs it", "ray", [], {}),
-    "no-heartbeat": ("Ray, rank 0's heartbeat thread off", "ray", [], {"RAY_TAX_WITHOUT": "heartbeat"}),
-    "no-relay": ("Ray, the driver's console relay off", "ray", [], {"RAY_TAX_WITHOUT": "relay"}),
-    "no-replica-checks": ("Ray, replica checks off", "ray", ["--check-replicas", "off"], {}),
-    "no-allocator-setting": ("Ray, the allocator setting off", "ray", ["--no-keep-freed-memory"], {}),
+    "torchrun-unprobed": ("torchrun, no probe", "torchrun", [], {"RAY_TAX_OUT": ""}),
+    "ray-unprobed": ("Ray, no probe", "ray", [], {"RAY_TAX_OUT": ""}),
+    "no-heartbeat": ("Ray, rank 0's heartbeat thread off", "ray", [],
+                     {"RAY_TAX_WITHOUT": "ray-dp heartbeat"}),
+    "no-relay": ("Ray, the driver's console relay off", "ray", [], {"RAY_TAX_WITHOUT": "ray-dp console"}),
+    "no-watchdog": ("Ray, the watchdog thread off", "ray", [], {"RAY_TAX_WITHOUT": "ray-dp watchdog"}),
+    "arenas": ("Ray, glibc's default arenas (not ray_dp's MALLOC_ARENA_MAX=1)", "ray", [],
+               {"MALLOC_ARENA_MAX": "16"}),
     "no-ray-metrics": ("Ray, Ray's and Ray Train's metrics off", "ray", [],
                        {"RAY_enable_metrics_collection": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}),
     "polls-2s": ("Ray, Train's controller polling every 2 s (ray_dp: 0.2 s)", "ray", [],
                  {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}),
     "nice-0": ("Ray, its workers at nice 0 (Ray's: 15)", "ray", [], {"RAY_worker_niceness": "0"}),
 }
+# name: (title, flags, the worker's threads, contenders by default)
 CASES = {"memory": ("in memory: the lessons' ResNet-18, 512 random 32 x 32 images, batch 64, 8 steps "
-                    "an epoch, 3 epochs", lambda: MEMORY),
+                    "an epoch, 3 epochs; one worker of 2 threads", lambda: MEMORY, 2, ",".join(CONTENDERS)),
          "folder": ("image folder: 4,000 MNIST digits as PNG (bench/bench.py's), mobilenet_v3_small at "
-                    "224 px, batch 64, 2 loader processes, 62 steps an epoch, 2 epochs", folder_flags)}
+                    "224 px, batch 64, 2 loader processes, 62 steps an epoch, 2 epochs; one worker of 2 "
+                    "threads", folder_flags, 2, "torchrun,ray"),
+         "spare-core": ("a core to spare: the in-memory ResNet-18 on one worker of 1 thread, the other "
+                        "core left to the launchers' own processes", lambda: MEMORY, 1, "torchrun,ray")}
+
+
+def rotated(contenders: dict, rounds: int) -> dict:
+    """{name: [result, ...]}: every contender once a round, each round's order turned by one."""
+    results, names = {name: [] for name in contenders}, list(contenders)
+    for turn in range(rounds):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            print(f"  round {turn + 1}: {name} ...", flush=True)
+            results[name].append(contenders[name]())
+    return results
 
 
 def summarized(runs: dict) -> dict:
-    """Each contender's medians, its ratio to torchrun (the median of each round's), its threads."""
-    base = runs["torchrun"]
+    """Each contender's median run (by its median steady epoch) and that epoch's parts; its ratio
+    to torchrun's, the median of each round's; the trainer's threads and settings in that run."""
+    base = [median_epoch(r)["epoch"] for r in runs["torchrun"]]
     figures = {}
     for name, results in runs.items():
-        epochs = [statistics.median(p["epoch"] for p in r["parts"]) for r in results]
-        rounds = [e / statistics.median(p["epoch"] for p in b["parts"]) for e, b in zip(epochs, base)]
+        epochs = [median_epoch(r)["epoch"] for r in results]
+        middle = results[epochs.index(statistics.median_low(epochs))]
+        rounds = [e / b for e, b in zip(epochs, base)]
         figures[name] = {
-            "parts": medians(results), "ratio to torchrun": statistics.median(rounds),
+            "parts": median_epoch(middle), "ratio to torchrun": statistics.median(rounds),
             "rounds' ratios": rounds, "epochs": epochs,
-            "other cores": statistics.median(r["other cores"] for r in results),
-            "other processes": results[-1]["other processes"], "trainer": results[-1]["trainer"],
-            "settings": results[-1]["settings"]}
+            **{key: middle[key] for key in ("other cores", "other processes", "trainer threads",
+                                            "trainer's threads' cores")},
+            "settings": middle.get("settings", {})}
     return figures
 
 
 def markdown(report: dict) -> list:
     lines = []
-    for case, figures in report["cases"].items():
-        lines += ["", f"## {CASES[case][0]}", "", "Seconds of a steady epoch (medians), split by the "
-                  "probe; other processes: the cores every process but the trainer used meanwhile.", "",
-                  "| contender | s/epoch | / torchrun (rounds) | " + " | ".join(PARTS) +
-                  " | other processes, cores |", "|---" * (len(PARTS) + 4) + "|"]
+    for case, run_of in report["cases"].items():
+        figures = run_of["figures"]
+        lines += ["", f"## {CASES[case][0]}", "", f"`{run_of['command']}`, {run_of['minutes']:.0f} "
+                  "minutes. The median run's median steady epoch, in seconds, split by the probe (gc: "
+                  "the garbage collections within the parts); other processes: the cores every "
+                  "process but the trainer (and its loader processes) used during the steady "
+                  "epochs; nice: the trainer's.", "",
+                  "| contender | s/epoch | / torchrun (each round) | " + " | ".join(PARTS) +
+                  " | gc | other processes, cores | nice |", "|---" * (len(PARTS) + 6) + "|"]
         for name, f in figures.items():
+            parts = f["parts"]
+            split_ = [f"{parts[p]:.2f}" if "steps" in parts and parts["steps"] else "" for p in
+                      (*PARTS, "gc")]
             rounds = ", ".join(f"{r:.3f}" for r in f["rounds' ratios"])
-            lines.append(f"| {CONTENDERS[name][0]} | {f['parts']['epoch']:.2f} | "
-                         f"**{f['ratio to torchrun']:.3f}** ({rounds}) | " +
-                         " | ".join(f"{f['parts'][p]:.2f}" for p in PARTS) +
-                         f" | {f['other cores']:.3f} |")
+            lines.append(f"| {CONTENDERS[name][0]} | {parts['epoch']:.2f} | "
+                         f"**{f['ratio to torchrun']:.3f}** ({rounds}) | " + " | ".join(split_) +
+                         f" | {f['other cores']:.3f} | {f['settings'].get('nice', '')} |")
         for name in ("torchrun", "ray"):
             f = figures[name]
-            for pid, trainer in f["trainer"].items():
-                busy = ", ".join(f"{n} {c:.3f}" for n, c in trainer["busy"])
-                lines += ["", f"{CONTENDERS[name][0]}: the trainer runs {trainer['threads']} threads; "
-                          f"cores used by name: {busy}"]
+            busy = ", ".join(f"{n} {c:.3f}" for n, c in f["trainer's threads' cores"])
             others = ", ".join(f"{n} {c:.3f}" for n, c in f["other processes"])
-            lines += ["", f"{CONTENDERS[name][0]}: other processes' cores: {others or 'none'}"]
+            lines += ["", f"{CONTENDERS[name][0]}: the trainer runs {f['trainer threads']} threads; "
+                      f"cores used by its threads, by name: {busy}. Other processes' cores: "
+                      f"{others or 'none'}."]
         settings = {name: figures[name]["settings"] for name in ("torchrun", "ray")}
         lines += ["", "| setting the trainer sees | torchrun | Ray |", "|---|---|---|"]
         lines += [f"| {key} | {settings['torchrun'].get(key)} | {settings['ray'].get(key)} |"
@@ -238,27 +264,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="runs per contender (default: 3)")
     parser.add_argument("--cases", default="memory,folder", help="of: " + ", ".join(CASES))
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help="of: " + ", ".join(CONTENDERS) + " (torchrun always runs)")
-    parser.add_argument("--folder-contenders", default="torchrun,ray")
+    parser.add_argument("--contenders", help="of: " + ", ".join(CONTENDERS) + " (torchrun always "
+                        "runs; default: all in memory, torchrun and ray otherwise)")
+    parser.add_argument("--rewrite", action="store_true", help="only bench/ray_tax.md, from the json")
     args = parser.parse_args()
-    started = time.time()
-    report = {"machine": bench.machine(), "command": " ".join(["python bench/ray_tax.py", *sys.argv[1:]]),
-              "cases": {}}
-    for case in args.cases.split(","):
-        flags = CASES[case][1]()
-        chosen = args.folder_contenders if case == "folder" else args.contenders
-        names = ["torchrun", *(n for n in chosen.split(",") if n != "torchrun")]
-        contenders = {name: (lambda c=CONTENDERS[name]: run([*flags, *c[2]], c[1], c[3]))
+    command = " ".join(["python bench/ray_tax.py", *sys.argv[1:]])
+    path = os.path.join(bench.REPO, "bench", "ray_tax.json")
+    report = {"machine": bench.machine(), "cases": {}}
+    if os.path.exists(path):  # the other cases' last figures stay
+        with open(path) as f:
+            report["cases"] = json.load(f)["cases"]
+    for case in [] if args.rewrite else args.cases.split(","):
+        _, flags, threads, chosen = CASES[case]
+        names = ["torchrun", *(n for n in (args.contenders or chosen).split(",") if n != "torchrun")]
+        contenders = {name: (lambda c=CONTENDERS[name]: run([*flags(), *c[2]], c[1], c[3], threads))
                       for name in names}
-        report["cases"][case] = summarized(bench.interleave(contenders, args.rounds))
-        print(f"{case}: " + ", ".join(f"{n} {f['ratio to torchrun']:.3f}"
-                                      for n, f in report["cases"][case].items()), flush=True)
-    report["minutes"] = (time.time() - started) / 60
-    with open(os.path.join(bench.REPO, "bench", "ray_tax.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    lines = [f"# ray-dp: Ray against torchrun (`{report['command']}`, {report['minutes']:.0f} minutes)",
-             "", f"Machine: {report['machine']}", "", " ".join(__doc__.split("\n\n")[2].split()),
+        started = time.time()
+        figures = summarized(rotated(contenders, args.rounds))
+        report["cases"][case] = {"command": command, "minutes": (time.time() - started) / 60,
+                                 "figures": figures}
+        print(f"{case}: " + ", ".join(f"{n} {f['ratio to torchrun']:.3f}" for n, f in figures.items()),
+              flush=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+    lines = ["# ray-dp: Ray against torchrun", "", f"Machine: {report['machine']}", "",
+             " ".join(__doc__.split("\n\n")[2].split()), "",
+             "The rest: the loss, moving a batch, seeding its dropout, the step's agreement, zero_grad, "
+             "the schedule. Replica checks compare workers' replicas: with one worker there are none.",
              *markdown(report)]
     with open(os.path.join(bench.REPO, "bench", "ray_tax.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

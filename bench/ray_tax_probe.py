@@ -1,13 +1,13 @@
 """bench/ray_tax.py's probe, imported as `sitecustomize` by ray_dp's training processes.
 
 Once torch is imported it times every training step's parts with torch's public hooks (the model's
-forward, autograd's backward, the optimizer's step) and, at each optimizer step, appends
-{t, forward, backward, optimizer} to $RAY_TAX_OUT/<pid>.jsonl; at the first, it writes the thread,
-affinity and allocator settings this process trains with to $RAY_TAX_OUT/<pid>.settings.json.
-With RAY_TAX_WITHOUT=heartbeat, a Ray worker's ray_dp beats to the driver only at an epoch's end.
+forward, autograd's backward, the optimizer's step) and Python's garbage collections (gc.callbacks),
+and at each optimizer step appends {t, forward, backward, optimizer, gc} to $RAY_TAX_OUT/<pid>.jsonl;
+at the first, it writes the thread, affinity and allocator settings this process trains with to
+$RAY_TAX_OUT/<pid>.settings.json. RAY_TAX_WITHOUT names ray_dp's threads ("ray-dp heartbeat",
+"ray-dp console", "ray-dp watchdog") that start, in any process, as threads that end at once.
 """
-import importlib.abc
-import importlib.machinery
+import gc
 import json
 import os
 import sys
@@ -24,7 +24,14 @@ def install():
     import torch.nn.modules.module as module_hooks
     import torch.optim.optimizer as optimizer_hooks
 
-    clock, part = time.perf_counter, {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    clock, part = time.perf_counter, {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "gc": 0.0}
+    collecting = [0.0]
+
+    def collection(phase, info):
+        if phase == "start":
+            collecting[0] = clock()
+        else:
+            part["gc"] += clock() - collecting[0]
     depth, started, log = [0], [0.0], []
 
     def before_forward(module, args):
@@ -55,20 +62,23 @@ def install():
             write_settings(torch)
             log.append(open(os.path.join(OUT, f"{os.getpid()}.jsonl"), "a", buffering=1))
         log[0].write(json.dumps({"t": time.time(), **part}) + "\n")
-        part.update(forward=0.0, backward=0.0, optimizer=0.0)
+        part.update(forward=0.0, backward=0.0, optimizer=0.0, gc=0.0)
 
     module_hooks.register_module_forward_pre_hook(before_forward)
     module_hooks.register_module_forward_hook(after_forward)
     torch.autograd.backward = timed_backward
     optimizer_hooks.register_optimizer_step_pre_hook(before_step)
     optimizer_hooks.register_optimizer_step_post_hook(after_step)
+    gc.callbacks.append(collection)
 
 
 def write_settings(torch):
     thread = threading.current_thread()
     settings = {
         "loop thread": "main" if thread is threading.main_thread() else f"not main ({thread.name})",
-        "threads in the process": threading.active_count(),
+        "Python threads in the process": threading.active_count(),
+        "objects gc.freeze() left out of collections": gc.get_freeze_count(),
+        "objects collections traverse": len(gc.get_objects()),
         "torch threads": torch.get_num_threads(), "torch interop threads": torch.get_num_interop_threads(),
         "cores it may run on": sorted(os.sched_getaffinity(0)), "nice": os.nice(0),
         "scheduling policy": os.sched_getscheduler(0), "GIL switch interval s": sys.getswitchinterval(),
@@ -78,29 +88,35 @@ def write_settings(torch):
         json.dump(settings, f, indent=1)
 
 
-def without_heartbeat(ray_dp):
-    if "heartbeat" in os.environ.get("RAY_TAX_WITHOUT", ""):
-        ray_dp.DriverLink.BEAT_S = 1e9
+def thread_start(start):
+    """Thread.start; a thread RAY_TAX_WITHOUT names ends at once."""
+    without = os.environ.get("RAY_TAX_WITHOUT", "").split(",")
+
+    def started(thread):
+        if thread.name in without:
+            thread._target = lambda *args, **kwargs: None
+        return start(thread)
+    return started
 
 
-class AfterImport(importlib.abc.MetaPathFinder):
-    """Runs AFTER[name](module) once that module's own import has finished."""
-    AFTER = {"torch": lambda module: install(), "ray_dp": without_heartbeat}
+class AfterTorch:
+    """Runs install() once torch's own import has finished."""
 
     def find_spec(self, name, path, target=None):
-        if name not in self.AFTER:
+        if name != "torch":
             return None
+        import importlib.machinery
+        sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None:
-            return None
         exec_module = spec.loader.exec_module
 
-        def exec_then(module):
+        def exec_then_install(module):
             exec_module(module)
-            self.AFTER.pop(name)(module)
-        spec.loader.exec_module = exec_then
+            install()
+        spec.loader.exec_module = exec_then_install
         return spec
 
 
 if OUT and ("ray_dp.py" in sys.argv[0] or sys.argv[0].endswith("default_worker.py")):
-    sys.meta_path.insert(0, AfterImport())
+    sys.meta_path.insert(0, AfterTorch())
+    threading.Thread.start = thread_start(threading.Thread.start)
