@@ -1820,8 +1820,9 @@ def keep_freed_memory() -> None:
 
 
 def worker_env(cfg: Config) -> dict:
-    """Unless the user set them: torch's flight recorder; one glibc arena (a thread's mmaps)."""
-    env = {"TORCH_FR_BUFFER_SIZE": "2000"}
+    """Unless the user set them: torch's flight recorder; one glibc arena (a thread's mmaps); the
+    trainers at nice 0 as under torchrun, not Ray workers' 15 (bench/ray_tax.md)."""
+    env = {"TORCH_FR_BUFFER_SIZE": "2000", "RAY_worker_niceness": "0"}
     if cfg.keep_freed_memory and not any(name in os.environ for name in MALLOC_SETTINGS):
         env["MALLOC_ARENA_MAX"] = "1"
     return {"env_vars": {name: value for name, value in env.items() if name not in os.environ}}

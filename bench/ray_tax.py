@@ -58,15 +58,17 @@ class ThreadWatch:
                 mine = "trainer" if pid in trainers or fields[1] in trainers else names[pid]
                 snapshot[pid] = (mine, int(fields[11]) + int(fields[12]))
             for pid in trainers:
+                loop = loop_thread(self.out, pid)
                 for task in glob.glob(f"/proc/{pid}/task/*"):
                     try:
                         with open(f"{task}/stat") as f:
                             head, fields = f.read().rsplit(")", 1)
                     except OSError:
                         continue
-                    fields = fields.split()
-                    snapshot[(pid, os.path.basename(task))] = (
-                        head.split("(", 1)[1], int(fields[11]) + int(fields[12]))
+                    fields, tid = fields.split(), os.path.basename(task)
+                    name = ("the loop's thread" if tid == loop else "main thread" if tid == pid
+                            else head.split("(", 1)[1])
+                    snapshot[(pid, tid)] = (name, int(fields[11]) + int(fields[12]))
             self.samples.append((time.time(), snapshot))
 
     def threads(self, start: float, end: float) -> dict:
@@ -88,11 +90,22 @@ class ThreadWatch:
                 found["trainer threads"] += 1
             elif name != "trainer" and key != str(os.getpid()):
                 processes[name] += used
+        if not found["trainer threads"]:  # an unprobed run: which process trains is not known
+            return found
         return {**found, "other cores": sum(processes.values()),
                 "trainer's threads' cores": [(n, round(c, 4)) for n, c in threads.most_common()
                                               if c >= 0.002],
                 "other processes": [(n, round(c, 4)) for n, c in processes.most_common()
                                     if c >= 0.002]}
+
+
+def loop_thread(out: str, pid: str) -> str:
+    """The id of the thread that trains in process pid, as its probe wrote it."""
+    try:
+        with open(os.path.join(out, f"{pid}.settings.json")) as f:
+            return str(json.load(f)["loop thread id"])
+    except (OSError, ValueError, KeyError):
+        return ""
 
 
 def process_name(pid: str) -> str:
@@ -229,9 +242,10 @@ def summarized(runs: dict) -> dict:
 
 def markdown(report: dict) -> list:
     lines = []
-    for case, run_of in report["cases"].items():
-        figures = run_of["figures"]
-        lines += ["", f"## {CASES[case][0]}", "", f"`{run_of['command']}`, {run_of['minutes']:.0f} "
+    for label, run_of in report["cases"].items():
+        figures, case = run_of["figures"], run_of.get("case", label)
+        title = CASES[case][0] + (f" ({label})" if label != case else "")
+        lines += ["", f"## {title}", "", f"`{run_of['command']}`, {run_of['minutes']:.0f} "
                   "minutes. The median run's median steady epoch, in seconds, split by the probe (gc: "
                   "the garbage collections within the parts); other processes: the cores every "
                   "process but the trainer (and its loader processes) used during the steady "
@@ -245,7 +259,8 @@ def markdown(report: dict) -> list:
             rounds = ", ".join(f"{r:.3f}" for r in f["rounds' ratios"])
             lines.append(f"| {CONTENDERS[name][0]} | {parts['epoch']:.2f} | "
                          f"**{f['ratio to torchrun']:.3f}** ({rounds}) | " + " | ".join(split_) +
-                         f" | {f['other cores']:.3f} | {f['settings'].get('nice', '')} |")
+                         f" | {f['other cores']:.3f} | {f['settings'].get('nice', '')} |".replace(
+                             " nan |", "  |"))
         for name in ("torchrun", "ray"):
             f = figures[name]
             busy = ", ".join(f"{n} {c:.3f}" for n, c in f["trainer's threads' cores"])
@@ -266,6 +281,7 @@ def main():
     parser.add_argument("--cases", default="memory,folder", help="of: " + ", ".join(CASES))
     parser.add_argument("--contenders", help="of: " + ", ".join(CONTENDERS) + " (torchrun always "
                         "runs; default: all in memory, torchrun and ray otherwise)")
+    parser.add_argument("--as", dest="label", help="keep the figures under this name, beside the case's")
     parser.add_argument("--rewrite", action="store_true", help="only bench/ray_tax.md, from the json")
     args = parser.parse_args()
     command = " ".join(["python bench/ray_tax.py", *sys.argv[1:]])
@@ -281,8 +297,9 @@ def main():
                       for name in names}
         started = time.time()
         figures = summarized(rotated(contenders, args.rounds))
-        report["cases"][case] = {"command": command, "minutes": (time.time() - started) / 60,
-                                 "figures": figures}
+        report["cases"][args.label or case] = {
+            "case": case, "command": command, "minutes": (time.time() - started) / 60,
+            "figures": figures}
         print(f"{case}: " + ", ".join(f"{n} {f['ratio to torchrun']:.3f}" for n, f in figures.items()),
               flush=True)
         with open(path, "w") as f:

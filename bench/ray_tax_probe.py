@@ -76,6 +76,7 @@ def write_settings(torch):
     thread = threading.current_thread()
     settings = {
         "loop thread": "main" if thread is threading.main_thread() else f"not main ({thread.name})",
+        "loop thread id": threading.get_native_id(),
         "Python threads in the process": threading.active_count(),
         "objects gc.freeze() left out of collections": gc.get_freeze_count(),
         "objects collections traverse": len(gc.get_objects()),

@@ -163,7 +163,8 @@ def test_every_worker_loop_keeps_freed_memory(monkeypatch):
 
 def test_rays_training_workers_share_one_arena_unless_told_otherwise(monkeypatch):
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
-    recorder = {"TORCH_FR_BUFFER_SIZE": "2000"}  # the flight recorder of their collectives (hang records)
+    # the flight recorder of their collectives (hang records); nice 0 (the next test)
+    recorder = {"TORCH_FR_BUFFER_SIZE": "2000", "RAY_worker_niceness": "0"}
     assert ray_dp.worker_env(ray_dp.Config()) == {"env_vars": {**recorder, "MALLOC_ARENA_MAX": "1"}}
     assert ray_dp.worker_env(ray_dp.Config(keep_freed_memory=False)) == {"env_vars": recorder}
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # the user's own
@@ -193,3 +194,15 @@ def test_the_teaching_modes_convolutions_are_nhwc_as_ddps_lenet_on_a_cpu():
     assert len(weights) == 2 and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
     assert not weights[1].is_contiguous()  # 6 input channels: NHWC's strides only (1 channel: both layouts')
     assert all(p.requires_grad for p in params)
+
+
+@pytest.mark.ray
+def test_rays_training_workers_run_at_nice_0_as_torchrun_s_while_rays_other_workers_keep_15(ray_cluster):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def niceness():
+        return os.nice(0)
+    trainer = niceness.options(runtime_env=ray_dp.worker_env(ray_dp.Config()))
+    assert ray.get([trainer.remote(), niceness.remote()]) == [os.nice(0), os.nice(0) + 15]
+
