@@ -120,6 +120,11 @@ def process_name(pid: str) -> str:
     return " ".join([os.path.basename(w) for w in words[:3] if not w.startswith("-")][:2])
 
 
+# a load of argv[1] of a core: 1 ms of computing every 1 / argv[1] ms
+LOAD = ("import sys, time\nshare = float(sys.argv[1])\nwhile True:\n    end = time.perf_counter() + 0.001\n"
+        "    while time.perf_counter() < end:\n        pass\n    time.sleep(0.001 / share - 0.001)")
+
+
 def run(args, launcher, env=None, threads=2):
     """One ray_dp.py run as a user types it, one worker of `threads` threads: result.json, its
     steady epochs' parts (probed runs), the trainer's threads and every process's CPU."""
@@ -137,7 +142,10 @@ def run(args, launcher, env=None, threads=2):
     probed = env["RAY_TAX_OUT"] != ""
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [probe, os.environ.get("PYTHONPATH")]))
     watch = ThreadWatch(out)
+    load = subprocess.Popen([bench.PYTHON, "-c", LOAD, env["RAY_TAX_LOAD"]]) if "RAY_TAX_LOAD" in env else None
     done = subprocess.run(command, cwd=bench.REPO, capture_output=True, text=True, env=env)
+    if load is not None:
+        load.kill()
     if done.returncode:
         sys.exit(f"ray_tax: {' '.join(command)} failed:\n{done.stderr[-2000:]}")
     with open(os.path.join(out, "bench", "result.json")) as f:
@@ -201,6 +209,8 @@ CONTENDERS = {
     "polls-2s": ("Ray, Train's controller polling every 2 s (ray_dp: 0.2 s)", "ray", [],
                  {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}),
     "nice-0": ("Ray, its workers at nice 0 (Ray's: 15)", "ray", [], {"RAY_worker_niceness": "0"}),
+    "torchrun-beside-load": ("torchrun beside 0.1 of a core in 1 ms bursts (as Ray's processes use)",
+                             "torchrun", [], {"RAY_TAX_LOAD": "0.1"}),
 }
 # name: (title, flags, the worker's threads, contenders by default)
 CASES = {"memory": ("in memory: the lessons' ResNet-18, 512 random 32 x 32 images, batch 64, 8 steps "
