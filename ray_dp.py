@@ -1821,11 +1821,12 @@ def keep_freed_memory() -> None:
 
 def worker_env(cfg: Config) -> dict:
     """Unless the user set them: torch's flight recorder; one glibc arena (a thread's mmaps); the
-    trainers at nice 0 as under torchrun, not Ray workers' 15 (bench/ray_tax.md)."""
-    env = {"TORCH_FR_BUFFER_SIZE": "2000", "RAY_worker_niceness": "0"}
+    trainers at nice 0 as under torchrun, not Ray workers' 15 (bench/ray_tax.md), or the user's."""
+    env = {"TORCH_FR_BUFFER_SIZE": "2000"}
     if cfg.keep_freed_memory and not any(name in os.environ for name in MALLOC_SETTINGS):
         env["MALLOC_ARENA_MAX"] = "1"
-    return {"env_vars": {name: value for name, value in env.items() if name not in os.environ}}
+    return {"env_vars": {**{name: value for name, value in env.items() if name not in os.environ},
+                         "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}}
 
 
 # ==================================================================================================
@@ -4560,7 +4561,7 @@ def relayed(board):
         stopping = False
         while not stopping:  # a last take begun once the run ended
             stopping = done.wait(0.5)
-            if (taken := ask_board(board, "take", timeout=10)):
+            if (taken := ask_board(board, "take", timeout=2 if stopping else 10)):
                 for line in taken[0]:
                     bar.write(line)
                 bar.show(taken[1])

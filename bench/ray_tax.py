@@ -208,7 +208,7 @@ CONTENDERS = {
                        {"RAY_enable_metrics_collection": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}),
     "polls-2s": ("Ray, Train's controller polling every 2 s (ray_dp: 0.2 s)", "ray", [],
                  {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}),
-    "nice-0": ("Ray, its workers at nice 0 (Ray's: 15)", "ray", [], {"RAY_worker_niceness": "0"}),
+    "nice-0": ("Ray, every Ray worker at nice 0 (Ray's: 15)", "ray", [], {"RAY_worker_niceness": "0"}),
     "torchrun-beside-load": ("torchrun beside 0.1 of a core in 1 ms bursts (as Ray's processes use)",
                              "torchrun", [], {"RAY_TAX_LOAD": "0.1"}),
 }
@@ -317,7 +317,9 @@ def main():
     lines = ["# ray-dp: Ray against torchrun", "", f"Machine: {report['machine']}", "",
              " ".join(__doc__.split("\n\n")[2].split()), "",
              "The rest: the loss, moving a batch, seeding its dropout, the step's agreement, zero_grad, "
-             "the schedule. Replica checks compare workers' replicas: with one worker there are none.",
+             "the schedule. Replica checks compare workers' replicas: with one worker there are none. "
+             "memory-before was measured with ray_dp before its trainers ran at nice 0 (its Ray rows at "
+             "Ray's 15, its command as it ran); the other cases with the trainers at 0.",
              *markdown(report)]
     with open(os.path.join(bench.REPO, "bench", "ray_tax.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
