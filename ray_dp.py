@@ -4553,8 +4553,8 @@ class Bar:
 
 @contextlib.contextmanager
 def relayed(board):
-    """A thread of the driver's that prints what the Board holds, twice a second (as often as
-    the bar may change: bench/ray_tax.md)."""
+    """A thread of the driver's that prints what the Board holds, twice a second: as often as
+    rank 0 sends the bar (Console.progress)."""
     bar, done = Bar(), threading.Event()
 
     def relay() -> None:
